@@ -1,0 +1,42 @@
+"""megappo: KL-regularized PPO for large language models on megatron-core."""
+from setuptools import find_packages, setup
+
+# torch is pinned by the user (CPU: `pip install torch==2.13.0` first); the range only admits releases we test.
+INSTALL_REQUIRES = [
+    "torch>=2.6,<2.15",
+    "megatron-core>=0.16.1,<0.20; python_version>='3.12'",
+    "megatron-core==0.16.1; python_version<'3.12'",
+    "numpy>=1.26",
+    "packaging",
+    "transformers>=4.51,<6",
+    "safetensors>=0.4",
+    "tokenizers>=0.20",
+    "pyarrow>=15",
+    "tensorboard>=2.15",
+    "omegaconf>=2.3,<2.5",
+    "PyYAML>=6",
+    "ray[default]>=2.40,<3",
+    "tqdm>=4.60",
+    "psutil>=5.9",  # megatron dist_checkpointing save needs it but does not declare it
+]
+
+EXTRAS = {
+    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    # GPU-only extras: never imported unless present.
+    "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
+    "sglang": ["sglang>=0.5.23"],
+}
+
+setup(
+    name="megappo",
+    version="0.1.0",
+    description="KL-regularized PPO for LLMs on megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megappo", "megappo.*"]),
+    package_data={"megappo": ["recipes/*.yaml"]},
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megappo=megappo.cli:main"]},
+)
