@@ -1,0 +1,376 @@
+"""Building a `MegappoConfig`: defaults, then a YAML recipe, then dotted command-line overrides.
+
+    cfg = load_config("recipes/gsm8k_tiny_cpu.yaml", ["actor_rollout_ref.actor.use_kl_loss=true"])
+
+Every problem in every source is collected and raised as one `ConfigError`: an unknown key names the closest
+valid key, a wrong value names the key and the expected type. `${a.b.c}` references to other keys are resolved
+after merging, then `resolve` fills the derived defaults (the one place they live).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import yaml
+
+from megappo.config.fields import (
+    CoerceError,
+    ConfigError,
+    accepts_str,
+    all_keys,
+    allows_none,
+    coerce,
+    field_names,
+    hints,
+    is_group,
+    is_mapping_type,
+    iter_leaves,
+    type_name,
+)
+from megappo.config.schema import MegappoConfig
+
+# Where `--config NAME` looks when NAME is not a file: the repository's recipes/ folder.
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+_NULLS = {"null", "~", "None", "none"}
+# Short names megatron, slime and NeMo-RL users type for the megatron keys.
+_ABBREVIATIONS = {
+    "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "cp": "context_parallel_size",
+    "vpp": "virtual_pipeline_model_parallel_size", "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size", "sp": "sequence_parallel",
+    # verl's older optimiser names
+    "warmup_style": "lr_scheduler", "lr_decay_style": "lr_scheduler",
+}
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+_REF = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+
+
+def load_config(
+    recipe: Union[str, Path, Mapping, None] = None, overrides: Sequence[str] = ()
+) -> MegappoConfig:
+    """Defaults <- recipe (a YAML path, a recipe name under recipes/, or a mapping) <- `key=value` overrides."""
+    cfg = MegappoConfig()
+    errors: list[str] = []
+    if recipe is not None:
+        if isinstance(recipe, Mapping):
+            data, source = recipe, "the given mapping"
+        else:
+            path = find_recipe(recipe)
+            data, source = read_recipe(path), str(path)
+        for key, value in data.items():
+            _set(cfg, str(key), value, source, errors, cli=False)
+    for override in overrides:
+        key, value = _split_override(override, errors)
+        if key is not None:
+            _set(cfg, key, value, "command line", errors, cli=True)
+    if not errors:
+        _interpolate(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    return resolve(cfg)
+
+
+def from_dict(data: Mapping) -> MegappoConfig:
+    """Rebuild a config saved with `to_dict` / `to_yaml` (e.g. from a checkpoint)."""
+    return load_config(data)
+
+
+def to_dict(cfg: MegappoConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for the tree, flow style for lists of scalars ([0.9, 0.999]): reads like a recipe."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
+    flat = all(not isinstance(v, (list, dict)) for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def to_yaml(cfg: MegappoConfig) -> str:
+    """The resolved tree as YAML; it loads back with `load_config(path)` to the same config."""
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def find_recipe(recipe: Union[str, Path]) -> Path:
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (RECIPES_DIR / path.name, RECIPES_DIR / f"{path.name}.yaml"):
+        if not path.parent.parts and candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
+    hint = f"; bundled recipes: {', '.join(known)}" if known else ""
+    raise ConfigError([f"--config: recipe file '{recipe}' not found; pass a YAML path{hint}"])
+
+
+def read_recipe(path: Path) -> Mapping:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"{path}: a recipe must be a mapping of keys to values, got {type(data).__name__}"])
+    if "defaults" in data:
+        raise ConfigError([
+            f"{path}: 'defaults:' is a Hydra list; megappo recipes only override the built-in defaults, so "
+            "remove it and keep just the keys you change"
+        ])
+    return data
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# merging
+# ------------------------------------------------------------------------------------------------------------------
+def _split_override(text: str, errors: list[str]) -> tuple[Optional[str], Optional[str]]:
+    key, sep, value = text.partition("=")
+    key = key.strip().lstrip("+")  # Hydra's +key= / ++key= mean "add"; every key exists here already
+    if not sep or not key:
+        errors.append(f"override '{text}': expected key=value, e.g. actor_rollout_ref.actor.optim.lr=1e-6")
+        return None, None
+    if key.startswith("~"):
+        errors.append(f"override '{text}': keys cannot be deleted; set the value instead (null where allowed)")
+        return None, None
+    return key, value
+
+
+def _set(cfg: MegappoConfig, key: str, value: Any, source: str, errors: list[str], *, cli: bool) -> None:
+    """Set a dotted `key` (a group takes a mapping) on the tree, appending any problem to `errors`."""
+    node: Any = cfg
+    parts = key.split(".")
+    for i, name in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        if name not in field_names(type(node)):
+            errors.append(_unknown_key(key, i, type(node), source))
+            return
+        tp = hints(type(node))[name]
+        rest = parts[i + 1:]
+        if is_group(tp):
+            if rest:
+                node = getattr(node, name)
+                continue
+            if isinstance(value, Mapping):
+                for k, v in value.items():
+                    _set(cfg, f"{path}.{k}", v, source, errors, cli=cli)
+            else:
+                first = field_names(tp)[0]
+                errors.append(f"{path} is a group of settings, not a value ({source}); set its keys, e.g. "
+                              f"{path}.{first}=...")
+            return
+        if is_mapping_type(tp):
+            _set_mapping(node, name, rest, value, path, source, errors, cli=cli)
+            return
+        if rest:
+            errors.append(f"unknown key '{key}' ({source}): {path} is {type_name(tp)} and has no sub-keys; "
+                          f"set it as {path}=VALUE")
+            return
+        try:
+            new = coerce(_parse_cli(value, tp) if cli else value, tp, allow_interpolation=True)
+        except CoerceError as e:
+            errors.append(f"{path}: expected {e}, got {value!r} ({source})")
+            return
+        setattr(node, name, new)
+        return
+
+
+def _set_mapping(node: Any, name: str, rest: list[str], value: Any, path: str, source: str, errors: list[str],
+                 *, cli: bool) -> None:
+    """Free-form mappings (engine_kwargs, override_config) take any nested keys; a mapping value merges in."""
+    if cli:
+        value = _parse_yaml_value(value)
+    if not rest and value is None:
+        setattr(node, name, {})
+        return
+    if not rest and not isinstance(value, Mapping):
+        errors.append(f"{path}: expected a mapping, got {value!r} ({source}); set one key with {path}.KEY=VALUE "
+                      f"or all with {path}={{key: value}}")
+        return
+    target = dict(getattr(node, name))
+    inner = target
+    for part in rest[:-1]:
+        child = inner.get(part)
+        inner[part] = child = dict(child) if isinstance(child, dict) else {}
+        inner = child
+    if rest:
+        inner[rest[-1]] = value
+    else:
+        target.update(value)
+    setattr(node, name, target)
+
+
+def _parse_cli(raw: Any, tp: Any) -> Any:
+    """A command-line value as the user meant it: `null` is None, strings stay strings, the rest is YAML."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    if text in _NULLS and allows_none(tp):
+        return None
+    if accepts_str(tp) and not text.startswith(("[", "{")):
+        return _unquote(text)
+    return _parse_yaml_value(text)
+
+
+def _parse_yaml_value(text: str) -> Any:
+    try:
+        value = yaml.safe_load(text) if text.strip() else text
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and _FLOAT.fullmatch(value):
+        return float(value)  # PyYAML (YAML 1.1) reads 1e-6 as a string
+    return value
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# unknown keys
+# ------------------------------------------------------------------------------------------------------------------
+def _unknown_key(key: str, bad: int, parent: type, source: str) -> str:
+    parts = key.split(".")
+    prefix = ".".join(parts[:bad])
+    suggestion = suggest_key(key, bad, parent)
+    if suggestion:
+        return f"unknown key '{key}' ({source}); did you mean '{suggestion}'?"
+    where = f"under '{prefix}'" if prefix else "at the top level"
+    return f"unknown key '{key}' ({source}); valid keys {where}: {', '.join(field_names(parent))}"
+
+
+def suggest_key(key: str, bad: int, parent: type) -> Optional[str]:
+    """The closest valid dotted key: a sibling typo, the same name in another group, or the closest full path."""
+    parts = key.split(".")
+    prefix = ".".join(parts[:bad])
+    keys = all_keys(MegappoConfig)
+    join = (lambda *p: ".".join(x for x in p if x))
+    siblings = field_names(parent)
+    name = _ABBREVIATIONS.get(parts[bad], parts[bad])
+    # 1. an abbreviation or a shortened sibling (verl's deprecated ppo_micro_batch_size -> ..._per_gpu), then a
+    #    typo of a sibling; complete the rest of the path when it fits under the corrected name
+    close = [s for s in siblings if s == name] or sorted((s for s in siblings if s.startswith(name)), key=len)[:1]
+    close = close or difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+    if close:
+        fixed = join(prefix, close[0], *parts[bad + 1:])
+        return fixed if fixed in keys else join(prefix, close[0])
+    # 2. the same final name in another group (e.g. reward_model.model.path -> reward_model.path)
+    same_name = [k for k in keys if k.rsplit(".", 1)[-1] == parts[-1]]
+    if same_name:
+        return max(same_name, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
+    # 3. the closest full path elsewhere (siblings were judged by name above; the shared prefix would inflate
+    #    their score here)
+    others = [k for k in keys if not k.startswith(prefix + ".")] if prefix else keys
+    close = difflib.get_close_matches(key, others, n=1, cutoff=0.6)
+    return close[0] if close and not key.startswith(close[0] + ".") else None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ${key} references and derived defaults
+# ------------------------------------------------------------------------------------------------------------------
+def _get(cfg: MegappoConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in field_names(type(node)):
+            raise KeyError(key)
+        node = getattr(node, part)
+    return node
+
+
+def _interpolate(cfg: MegappoConfig, errors: list[str]) -> None:
+    """Replace `${a.b}` in string values by the referenced value (typed when the whole value is one reference)."""
+
+    def value_of(key: str, stack: tuple[str, ...]) -> Any:
+        if key in stack:
+            raise ValueError(f"circular reference {' -> '.join(stack + (key,))}")
+        value = _get(cfg, key)
+        if isinstance(value, str) and "${" in value:
+            return expand(value, stack + (key,))
+        return value
+
+    def expand(text: str, stack: tuple[str, ...]) -> Any:
+        whole = _REF.fullmatch(text)
+        if whole:
+            return value_of(whole.group(1), stack)
+        return _REF.sub(lambda m: str(value_of(m.group(1), stack)), text)
+
+    for key, value, tp, owner in list(iter_leaves(cfg)):
+        if not (isinstance(value, str) and "${" in value):
+            continue
+        try:
+            new = expand(value, (key,))
+        except KeyError as e:
+            ref = str(e.args[0])
+            hint = difflib.get_close_matches(ref, all_keys(MegappoConfig), n=1, cutoff=0.5)
+            errors.append(f"{key}: '{value}' refers to unknown key '{ref}'"
+                          + (f"; did you mean '{hint[0]}'?" if hint else ""))
+            continue
+        except ValueError as e:
+            errors.append(f"{key}: {e}")
+            continue
+        try:
+            setattr(owner, key.rsplit(".", 1)[-1], coerce(new, tp))
+        except CoerceError as err:
+            errors.append(f"{key}: expected {err}, got {new!r} (from '{value}')")
+
+
+def resolve(cfg: MegappoConfig) -> MegappoConfig:
+    """Fill every derived default (a field left None that follows another field). Idempotent; returns cfg."""
+    arr = cfg.actor_rollout_ref
+    actor, ref, rollout, model = arr.actor, arr.ref, arr.rollout, arr.model
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    if actor.data_loader_seed is None:
+        actor.data_loader_seed = cfg.data.seed
+    if model.tokenizer_path is None:
+        model.tokenizer_path = model.path
+    if cfg.data.tokenizer is None:
+        cfg.data.tokenizer = model.tokenizer_path
+
+    if rollout.prompt_length is None:
+        rollout.prompt_length = cfg.data.max_prompt_length
+    if rollout.response_length is None:
+        rollout.response_length = cfg.data.max_response_length
+    if rollout.dtype is None:
+        rollout.dtype = model.dtype
+    for log_prob in (rollout, ref):
+        if log_prob.log_prob_use_dynamic_bsz is None:
+            log_prob.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
+        if log_prob.log_prob_max_token_len_per_gpu is None:
+            log_prob.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
+
+    critic = cfg.critic
+    if critic.enable is None:
+        critic.enable = cfg.algorithm.adv_estimator == "gae"
+    if critic.model.path is None:
+        critic.model.path = model.path
+    if critic.model.tokenizer_path is None:
+        critic.model.tokenizer_path = model.tokenizer_path
+    if critic.ppo_mini_batch_size is None:
+        critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
+    if critic.use_dynamic_bsz is None:
+        critic.use_dynamic_bsz = actor.use_dynamic_bsz
+    if critic.forward_max_token_len_per_gpu is None:
+        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
+    if critic.ppo_epochs is None:
+        critic.ppo_epochs = actor.ppo_epochs
+    if critic.shuffle is None:
+        critic.shuffle = actor.shuffle
+    if critic.loss_agg_mode is None:
+        critic.loss_agg_mode = actor.loss_agg_mode
+
+    t = cfg.trainer
+    if t.default_local_dir is None:
+        t.default_local_dir = f"checkpoints/{t.project_name}/{t.experiment_name}"
+    return cfg

@@ -1,0 +1,284 @@
+"""The configuration tree: every option megappo reads, with its single default.
+
+Names, nesting and meanings follow verl's `ppo_megatron_trainer.yaml`, so a verl command line carries over
+(`actor_rollout_ref.actor.use_kl_loss=true algorithm.kl_ctrl.type=adaptive`). Recipes under `recipes/` and
+command-line overrides only change values here; they never add keys.
+
+A field left `None` with a "resolved" comment is filled from another field by `megappo.config.loader.resolve`,
+the one place derived defaults live. Everything else is plain data: no imports of torch or megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+AdvEstimator = Literal["gae", "grpo"]
+# Estimators of KL(actor || ref), per token; "+" variants use the value forward and k2's gradient backward.
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
+                 "low_var_kl+", "k3+"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# algorithm
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"  # adaptive: Ziegler et al. proportional controller
+    kl_coef: float = 0.001  # coefficient of the in-reward KL penalty (the initial one when adaptive)
+    target_kl: float = 0.1  # adaptive only: the KL the controller steers to
+    horizon: int = 10000  # adaptive only: samples over which the coefficient moves by the clipped error
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = 1.0  # discount factor for GAE
+    lam: float = 1.0  # GAE lambda (bias/variance trade-off)
+    adv_estimator: AdvEstimator = "gae"  # gae needs a critic; grpo normalises scores within each prompt's group
+    norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group std (false: Dr. GRPO style mean-centering)
+    use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards
+    kl_penalty: KLKind = "kl"  # the KL estimator used for the in-reward penalty
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models, optimisers and parallel layouts (shared by actor, ref and critic)
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # Hugging Face model directory (config.json + safetensors); required
+    tokenizer_path: Optional[str] = None  # resolved: the model path
+    dtype: Optional[DType] = None  # None: bfloat16 on GPU, float32 on CPU
+    trust_remote_code: bool = False  # let transformers run code shipped with the model
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    override_config: dict[str, Any] = field(default_factory=dict)  # keys set on the HF config before building
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adam"] = "adam"  # AdamW (decoupled weight decay), as megatron-core builds it
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # global gradient-norm clip
+    lr_warmup_steps: Optional[int] = None  # linear warmup steps; None or <= 0 uses lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0  # warmup as a fraction of the total training steps
+    lr_scheduler: Literal["constant", "cosine"] = "constant"  # schedule after warmup
+    min_lr_ratio: float = 0.0  # cosine only: the final lr as a fraction of lr
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # interleaved pipeline chunks per pp rank
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # None: same as tensor_model_parallel_size
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False  # needs tp > 1 and transformer-engine norms (not on CPU)
+    param_offload: bool = False  # keep parameters in host memory between phases
+    grad_offload: bool = False  # keep gradients in host memory between phases
+    optimizer_offload: bool = False  # keep optimizer states in host memory between phases
+    use_distributed_optimizer: bool = False  # shard optimizer states over data-parallel ranks (ZeRO-1)
+    seed: int = 42  # model-parallel RNG seed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# actor_rollout_ref
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class ActorConfig:
+    strategy: Literal["megatron"] = "megatron"  # accepted for verl compatibility; megatron is the only backend
+    # Prompts per optimiser step; each prompt brings rollout.n responses, so a mini-batch has
+    # ppo_mini_batch_size * rollout.n samples, split over the data-parallel ranks.
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward/backward; None: whole local mini-batch
+    use_dynamic_bsz: bool = False  # pack micro-batches by token count instead of sample count
+    ppo_max_token_len_per_gpu: int = 16384  # token budget of one packed micro-batch (use_dynamic_bsz)
+    ppo_epochs: int = 1  # passes over each rollout batch
+    shuffle: bool = False  # shuffle samples between mini-batches of a rollout batch
+    data_loader_seed: Optional[int] = None  # seed of that shuffle; None: data.seed
+    clip_ratio: float = 0.2  # PPO clip range; the default for clip_ratio_low/high
+    clip_ratio_low: Optional[float] = None  # resolved: clip_ratio
+    clip_ratio_high: Optional[float] = None  # resolved: clip_ratio (raise it for DAPO's clip-higher)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages; must be > 1
+    loss_agg_mode: LossAggMode = "token-mean"  # how token losses become one number
+    entropy_coeff: float = 0.0  # weight of the entropy bonus
+    use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the policy loss (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLKind = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class RefConfig:
+    strategy: Literal["megatron"] = "megatron"
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # samples per forward; None: whole local batch
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling used for validation generations: greedy by default, so validation scores are repeatable."""
+
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    # hf: megappo's in-process engine (works on CPU); sglang: an SGLang server per rollout replica (GPU).
+    name: Literal["hf", "sglang"] = "hf"
+    n: int = 1  # responses sampled per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k filtering
+    do_sample: bool = True  # false: greedy decoding
+    ignore_eos: bool = False  # keep generating past EOS up to response_length (throughput benchmarks)
+    prompt_length: Optional[int] = None  # resolved: data.max_prompt_length
+    response_length: Optional[int] = None  # resolved: data.max_response_length
+    dtype: Optional[DType] = None  # resolved: actor_rollout_ref.model.dtype
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may take (weights + KV cache)
+    tensor_model_parallel_size: int = 1  # inference tensor parallel size of one engine replica
+    max_num_batched_tokens: int = 8192  # engine's per-step token budget
+    max_num_seqs: int = 1024  # engine's concurrent sequence limit
+    max_model_len: Optional[int] = None  # None: prompt_length + response_length
+    free_cache_engine: bool = True  # release the KV cache while training, re-allocate before generating
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute micro batch
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as-is (e.g. SGLang args)
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True  # actor and rollout share GPUs, weights are resharded between phases
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# critic
+# ----------------------------------------------------------------------------------------------------------------
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # resolved: true when algorithm.adv_estimator is gae
+    strategy: Literal["megatron"] = "megatron"
+    model: ModelConfig = field(default_factory=ModelConfig)  # path resolved: actor_rollout_ref.model.path
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    ppo_mini_batch_size: Optional[int] = None  # resolved: actor.ppo_mini_batch_size (prompts)
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: Optional[int] = None  # resolved: critic.ppo_max_token_len_per_gpu
+    ppo_epochs: Optional[int] = None  # resolved: actor.ppo_epochs
+    shuffle: Optional[bool] = None  # resolved: actor.shuffle
+    cliprange_value: float = 0.5  # value clip range around the old values
+    loss_agg_mode: Optional[LossAggMode] = None  # resolved: actor.loss_agg_mode
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data and rewards
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    tokenizer: Optional[str] = None  # None: the actor model's tokenizer
+    train_files: Union[str, list[str]] = "~/data/gsm8k/train.parquet"  # one Parquet path or a list
+    val_files: Union[str, list[str], None] = "~/data/gsm8k/test.parquet"  # None: no validation
+    prompt_key: str = "prompt"  # column holding the chat messages
+    reward_fn_key: str = "data_source"  # column that picks the reward function
+    max_prompt_length: int = 512  # prompt tokens after the chat template
+    max_response_length: int = 512  # generated tokens per response
+    train_batch_size: int = 1024  # prompts per PPO step
+    val_batch_size: Optional[int] = None  # None: the whole validation set at once
+    return_raw_chat: bool = False  # keep the untokenised messages (for an RM with another chat template)
+    truncation: Literal["error", "left", "right"] = "error"  # what to do with a prompt over max_prompt_length
+    filter_overlong_prompts: bool = False  # drop prompts over max_prompt_length when the dataset loads
+    shuffle: bool = True  # shuffle training prompts each epoch
+    seed: int = 1  # seed of that shuffle, so a resumed run sees the same order
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False  # score with a learned reward model (otherwise rule rewards only)
+    path: Optional[str] = None  # reward model directory when enable is true
+    micro_batch_size_per_gpu: Optional[int] = None  # reward model forward micro batch
+    # Rule-reward batch scorer (megappo.rewards): how per-sample reward functions run in parallel.
+    num_workers: int = 2  # worker processes (or Ray tasks in flight)
+    backend: Literal["process", "ray", "serial"] = "process"  # serial: in the trainer process (debugging)
+    timeout_s: float = 30.0  # per-sample limit; past it the sample gets failure_score
+    failure_score: float = 0.0  # score of a sample whose reward function raised or timed out
+    ray_address: Optional[str] = None  # ray backend: "auto" joins a running cluster; None starts a local one
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None  # Python file defining the function; None: the built-in registry by data_source
+    name: str = "compute_score"  # fn(data_source, solution_str, ground_truth, extra_info) -> float | dict
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainer
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class KLGuardConfig:
+    """Stops a run whose policy runs away from the reference, before it burns more compute or overwrites good
+    checkpoints. The trainer measures the step's mean per-token KL(actor || ref) over response tokens."""
+
+    enable: bool = True  # only acts when a reference model is in use (use_kl_loss or use_kl_in_reward)
+    max_kl: float = 1.0  # mean per-token KL (nats) above which a step counts as diverged
+    patience: int = 3  # consecutive diverged steps before the action is taken
+    action: Literal["stop", "rollback"] = "stop"  # rollback: reload the last checkpoint and go on
+
+
+@dataclass
+class TrainerConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
+    nnodes: int = 1
+    n_gpus_per_node: int = 8  # processes per node (CPU: ranks per node)
+    total_epochs: int = 30  # passes over the training prompts
+    total_training_steps: Optional[int] = None  # None: total_epochs * steps per epoch; set: caps the run
+    critic_warmup: int = 0  # steps that update only the critic
+    val_before_train: bool = True  # run validation once before the first step
+    test_freq: int = -1  # validate every N steps (and after the last); -1: no periodic validation
+    log_val_generations: int = 0  # validation samples printed/logged per validation
+    save_freq: int = -1  # checkpoint every N steps (and after the last); -1: never
+    max_ckpt_to_keep: Optional[int] = None  # oldest checkpoints deleted beyond this; None: keep all
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: newest checkpoint in default_local_dir
+    resume_from_path: Optional[str] = None  # checkpoint to load when resume_mode is resume_path
+    default_local_dir: Optional[str] = None  # resolved: checkpoints/{project_name}/{experiment_name}
+    project_name: str = "megappo_examples"
+    experiment_name: str = "gsm8k"
+    logger: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console"])
+    balance_batch: bool = True  # reorder samples so data-parallel ranks get similar token counts
+    kl_guard: KLGuardConfig = field(default_factory=KLGuardConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# root
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class MegappoConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,348 @@
+"""Cross-field rules, checked before any work starts: every problem is collected and raised as one ConfigError.
+
+Each message names the key, what is wrong and the fix. Model dimensions come from `<model.path>/config.json`
+when it is there, so tensor/pipeline/expert sizes are checked against the real head, layer and expert counts.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
+from megappo.config.loader import resolve
+from megappo.config.schema import MegappoConfig, MegatronConfig, OptimConfig
+from megappo.models.layout import LayoutError, ParallelLayout, check_layout
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_experts: Optional[int] = None  # 0 when config.json was read and names no experts
+
+
+def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
+    """Raise ConfigError listing every problem in `cfg`.
+
+    world_size: ranks the run will have; None means `trainer.nnodes * trainer.n_gpus_per_node` (a real launch).
+    check_files: whether model, data and checkpoint paths must exist; by default only for a real launch
+    (world_size None), so a recipe can be checked on a machine that has none of its files.
+    """
+    errors: list[str] = []
+    cfg = resolve(copy.deepcopy(cfg))  # a tree built in code may not have its derived defaults filled yet
+    for key, value, tp, _ in iter_leaves(cfg):
+        if not check_type(value, tp):
+            errors.append(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if errors:  # the rules below assume well-typed values
+        raise ConfigError(errors)
+    if check_files is None:
+        check_files = world_size is None
+    if world_size is None:
+        world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+    _check_trainer(cfg, errors)
+    _check_algorithm(cfg, errors)
+    _check_data(cfg, errors, check_files)
+    _check_actor(cfg, errors)
+    _check_rollout(cfg, errors)
+    _check_rewards(cfg, errors, check_files)
+    for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
+                          ("critic.optim", cfg.critic.optim)):
+        _check_optim(prefix, optim, errors)
+    if world_size < 1:
+        errors.append(f"world size {world_size}: needs at least one rank; set trainer.nnodes and "
+                      "trainer.n_gpus_per_node to >= 1")
+    else:
+        _check_parallel_and_batches(cfg, world_size, errors, check_files)
+    if errors:
+        raise ConfigError(errors)
+
+
+def _need(errors: list[str], ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        errors.append(f"{key}: {problem}; {fix}")
+
+
+def _check_trainer(cfg: MegappoConfig, errors: list[str]) -> None:
+    t = cfg.trainer
+    _need(errors, t.nnodes >= 1, "trainer.nnodes", f"must be >= 1, got {t.nnodes}", "set it to the node count")
+    _need(errors, t.n_gpus_per_node >= 1, "trainer.n_gpus_per_node", f"must be >= 1, got {t.n_gpus_per_node}",
+          "set it to the ranks per node")
+    _need(errors, t.total_epochs >= 1, "trainer.total_epochs", f"must be >= 1, got {t.total_epochs}",
+          "use total_training_steps to stop earlier")
+    _need(errors, t.total_training_steps is None or t.total_training_steps >= 1, "trainer.total_training_steps",
+          f"must be >= 1 or null, got {t.total_training_steps}", "use null to run total_epochs")
+    for key in ("save_freq", "test_freq"):
+        value = getattr(t, key)
+        _need(errors, value == -1 or value >= 1, f"trainer.{key}", f"must be -1 or >= 1, got {value}",
+              "use -1 to turn it off")
+    _need(errors, t.critic_warmup >= 0, "trainer.critic_warmup", f"must be >= 0, got {t.critic_warmup}", "use 0")
+    _need(errors, t.log_val_generations >= 0, "trainer.log_val_generations",
+          f"must be >= 0, got {t.log_val_generations}", "use 0 to log none")
+    _need(errors, t.max_ckpt_to_keep is None or t.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep",
+          f"must be >= 1 or null, got {t.max_ckpt_to_keep}", "use null to keep every checkpoint")
+    _need(errors, t.resume_mode != "resume_path" or bool(t.resume_from_path), "trainer.resume_from_path",
+          "is required when trainer.resume_mode=resume_path", "set it to a checkpoint directory, or use "
+          "trainer.resume_mode=auto")
+    _need(errors, "wandb" not in t.logger or importlib.util.find_spec("wandb") is not None, "trainer.logger",
+          "includes wandb but the wandb package is not installed", "pip install wandb, or drop it from the list")
+    _need(errors, bool(t.project_name) and bool(t.experiment_name), "trainer.project_name/experiment_name",
+          "must not be empty", "name the run")
+    g = t.kl_guard
+    _need(errors, g.max_kl > 0, "trainer.kl_guard.max_kl", f"must be > 0, got {g.max_kl}",
+          "use e.g. 1.0, or trainer.kl_guard.enable=false")
+    _need(errors, g.patience >= 1, "trainer.kl_guard.patience", f"must be >= 1, got {g.patience}", "use e.g. 3")
+
+
+def _check_algorithm(cfg: MegappoConfig, errors: list[str]) -> None:
+    alg, kl = cfg.algorithm, cfg.algorithm.kl_ctrl
+    for key in ("gamma", "lam"):
+        value = getattr(alg, key)
+        _need(errors, 0.0 <= value <= 1.0, f"algorithm.{key}", f"must be in [0, 1], got {value}",
+              "use 1.0 for undiscounted LLM rewards")
+    _need(errors, kl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {kl.kl_coef}", "use e.g. 0.001")
+    _need(errors, kl.target_kl > 0, "algorithm.kl_ctrl.target_kl", f"must be > 0, got {kl.target_kl}", "use e.g. 0.1")
+    _need(errors, kl.horizon > 0, "algorithm.kl_ctrl.horizon", f"must be > 0, got {kl.horizon}", "use e.g. 10000")
+    n = cfg.actor_rollout_ref.rollout.n
+    _need(errors, alg.adv_estimator != "grpo" or n > 1, "actor_rollout_ref.rollout.n",
+          f"is {n} but algorithm.adv_estimator=grpo compares responses within a prompt's group",
+          "set actor_rollout_ref.rollout.n to 2 or more (e.g. 5)")
+    critic_on = cfg.critic.enable
+    if alg.adv_estimator == "gae":
+        _need(errors, critic_on is not False, "critic.enable", "is false but algorithm.adv_estimator=gae needs a "
+              "value function", "set critic.enable=true, or use algorithm.adv_estimator=grpo")
+    else:
+        _need(errors, not critic_on, "critic.enable", f"is true but algorithm.adv_estimator={alg.adv_estimator} "
+              "does not use a critic", "set critic.enable=false (or leave it unset)")
+
+
+def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
+    d = cfg.data
+    for key in ("max_prompt_length", "max_response_length", "train_batch_size"):
+        value = getattr(d, key)
+        _need(errors, value >= 1, f"data.{key}", f"must be >= 1, got {value}", "use a positive size")
+    _need(errors, d.val_batch_size is None or d.val_batch_size >= 1, "data.val_batch_size",
+          f"must be >= 1 or null, got {d.val_batch_size}", "use null for the whole validation set")
+    for key in ("train_files", "val_files"):
+        files = getattr(d, key)
+        files = [files] if isinstance(files, str) else list(files or [])
+        if key == "train_files":
+            _need(errors, bool(files) and all(files), "data.train_files", "is empty",
+                  "set data.train_files=PATH.parquet or [a.parquet,b.parquet]")
+        if check_files:
+            for f in files:
+                _need(errors, Path(os.path.expanduser(f)).exists(), f"data.{key}", f"'{f}' does not exist",
+                      "make it with `megappo data gsm8k --input DIR --out DIR` or point the key at your Parquet")
+
+
+def _check_actor(cfg: MegappoConfig, errors: list[str]) -> None:
+    a, p = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor"
+    _need(errors, a.clip_ratio > 0, f"{p}.clip_ratio", f"must be > 0, got {a.clip_ratio}", "use e.g. 0.2")
+    low, high = a.clip_ratio_low, a.clip_ratio_high
+    _need(errors, low is None or 0 < low < 1, f"{p}.clip_ratio_low", f"must be in (0, 1), got {low}",
+          "use e.g. 0.2 (the ratio is clipped at 1 - clip_ratio_low)")
+    _need(errors, high is None or high > 0, f"{p}.clip_ratio_high", f"must be > 0, got {high}", "use e.g. 0.28")
+    _need(errors, a.clip_ratio_c > 1, f"{p}.clip_ratio_c", f"must be > 1 (dual-clip bound), got {a.clip_ratio_c}",
+          "use e.g. 3.0")
+    _need(errors, a.kl_loss_coef >= 0, f"{p}.kl_loss_coef", f"must be >= 0, got {a.kl_loss_coef}", "use e.g. 0.001")
+    _need(errors, a.ppo_epochs >= 1, f"{p}.ppo_epochs", f"must be >= 1, got {a.ppo_epochs}", "use 1")
+    _need(errors, cfg.critic.ppo_epochs is None or cfg.critic.ppo_epochs >= 1, "critic.ppo_epochs",
+          f"must be >= 1, got {cfg.critic.ppo_epochs}", "use 1")
+    _need(errors, cfg.critic.cliprange_value > 0, "critic.cliprange_value",
+          f"must be > 0, got {cfg.critic.cliprange_value}", "use e.g. 0.5")
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    for key, dynamic, budget in (
+        (f"{p}.ppo_max_token_len_per_gpu", a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
+        ("critic.ppo_max_token_len_per_gpu", cfg.critic.enable and cfg.critic.use_dynamic_bsz,
+         cfg.critic.ppo_max_token_len_per_gpu),
+    ):
+        _need(errors, not dynamic or budget >= seq_len, key, f"{budget} tokens cannot hold one sample of "
+              f"data.max_prompt_length + data.max_response_length = {seq_len}", f"set it to at least {seq_len}")
+
+
+def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
+    r, p, d = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout", cfg.data
+    _need(errors, r.n >= 1, f"{p}.n", f"must be >= 1, got {r.n}", "use 1 for PPO, more for GRPO")
+    for prefix, temperature, top_p, top_k, n in ((p, r.temperature, r.top_p, r.top_k, r.n),
+                                                 (f"{p}.val_kwargs", r.val_kwargs.temperature, r.val_kwargs.top_p,
+                                                  r.val_kwargs.top_k, r.val_kwargs.n)):
+        _need(errors, temperature >= 0, f"{prefix}.temperature", f"must be >= 0, got {temperature}",
+              "use 1.0 (0 is greedy)")
+        _need(errors, 0 < top_p <= 1, f"{prefix}.top_p", f"must be in (0, 1], got {top_p}", "use 1.0 for no top-p")
+        _need(errors, top_k >= -1, f"{prefix}.top_k", f"must be -1 or >= 0, got {top_k}", "use -1 for no top-k")
+        _need(errors, n >= 1, f"{prefix}.n", f"must be >= 1, got {n}", "use 1")
+    _need(errors, 0 < r.gpu_memory_utilization <= 1, f"{p}.gpu_memory_utilization",
+          f"must be in (0, 1], got {r.gpu_memory_utilization}", "use e.g. 0.5")
+    for key in ("max_num_batched_tokens", "max_num_seqs", "tensor_model_parallel_size"):
+        value = getattr(r, key)
+        _need(errors, value >= 1, f"{p}.{key}", f"must be >= 1, got {value}", "use a positive size")
+    for key, mine, data_key in (("prompt_length", r.prompt_length, "max_prompt_length"),
+                                ("response_length", r.response_length, "max_response_length")):
+        theirs = getattr(d, data_key)
+        _need(errors, mine is None or mine == theirs, f"{p}.{key}", f"is {mine} but data.{data_key} is {theirs}",
+              f"set data.{data_key}={mine} instead (the rollout length follows it)")
+    total = d.max_prompt_length + d.max_response_length
+    _need(errors, r.max_model_len is None or r.max_model_len >= total, f"{p}.max_model_len",
+          f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
+    _need(errors, not (r.name == "sglang" and cfg.trainer.device == "cpu"), f"{p}.name",
+          "sglang needs a GPU but trainer.device=cpu", f"set {p}.name=hf for CPU runs")
+    for key in (f"{p}.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                "reward_model.micro_batch_size_per_gpu"):
+        value = _lookup(cfg, key)
+        _need(errors, value is None or value >= 1, key, f"must be >= 1 or null, got {value}",
+              "use null for the whole local batch")
+
+
+def _check_rewards(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    _need(errors, not rm.enable or bool(rm.path), "reward_model.path", "is required when reward_model.enable=true",
+          "set reward_model.path=MODEL_DIR or reward_model.enable=false")
+    _need(errors, rm.num_workers >= 1, "reward_model.num_workers", f"must be >= 1, got {rm.num_workers}",
+          "use e.g. 2")
+    _need(errors, rm.timeout_s > 0, "reward_model.timeout_s", f"must be > 0, got {rm.timeout_s}", "use e.g. 30")
+    _need(errors, crf.name.isidentifier(), "custom_reward_function.name", f"'{crf.name}' is not a Python name",
+          "set it to the function's name, e.g. compute_score")
+    if check_files and crf.path:
+        _need(errors, Path(os.path.expanduser(crf.path)).is_file(), "custom_reward_function.path",
+              f"'{crf.path}' is not a file", "point it at the .py file that defines the function")
+    if check_files and rm.enable and rm.path:
+        _need(errors, Path(os.path.expanduser(rm.path)).exists(), "reward_model.path", f"'{rm.path}' does not exist",
+              "point it at the reward model directory")
+    t = cfg.trainer
+    if check_files and t.resume_mode == "resume_path" and t.resume_from_path:
+        _need(errors, Path(os.path.expanduser(t.resume_from_path)).exists(), "trainer.resume_from_path",
+              f"'{t.resume_from_path}' does not exist", "point it at a checkpoint directory")
+
+
+def _check_optim(prefix: str, o: OptimConfig, errors: list[str]) -> None:
+    _need(errors, o.lr >= 0, f"{prefix}.lr", f"must be >= 0, got {o.lr}", "use e.g. 1e-6")
+    _need(errors, o.weight_decay >= 0, f"{prefix}.weight_decay", f"must be >= 0, got {o.weight_decay}", "use 0.01")
+    _need(errors, o.clip_grad > 0, f"{prefix}.clip_grad", f"must be > 0, got {o.clip_grad}", "use 1.0")
+    _need(errors, 0 <= o.lr_warmup_steps_ratio <= 1, f"{prefix}.lr_warmup_steps_ratio",
+          f"must be in [0, 1], got {o.lr_warmup_steps_ratio}", "use e.g. 0.0 or 0.05")
+    _need(errors, 0 <= o.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}",
+          "use e.g. 0.0 or 0.1")
+    _need(errors, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"{prefix}.betas",
+          f"must be two numbers in [0, 1), got {o.betas}", "use [0.9, 0.999]")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# parallel layout and batch divisibility
+# ------------------------------------------------------------------------------------------------------------------
+def read_model_dims(path: Optional[str]) -> Optional[ModelDims]:
+    """Head, layer and expert counts from a Hugging Face config.json; None when there is none to read."""
+    if not path:
+        return None
+    file = Path(os.path.expanduser(path)) / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError([f"{file}: cannot read the model config ({e}); fix or replace the file"]) from None
+    hf = hf.get("text_config", hf)  # multimodal configs keep the language model's numbers under text_config
+    heads = hf.get("num_attention_heads")
+    experts = next((hf[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)), 0)
+    return ModelDims(num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
+                     num_layers=hf.get("num_hidden_layers"), num_experts=experts)
+
+
+def _layout(m: MegatronConfig) -> ParallelLayout:
+    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
+                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
+                          sequence_parallel=m.sequence_parallel)
+
+
+def _check_model_path(key: str, path: Optional[str], errors: list[str], check_files: bool) -> None:
+    if not path:
+        errors.append(f"{key}: is not set; set {key}=DIR, a Hugging Face model directory (config.json + weights)")
+    elif check_files:
+        _need(errors, (Path(os.path.expanduser(path)) / "config.json").is_file(), key,
+              f"'{path}' has no config.json", "point it at a local Hugging Face model directory")
+
+
+def _check_parallel_and_batches(cfg: MegappoConfig, world: int, errors: list[str], check_files: bool) -> None:
+    arr, critic, data = cfg.actor_rollout_ref, cfg.critic, cfg.data
+    _check_model_path("actor_rollout_ref.model.path", arr.model.path, errors, check_files)
+    actor_dims = read_model_dims(arr.model.path) or ModelDims()
+    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    roles = [("actor_rollout_ref.actor", arr.actor.megatron, actor_dims)]
+    if uses_ref:
+        roles.append(("actor_rollout_ref.ref", arr.ref.megatron, actor_dims))
+    if critic.enable:
+        if critic.model.path != arr.model.path:
+            _check_model_path("critic.model.path", critic.model.path, errors, check_files)
+        roles.append(("critic", critic.megatron, read_model_dims(critic.model.path) or ModelDims()))
+    dp: dict[str, Optional[int]] = {}
+    for role, meg, dims in roles:
+        layout = _layout(meg)
+        try:
+            check_layout(layout, world, num_attention_heads=dims.num_attention_heads,
+                         num_key_value_heads=dims.num_key_value_heads, num_layers=dims.num_layers,
+                         num_experts=dims.num_experts, prefix=f"{role}.megatron")
+            dp[role] = layout.dp(world)
+        except LayoutError as e:
+            errors.append(str(e) if f"{role}.megatron" in str(e) else f"{role}.megatron: {e}")
+            dp[role] = None
+        _need(errors, meg.expert_tensor_parallel_size is None or meg.expert_tensor_parallel_size >= 1,
+              f"{role}.megatron.expert_tensor_parallel_size", "must be >= 1 or null", "use null to follow tp")
+
+    rtp, rp = arr.rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if rtp >= 1:
+        _need(errors, world % rtp == 0, rp, f"{rtp} does not divide the world size {world}",
+              "use a divisor of trainer.nnodes * trainer.n_gpus_per_node")
+        heads = [(name, getattr(actor_dims, name)) for name in ("num_attention_heads", "num_key_value_heads")]
+        bad = [(name, count) for name, count in heads if count is not None and count % rtp]
+        if bad:  # one message: the kv-head count is the tighter bound and the fix covers both
+            divisors = [d for d in range(1, bad[-1][1] + 1) if all(c % d == 0 for _, c in heads if c)]
+            errors.append(f"{rp}: {rtp} does not divide the model's "
+                          f"{' and '.join(f'{n}={c}' for n, c in bad)}; use one of {', '.join(map(str, divisors))}")
+
+    n = arr.rollout.n
+    _check_batches("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu,
+                   arr.actor.use_dynamic_bsz, dp["actor_rollout_ref.actor"], data.train_batch_size, n, errors)
+    if critic.enable and critic.ppo_mini_batch_size is not None:
+        _check_batches("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
+                       bool(critic.use_dynamic_bsz), dp.get("critic"), data.train_batch_size, n, errors)
+
+
+def _check_batches(role: str, mini: int, micro: Optional[int], dynamic: bool, dp: Optional[int], train: int,
+                   n: int, errors: list[str]) -> None:
+    """verl's units: mini-batches count prompts (each brings rollout.n samples); micro-batches count samples."""
+    key = f"{role}.ppo_mini_batch_size"
+    if mini < 1:
+        errors.append(f"{key}: must be >= 1, got {mini}; use a divisor of data.train_batch_size={train}")
+        return
+    if train % mini:
+        divisors = [d for d in range(1, train + 1) if train % d == 0][-6:]
+        errors.append(
+            f"{key}: data.train_batch_size * rollout.n = {train}*{n} samples do not split into mini-batches of "
+            f"{key} * rollout.n = {mini}*{n}; use a divisor of data.train_batch_size={train} "
+            f"(e.g. {', '.join(map(str, divisors))})"
+        )
+        return
+    if dp is None:
+        return
+    if (mini * n) % dp:
+        errors.append(f"{key}: a mini-batch of {mini}*{n} (rollout.n) = {mini * n} samples does not split over "
+                      f"{dp} data-parallel ranks; make {key} * rollout.n a multiple of {dp}")
+        return
+    local = mini * n // dp
+    if micro and not dynamic and local % micro:
+        errors.append(f"{role}.ppo_micro_batch_size_per_gpu: {micro} does not divide the per-rank mini-batch of "
+                      f"{local} samples ({key} * rollout.n / dp = {mini}*{n}/{dp}); use a divisor of {local}")
+
+
+def _lookup(cfg: MegappoConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node

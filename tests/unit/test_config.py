@@ -1,0 +1,362 @@
+"""The configuration tree: issue defaults, recipe and CLI merging, error messages, derived defaults, validation."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megappo.config import ConfigError, MegappoConfig, from_dict, load_config, resolve, to_dict, to_yaml, validate
+from megappo.config.loader import RECIPES_DIR
+
+MODEL = ["actor_rollout_ref.model.path=/models/m"]
+
+
+def get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def errors_of(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# defaults: every key and default the issue lists, plus the megappo-specific groups
+# ------------------------------------------------------------------------------------------------------------------
+ISSUE_DEFAULTS = {
+    "algorithm.gamma": 1.0, "algorithm.lam": 1.0, "algorithm.adv_estimator": "gae",
+    "algorithm.use_kl_in_reward": False, "algorithm.kl_penalty": "kl",
+    "algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.kl_coef": 0.001, "algorithm.kl_ctrl.target_kl": 0.1,
+    "algorithm.kl_ctrl.horizon": 10000,
+    "actor_rollout_ref.actor.clip_ratio": 0.2, "actor_rollout_ref.actor.clip_ratio_low": 0.2,
+    "actor_rollout_ref.actor.clip_ratio_high": 0.2, "actor_rollout_ref.actor.clip_ratio_c": 3.0,
+    "actor_rollout_ref.actor.loss_agg_mode": "token-mean", "actor_rollout_ref.actor.entropy_coeff": 0,
+    "actor_rollout_ref.actor.use_kl_loss": False, "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+    "actor_rollout_ref.actor.kl_loss_type": "low_var_kl", "actor_rollout_ref.actor.ppo_epochs": 1,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 256, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": None,
+    "actor_rollout_ref.actor.use_dynamic_bsz": False, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 16384,
+    "actor_rollout_ref.actor.optim.lr": 1e-6, "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.0,
+    "actor_rollout_ref.actor.optim.lr_scheduler": "constant", "actor_rollout_ref.actor.optim.clip_grad": 1.0,
+    "actor_rollout_ref.actor.optim.weight_decay": 0.01,
+    "actor_rollout_ref.model.path": None,
+    "actor_rollout_ref.rollout.name": "hf", "actor_rollout_ref.rollout.n": 1,
+    "actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.top_p": 1.0,
+    "actor_rollout_ref.rollout.top_k": -1, "actor_rollout_ref.rollout.response_length": 512,
+    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+    "actor_rollout_ref.rollout.max_num_batched_tokens": 8192,
+    "critic.cliprange_value": 0.5, "critic.ppo_epochs": 1, "critic.optim.lr": 1e-5, "critic.model.path": None,
+    "data.train_files": "~/data/gsm8k/train.parquet", "data.val_files": "~/data/gsm8k/test.parquet",
+    "data.train_batch_size": 1024, "data.max_prompt_length": 512, "data.max_response_length": 512,
+    "data.truncation": "error", "data.filter_overlong_prompts": False, "data.shuffle": True, "data.seed": 1,
+    "reward_model.enable": False, "reward_model.path": None,
+    "custom_reward_function.path": None, "custom_reward_function.name": "compute_score",
+    "trainer.nnodes": 1, "trainer.n_gpus_per_node": 8, "trainer.total_epochs": 30,
+    "trainer.total_training_steps": None, "trainer.save_freq": -1, "trainer.test_freq": -1,
+    "trainer.resume_mode": "auto", "trainer.resume_from_path": None,
+    "trainer.default_local_dir": "checkpoints/megappo_examples/gsm8k", "trainer.logger": ["console"],
+    "trainer.project_name": "megappo_examples", "trainer.experiment_name": "gsm8k", "trainer.max_ckpt_to_keep": None,
+    # verl keys a user expects
+    "actor_rollout_ref.rollout.do_sample": True, "actor_rollout_ref.rollout.prompt_length": 512,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": None,
+    "actor_rollout_ref.rollout.val_kwargs.temperature": 0.0, "actor_rollout_ref.rollout.val_kwargs.do_sample": False,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": None,
+    "actor_rollout_ref.ref.megatron.param_offload": False,
+    "trainer.val_before_train": True, "trainer.log_val_generations": 0, "critic.ppo_mini_batch_size": 256,
+    # megappo-specific groups
+    "reward_model.micro_batch_size_per_gpu": None, "reward_model.num_workers": 2, "reward_model.backend": "process",
+    "reward_model.timeout_s": 30.0, "reward_model.failure_score": 0.0, "reward_model.ray_address": None,
+    "actor_rollout_ref.model.dtype": None, "actor_rollout_ref.model.trust_remote_code": False,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+    "trainer.device": "auto", "trainer.kl_guard.enable": True, "trainer.kl_guard.max_kl": 1.0,
+    "trainer.kl_guard.patience": 3, "trainer.kl_guard.action": "stop",
+}
+MEGATRON_DEFAULTS = {
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+    "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None, "context_parallel_size": 1,
+    "sequence_parallel": False, "param_offload": False, "grad_offload": False, "optimizer_offload": False,
+    "use_distributed_optimizer": False, "seed": 42,
+}
+
+
+def test_issue_defaults():
+    cfg = load_config()
+    def same(a, b):  # 1 == True in Python; a bool default must stay a bool
+        return a == b and isinstance(a, bool) == isinstance(b, bool)
+
+    wrong = {k: get(cfg, k) for k, v in ISSUE_DEFAULTS.items() if not same(get(cfg, k), v)}
+    assert not wrong, f"defaults that differ from the issue: {wrong}"
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        assert dataclasses.asdict(get(cfg, role).megatron) == MEGATRON_DEFAULTS, role
+    raw = MegappoConfig()  # before resolve: the derived keys are unset
+    assert raw.actor_rollout_ref.actor.clip_ratio_low is None and raw.actor_rollout_ref.actor.clip_ratio_high is None
+    assert set(to_dict(cfg)) == {"data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function",
+                                 "algorithm", "trainer"}
+
+
+def test_derived_defaults_follow_their_source():
+    cfg = load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                             "data.max_response_length=32", "algorithm.adv_estimator=grpo",
+                             "actor_rollout_ref.rollout.n=4", "trainer.experiment_name=e1", *MODEL])
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.28)
+    assert cfg.actor_rollout_ref.rollout.response_length == 32
+    assert cfg.critic.enable is False and cfg.critic.model.path == "/models/m"
+    assert cfg.trainer.default_local_dir == "checkpoints/megappo_examples/e1"
+    assert resolve(cfg) == cfg  # idempotent
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# overrides and recipes
+# ------------------------------------------------------------------------------------------------------------------
+def test_cli_values_are_typed_as_verl_users_write_them():
+    cfg = load_config(None, [
+        "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.kl_ctrl.type=adaptive",
+        "data.train_files=[a.parquet,b.parquet]", "actor_rollout_ref.actor.optim.lr=1e-6",
+        "trainer.total_training_steps=5", "trainer.total_training_steps=null", "trainer.val_before_train=False",
+        "+trainer.experiment_name=2024", "actor_rollout_ref.actor.entropy_coeff=0", "data.val_files=null",
+        "trainer.logger=tensorboard", "actor_rollout_ref.model.override_config.num_hidden_layers=2",
+        "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+    ])
+    assert cfg.actor_rollout_ref.actor.use_kl_loss is True
+    assert cfg.algorithm.kl_ctrl.type == "adaptive"
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-6 and isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.trainer.total_training_steps is None and cfg.trainer.val_before_train is False
+    assert cfg.trainer.experiment_name == "2024"
+    assert cfg.data.val_files is None and cfg.trainer.logger == ["tensorboard"]
+    assert cfg.actor_rollout_ref.model.override_config == {"num_hidden_layers": 2}
+    assert cfg.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size == 2
+
+
+def test_recipe_nested_and_dotted_keys_then_cli_wins(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("actor_rollout_ref:\n  actor:\n    optim: {lr: 1e-5}\n"
+                      "algorithm.kl_ctrl.kl_coef: 0.01\ncritic.model.path: ${actor_rollout_ref.model.path}\n"
+                      "trainer: {total_epochs: 3}\n")
+    cfg = load_config(str(recipe), ["trainer.total_epochs=4", *MODEL])
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5  # "1e-5" is a string to PyYAML
+    assert cfg.algorithm.kl_ctrl.kl_coef == 0.01
+    assert cfg.critic.model.path == "/models/m"
+    assert cfg.trainer.total_epochs == 4
+
+
+def test_unknown_key_names_the_closest_key_on_cli():
+    msg = errors_of(load_config, None, ["actor_rollout_ref.actor.use_kl_los=true"])
+    assert "unknown key 'actor_rollout_ref.actor.use_kl_los'" in msg
+    assert "did you mean 'actor_rollout_ref.actor.use_kl_loss'" in msg
+    # verl's deprecated names, keys in the wrong group, and megatron abbreviations
+    for wrong, right in [("actor_rollout_ref.actor.ppo_micro_batch_size=4",
+                          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+                         ("reward_model.model.path=x", "reward_model.path"),
+                         ("actor_rollout_ref.kl_loss_coef=0.1", "actor_rollout_ref.actor.kl_loss_coef"),
+                         ("algo.gamma=0.9", "algorithm.gamma"),
+                         ("critic.megatron.tp=2", "critic.megatron.tensor_model_parallel_size")]:
+        assert f"did you mean '{right}'" in errors_of(load_config, None, [wrong])
+
+
+def test_unknown_key_in_recipe_names_file_and_closest_key(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("trainer:\n  kl_gaurd:\n    max_kl: 2\n")
+    msg = errors_of(load_config, str(recipe), [])
+    assert "unknown key 'trainer.kl_gaurd'" in msg and str(recipe) in msg
+    assert "did you mean 'trainer.kl_guard'" in msg
+
+
+def test_unknown_key_without_close_match_lists_the_valid_ones():
+    msg = errors_of(load_config, None, ["actor_rollout_ref.rollout.val_kwargs.zzz=1"])
+    assert "valid keys under 'actor_rollout_ref.rollout.val_kwargs': n, temperature" in msg
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("actor_rollout_ref.actor.use_kl_loss=maybe", "actor_rollout_ref.actor.use_kl_loss: expected a boolean"),
+    ("data.train_batch_size=1.5", "data.train_batch_size: expected an integer"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr: expected a number"),
+    ("algorithm.kl_ctrl.type=adaptiv", "algorithm.kl_ctrl.type: expected one of fixed, adaptive"),
+    ("actor_rollout_ref.rollout.name=vllm", "expected one of hf, sglang"),
+    ("trainer.resume_mode=yes", "expected one of auto, disable, resume_path"),
+    ("trainer.n_gpus_per_node=null", "trainer.n_gpus_per_node: expected an integer"),
+    ("trainer.total_training_steps=x", "expected an integer or null"),
+    ("trainer.logger=[console,tb]", "'tb' is not one of console, tensorboard, wandb"),
+    ("algorithm.kl_ctrl=fixed", "algorithm.kl_ctrl is a group of settings"),
+    ("algorithm.gamma.x=1", "algorithm.gamma is a number and has no sub-keys"),
+    ("trainer", "expected key=value"),
+    ("actor_rollout_ref.rollout.engine_kwargs=3", "engine_kwargs: expected a mapping"),
+])
+def test_wrong_type_names_key_and_expected_type(override, expected):
+    assert expected in errors_of(load_config, None, [override])
+
+
+def test_all_problems_reported_at_once():
+    err = pytest.raises(ConfigError, load_config, None, ["a.b=1", "data.seed=x", "trainer.nnodes=y"]).value
+    assert len(err.errors) == 3
+
+
+def test_recipe_shape_errors(tmp_path):
+    hydra = tmp_path / "hydra.yaml"
+    hydra.write_text("defaults:\n  - ppo_trainer\n")
+    assert "'defaults:' is a Hydra list" in errors_of(load_config, str(hydra), [])
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- a\n- b\n")
+    assert "must be a mapping" in errors_of(load_config, str(bad), [])
+    assert "not found" in errors_of(load_config, str(tmp_path / "missing.yaml"), [])
+    ref = tmp_path / "ref.yaml"
+    ref.write_text("critic:\n  model:\n    path: ${actor_rollout_ref.model.pth}\n")
+    assert "did you mean 'actor_rollout_ref.model.path'" in errors_of(load_config, str(ref), [])
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["algorithm.kl_ctrl.type=adaptive", "data.train_files=[a,b]", *MODEL])
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(to_yaml(cfg))
+    assert load_config(str(saved)) == cfg
+    assert from_dict(yaml.safe_load(to_yaml(cfg))) == cfg
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# validation
+# ------------------------------------------------------------------------------------------------------------------
+def write_model(tmp_path: Path, **hf) -> str:
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"num_attention_heads": 14, "num_key_value_heads": 2,
+                                               "num_hidden_layers": 24, **hf}))
+    return str(d)
+
+
+def test_defaults_with_a_model_validate():
+    validate(load_config(None, MODEL), world_size=8)
+
+
+def test_model_path_required():
+    assert "actor_rollout_ref.model.path: is not set" in errors_of(validate, load_config(), world_size=1)
+
+
+def test_cross_field_rules_are_collected_with_keys_and_fixes():
+    cfg = load_config(None, [
+        *MODEL, "actor_rollout_ref.actor.clip_ratio_c=1.0", "algorithm.gamma=1.5", "algorithm.lam=-0.1",
+        "trainer.resume_mode=resume_path", "trainer.total_epochs=0", "trainer.save_freq=0",
+        "actor_rollout_ref.rollout.top_p=0",
+    ])
+    msg = errors_of(validate, cfg, world_size=8)
+    for expected in ["actor_rollout_ref.actor.clip_ratio_c: must be > 1", "algorithm.gamma: must be in [0, 1]",
+                     "algorithm.lam: must be in [0, 1]", "trainer.resume_from_path: is required when "
+                     "trainer.resume_mode=resume_path", "trainer.total_epochs: must be >= 1",
+                     "trainer.save_freq: must be -1 or >= 1", "actor_rollout_ref.rollout.top_p"]:
+        assert expected in msg
+    assert "(7 problems)" in msg
+
+
+def test_parallel_sizes_against_world_size():
+    cfg = load_config(None, [*MODEL, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
+    msg = errors_of(validate, cfg, world_size=8)
+    assert "actor_rollout_ref.actor.megatron" in msg and "world size 8 is not divisible" in msg
+    cfg = load_config(None, [*MODEL, "trainer.nnodes=1", "trainer.n_gpus_per_node=6",
+                             "critic.megatron.pipeline_model_parallel_size=4"])
+    assert "world size 6" in errors_of(validate, cfg, check_files=False)  # world from trainer.nnodes * n_gpus
+
+
+def test_parallel_sizes_against_model_config_json(tmp_path):
+    path = write_model(tmp_path)  # 14 heads, 2 kv heads, 24 layers, no experts
+    base = [f"actor_rollout_ref.model.path={path}"]
+    cases = [
+        (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"], "does not divide num_attention_heads=14"),
+        (["critic.megatron.pipeline_model_parallel_size=2", "critic.megatron.virtual_pipeline_model_parallel_size=5"],
+         "num_hidden_layers=24 is not divisible by pp*vpp = 10"),
+        (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"], "the model has no experts"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+         "4 does not divide the model's num_attention_heads=14 and num_key_value_heads=2; use one of 1, 2"),
+    ]
+    for overrides, expected in cases:
+        msg = errors_of(validate, load_config(None, base + overrides), world_size=8)
+        assert expected in msg, msg
+    validate(load_config(None, base + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                       "critic.megatron.pipeline_model_parallel_size=4"]), world_size=8)
+
+
+def test_batch_sizes_divide_each_other():
+    def msg(*overrides, world=8):
+        return errors_of(validate, load_config(None, [*MODEL, *overrides]), world_size=world)
+
+    assert "use a divisor of data.train_batch_size=1024" in msg("actor_rollout_ref.actor.ppo_mini_batch_size=300")
+    # 3 prompts x 1 sample per mini-batch over dp=8 ranks
+    assert "does not split over 8 data-parallel ranks" in msg("data.train_batch_size=3",
+                                                              "actor_rollout_ref.actor.ppo_mini_batch_size=3")
+    # 256 x 1 / dp 8 = 32 samples per rank; a micro batch of 5 does not divide it
+    assert "ppo_micro_batch_size_per_gpu: 5 does not divide the per-rank mini-batch of 32" in msg(
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5")
+    assert "critic.ppo_micro_batch_size_per_gpu: 5" in msg("critic.ppo_micro_batch_size_per_gpu=5")
+    # dynamic batching makes the micro batch a token budget instead, which must hold one sample
+    validate(load_config(None, [*MODEL, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+                                "critic.ppo_micro_batch_size_per_gpu=4",
+                                "actor_rollout_ref.actor.use_dynamic_bsz=true"]),
+             world_size=8)
+    assert "cannot hold one sample" in msg("actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100")
+
+
+def test_algorithm_and_backend_combinations():
+    def msg(*overrides):
+        return errors_of(validate, load_config(None, [*MODEL, *overrides]), world_size=1)
+
+    assert "set actor_rollout_ref.rollout.n to 2 or more" in msg("algorithm.adv_estimator=grpo")
+    assert "algorithm.adv_estimator=gae needs a value function" in msg("critic.enable=false")
+    assert "sglang needs a GPU" in msg("actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu")
+    assert "reward_model.path: is required" in msg("reward_model.enable=true")
+    assert "data.max_response_length=64 instead" in msg("actor_rollout_ref.rollout.response_length=64")
+
+
+def test_validate_accepts_an_unresolved_tree_built_in_code():
+    cfg = MegappoConfig()
+    cfg.actor_rollout_ref.model.path = "/models/m"
+    validate(cfg, world_size=8)
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low is None  # validate does not change its argument
+
+
+def test_validate_checks_types_of_a_tree_built_in_code():
+    cfg = load_config(None, MODEL)
+    cfg.algorithm.kl_penalty = "bogus"
+    cfg.data.train_batch_size = "8"
+    msg = errors_of(validate, cfg, world_size=1)
+    assert "algorithm.kl_penalty: expected one of kl, k1" in msg
+    assert "data.train_batch_size: expected an integer" in msg
+
+
+def test_files_checked_for_a_real_launch_only(tmp_path):
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tmp_path / 'nope'}", "trainer.n_gpus_per_node=1",
+                             f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null"])
+    validate(cfg, world_size=1)  # an explicit world size is a planning check: files need not exist
+    msg = errors_of(validate, cfg)
+    assert "has no config.json" in msg and "train.parquet' does not exist" in msg
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# recipes
+# ------------------------------------------------------------------------------------------------------------------
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def test_the_three_recipes_exist():
+    assert {"gsm8k_tiny_cpu", "qwen2_5_0_5b_gsm8k", "qwen3_8b_gsm8k_tp2"} <= {p.stem for p in RECIPES}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_loads_and_validates(recipe):
+    cfg = load_config(str(recipe))
+    validate(cfg, world_size=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
+    assert load_config(recipe.stem) == cfg  # --config NAME finds the bundled recipe
+
+
+def test_tiny_cpu_recipe_is_tiny():
+    cfg = load_config("gsm8k_tiny_cpu")
+    assert cfg.trainer.device == "cpu" and cfg.actor_rollout_ref.rollout.name == "hf"
+    assert cfg.actor_rollout_ref.rollout.response_length == 32 and cfg.trainer.total_training_steps == 2
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+    assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 1
+    assert load_config("gsm8k_tiny_cpu", ["data.train_files=/x.parquet"]).data.train_files == "/x.parquet"
