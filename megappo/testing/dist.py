@@ -41,6 +41,34 @@ def _worker(fn, rank, world_size, port, args, queue):
             dist.destroy_process_group()
 
 
+def _reap(procs, grace: float) -> None:
+    """Join the ranks and kill whatever they leave behind.
+
+    Ranks spawn helpers of their own (dist_checkpointing's save workers, multiprocessing resource trackers); a rank
+    killed mid-collective orphans them, and on a 2-core machine a few orphans slow every later test.
+    """
+    import psutil
+
+    descendants = []
+    for p in procs:
+        try:
+            descendants += psutil.Process(p.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        p.join(timeout=grace)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for child in descendants:
+        try:
+            child.wait(timeout=0.5)
+        except psutil.TimeoutExpired:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 class RankFailed(RuntimeError):
     pass
 
@@ -73,11 +101,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks are likely blocked in a collective
     finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _reap(procs, grace=5 if not errors else 0.5)
     if errors:
         raise RankFailed("\n".join(errors))
     return [results[r] for r in range(world_size)]

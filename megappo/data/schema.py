@@ -1,0 +1,161 @@
+"""The prompt Parquet schema (verl's) and a reader that checks it row group by row group.
+
+    data_source   string                               picks the reward function
+    prompt        list<struct<role, content: string>>  the chat messages (the column name is `prompt_key`)
+    ability       string                               optional, e.g. "math"
+    reward_model  struct<style, ground_truth>          ground_truth is given to the reward function
+    extra_info    struct<...>                          optional, given to the reward function
+
+Every problem raises `DataError` naming the file, the row (0-based, counted over the whole file) and the column,
+and saying how to fix it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from megappo.data.errors import DataError
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column
+OPTIONAL_COLUMNS = ("ability", "extra_info")
+_SCHEMA_HINT = (
+    "write it in verl's schema: data_source (string), prompt (list of {role, content} structs), ability (string), "
+    "reward_model (struct with ground_truth), extra_info (struct); `megappo data gsm8k` writes an example"
+)
+
+
+@dataclass
+class PromptRow:
+    """One validated row, as Python objects."""
+
+    messages: list[dict]  # [{"role": str, "content": str, ...}, ...], at least one
+    data_source: str
+    ability: str  # "" when the file has no ability column
+    ground_truth: Any  # reward_model.ground_truth; usually a string, None when absent
+    extra_info: dict  # {} when the file has no extra_info column
+    file_row: int  # row number within its file
+
+
+def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """One path, a list of paths, or directories (all *.parquet inside, sorted) -> a list of existing files."""
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    out: list[str] = []
+    for f in files:
+        path = os.path.expanduser(os.fspath(f))
+        if os.path.isdir(path):
+            found = sorted(glob.glob(os.path.join(path, "*.parquet")))
+            if not found:
+                raise DataError(path, "the directory holds no *.parquet files", "point data.train_files/val_files "
+                                "at Parquet files, e.g. the output of `megappo data gsm8k`")
+            out.extend(found)
+        elif not os.path.exists(path):
+            raise DataError(path, "file not found", "check data.train_files/val_files (one path or a list); "
+                            "`megappo data gsm8k --input DIR --out DIR` makes GSM8K files")
+        else:
+            out.append(path)
+    if not out:
+        raise DataError("data.train_files/val_files", "no files given", "give one Parquet path or a list of them")
+    return out
+
+
+def _is_string(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+
+
+def _check_schema(path: str, schema: pa.Schema, prompt_key: str) -> list[str]:
+    """Check column presence and types; returns the columns to read."""
+    names = set(schema.names)
+    for col in (prompt_key, *REQUIRED_COLUMNS):
+        if col not in names:
+            fix = _SCHEMA_HINT + (", or set data.prompt_key to the column of chat messages" if col == prompt_key
+                                  else "")
+            raise DataError(path, f"missing column (columns: {', '.join(schema.names)})", fix, column=col)
+
+    def wrong(col: str, expected: str) -> DataError:
+        return DataError(path, f"type {schema.field(col).type} where {expected} was expected", _SCHEMA_HINT,
+                         column=col)
+
+    if not _is_string(schema.field("data_source").type):
+        raise wrong("data_source", "string")
+    prompt_t = schema.field(prompt_key).type
+    if not (pa.types.is_list(prompt_t) or pa.types.is_large_list(prompt_t)) or not pa.types.is_struct(
+        prompt_t.value_type
+    ):
+        raise wrong(prompt_key, "a list of {role, content} structs (a plain string prompt must be wrapped as "
+                                "[{'role': 'user', 'content': ...}])")
+    msg_t = prompt_t.value_type
+    msg_fields = {msg_t.field(i).name: msg_t.field(i).type for i in range(msg_t.num_fields)}
+    for key in ("role", "content"):
+        if key not in msg_fields or not _is_string(msg_fields[key]):
+            raise wrong(prompt_key, f"messages with a string '{key}'")
+    rm_t = schema.field("reward_model").type
+    if not pa.types.is_struct(rm_t) or rm_t.get_field_index("ground_truth") < 0:
+        raise wrong("reward_model", "a struct with a 'ground_truth' field")
+    if "ability" in names and not _is_string(schema.field("ability").type):
+        raise wrong("ability", "string")
+    if "extra_info" in names:
+        t = schema.field("extra_info").type
+        if not (pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t)):
+            raise wrong("extra_info", "a struct")
+    return [prompt_key, *REQUIRED_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in names)]
+
+
+def open_parquet(path: str) -> pq.ParquetFile:
+    if os.path.getsize(path) == 0:
+        raise DataError(path, "the file is empty (0 bytes)", "regenerate it; a crashed writer leaves such files")
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(path, f"not a Parquet file ({e})", "convert the data to Parquet in verl's schema "
+                        "(jsonl/csv are not read directly; `megappo data gsm8k` shows how)") from e
+
+
+def read_prompt_rows(path: str, prompt_key: str = "prompt", batch_rows: int = 1024) -> Iterator[list[PromptRow]]:
+    """Yield the rows of one Parquet file in chunks of at most `batch_rows`, validated; never the whole file."""
+    pf = open_parquet(path)
+    columns = _check_schema(path, pf.schema_arrow, prompt_key)
+    if pf.metadata.num_rows == 0:
+        raise DataError(path, "the file has no rows", "regenerate it or drop it from data.train_files/val_files")
+    base = 0
+    for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+        cols = {name: batch.column(name).to_pylist() for name in columns}
+        rows = []
+        for j in range(batch.num_rows):
+            rows.append(_to_row(path, base + j, cols, j, prompt_key))
+        base += batch.num_rows
+        yield rows
+
+
+def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str) -> PromptRow:
+    data_source = cols["data_source"][j]
+    if not data_source:
+        raise DataError(path, "data_source is null or empty", "set data_source so a reward function can be "
+                        "chosen (e.g. 'openai/gsm8k')", row=row, column="data_source")
+    messages = cols[prompt_key][j]
+    if not messages:
+        raise DataError(path, "the prompt has no messages", "drop the row or give it at least one "
+                        "{role, content} message", row=row, column=prompt_key)
+    for k, m in enumerate(messages):
+        if m is None or m.get("role") is None or m.get("content") is None:
+            raise DataError(path, f"message {k} has a null role or content", "give every message a string role "
+                            "and content", row=row, column=prompt_key)
+    reward_model = cols["reward_model"][j]
+    extra_info = cols["extra_info"][j] if "extra_info" in cols else None
+    if isinstance(extra_info, list):  # a Parquet map reads as [(key, value), ...]
+        extra_info = dict(extra_info)
+    return PromptRow(
+        messages=messages,
+        data_source=data_source,
+        ability=(cols["ability"][j] or "") if "ability" in cols else "",
+        ground_truth=reward_model.get("ground_truth") if reward_model else None,
+        extra_info=extra_info or {},
+        file_row=row,
+    )

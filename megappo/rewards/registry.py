@@ -1,0 +1,172 @@
+"""Which function scores a sample: the built-in registry keyed by `data_source`, or a user's function from a file.
+
+Every reward function has verl's signature
+
+    fn(data_source: str, solution_str: str, ground_truth, extra_info: dict | None) -> float | dict
+
+where a dict holds the reward under "score" and any other numeric entries become logged metrics.
+
+Functions travel to worker processes by reference: registry entries are module-level functions, and a user's
+function is wrapped in `CustomRewardFn`, which pickles as (path, name) and re-imports the file in the worker.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable
+
+RewardFn = Callable[[str, str, Any, "dict | None"], "float | dict"]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+class RewardFunctionError(ValueError):
+    """A reward function could not be found or loaded; the message names the fix."""
+
+
+def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: score samples whose `data_source` is one of `data_sources` with the decorated function.
+
+    >>> @register_reward("my/dataset")
+    ... def my_score(data_source, solution_str, ground_truth, extra_info=None): ...
+    """
+    if not data_sources:
+        raise ValueError("register_reward needs at least one data_source")
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        for source in data_sources:
+            existing = _REGISTRY.get(source)
+            if existing is not None and existing is not fn:
+                raise ValueError(
+                    f"data_source {source!r} already has reward function {existing.__module__}."
+                    f"{existing.__qualname__}; register a different data_source or pass a custom reward function"
+                )
+            _REGISTRY[source] = fn
+        return fn
+
+    return wrap
+
+
+def registered_data_sources() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(data_source: str) -> RewardFn:
+    """The registered reward function for `data_source`; a KeyError-like error listing the known ones otherwise."""
+    try:
+        return _REGISTRY[data_source]
+    except KeyError:
+        raise RewardFunctionError(
+            f"no reward function is registered for data_source {data_source!r} (known: "
+            f"{', '.join(registered_data_sources()) or 'none'}); set custom_reward_function.path/.name to a file "
+            "defining fn(data_source, solution_str, ground_truth, extra_info), or register one with "
+            "megappo.rewards.register_reward"
+        ) from None
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+) -> float | dict:
+    """Dispatch to the registered function of `data_source` (the scorer's function when none is configured)."""
+    return get_reward_fn(data_source)(data_source, solution_str, ground_truth, extra_info)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# built-in rule rewards
+# ---------------------------------------------------------------------------------------------------------------
+@register_reward("openai/gsm8k", "gsm8k")
+def gsm8k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+    from megappo.rewards import gsm8k
+
+    return gsm8k.compute_score(solution_str, ground_truth)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# user functions from a file
+# ---------------------------------------------------------------------------------------------------------------
+def _import_file(path: str):
+    # One module per file, under a name derived from its path, so two files both called reward.py do not clash and
+    # a re-load in the same process reuses the module.
+    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+    mod_name = f"megappo_custom_reward_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardFunctionError(
+            f"custom_reward_function.path {path!r} cannot be imported as Python; point it at a .py file"
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise RewardFunctionError(
+            f"importing custom_reward_function.path {path!r} failed with {type(e).__name__}: {e}; fix the file "
+            f"(run `python {path}` to see the full traceback)"
+        ) from e
+    return module
+
+
+class CustomRewardFn:
+    """A reward function defined in a user's file, loaded on first call; pickles as (path, name) so worker
+    processes (multiprocessing or Ray, possibly on other nodes sharing the path) import it themselves."""
+
+    def __init__(self, path: str, name: str = "compute_score"):
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.name = name
+        self._fn: Callable | None = None
+
+    def load(self) -> Callable:
+        if self._fn is None:
+            if not os.path.isfile(self.path):
+                raise RewardFunctionError(
+                    f"custom_reward_function.path {self.path!r} does not exist; set it to the Python file that "
+                    f"defines {self.name}()"
+                )
+            module = _import_file(self.path)
+            if not hasattr(module, self.name):
+                callables = sorted(
+                    k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                    and getattr(v, "__module__", None) == module.__name__
+                )
+                raise RewardFunctionError(
+                    f"{self.path} defines no {self.name!r}; set custom_reward_function.name to one of its "
+                    f"functions: {', '.join(callables) or '(none defined)'}"
+                )
+            fn = getattr(module, self.name)
+            if not callable(fn):
+                raise RewardFunctionError(
+                    f"{self.path}: {self.name!r} is a {type(fn).__name__}, not a function; set "
+                    "custom_reward_function.name to a function fn(data_source, solution_str, ground_truth, "
+                    "extra_info)"
+                )
+            self._fn = fn
+        return self._fn
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None):
+        return self.load()(data_source, solution_str, ground_truth, extra_info)
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "name": self.name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.name, self._fn = state["path"], state["name"], None
+
+    def __repr__(self) -> str:
+        return f"CustomRewardFn({self.path!r}, {self.name!r})"
+
+
+def load_custom_reward_fn(path: str | None, name: str = "compute_score") -> CustomRewardFn | None:
+    """The user's reward function `name` from the Python file `path` (None when `path` is None: use the registry).
+
+    Loads it once here so a wrong path or name fails before training starts rather than in a worker.
+    """
+    if path is None:
+        return None
+    fn = CustomRewardFn(path, name)
+    fn.load()
+    return fn
