@@ -7,6 +7,7 @@ the caller; a hung rank is killed after `timeout` seconds.
 """
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -33,7 +34,10 @@ def _worker(fn, rank, world_size, port, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialise here: a tensor put on the queue travels as a shared-memory handle that dies with this process.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - the parent re-raises with this traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -96,7 +100,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             except queue_mod.Empty:
                 raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(results))} timed out after {timeout}s")
             if ok:
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break  # the other ranks are likely blocked in a collective

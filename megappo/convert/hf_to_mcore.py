@@ -1,0 +1,233 @@
+"""Hugging Face -> megatron: stream HF safetensors into already-built model chunks of any layout, and the
+`megappo convert hf-to-mcore` command that saves the result as a megatron dist_checkpoint.
+
+Each rank reads only the rows/columns of its own shards (`safe_open(...).get_slice`), so no rank ever holds the full
+model and no communication is needed except the final strict check.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megappo.convert.hf_io import HFCheckpoint, copy_side_files, replace_dir
+from megappo.convert.mapping import (
+    VALUE_HEAD, ConversionError, ModelSpec, ParamMap, canonical_name, expected_hf_shapes, model_spec_from_hf_config,
+    param_maps, shard_from_hf,
+)
+from megappo.models.builder import unwrap
+
+META_FILE = "megappo_convert.json"  # written next to a converted dist_checkpoint: role, layout, dtype, source
+# HF tensors that are not weights of the model (older checkpoints store rotary tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LocalParam:
+    """A parameter of this rank under its canonical name, with the TP coordinates its shard is cut at."""
+
+    canonical: str
+    param: torch.Tensor  # this rank's shard
+    tp_rank: int
+    tp_size: int
+
+
+# Conversion never trains: build the frozen twin of a role (same parameters and names), which also keeps megatron's
+# training-only checks (MoE with TP > 1 needs sequence parallel) out of the way.
+_FROZEN_TWIN = {"actor": "ref", "critic": "reward"}
+
+
+def build_for_conversion(hf_dir_or_config: Any, role: str, parallel_state: Any, platform: Any) -> list[nn.Module]:
+    """This rank's model chunks of `role` with uninitialised weights (every one is loaded next), in eval mode."""
+    from megappo.models.builder import build_model
+
+    chunks = build_model(hf_dir_or_config, _FROZEN_TWIN.get(role, role), parallel_state, platform,
+                         config_overrides={"perform_initialization": False})
+    for chunk in chunks:
+        unwrap(chunk).megappo_role = role  # what the saved checkpoint records
+    return chunks
+
+
+def model_role(model_chunks: list[nn.Module]) -> str:
+    """The role recorded by `megappo.models.builder.build_model` (actor when built elsewhere)."""
+    return getattr(unwrap(model_chunks[0]), "megappo_role", "actor")
+
+
+def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state: Any,
+                 maps: dict[str, ParamMap]) -> list[LocalParam]:
+    """Every parameter of this rank's chunks, canonically named and checked against the mapping `maps`.
+
+    Raises ConversionError for a megatron parameter the mapping does not know (a spec/config mismatch).
+    """
+    ep_size = parallel_state.ep_size
+    num_local = spec.num_experts // ep_size if spec.num_experts else 0
+    out = []
+    for chunk in model_chunks:
+        m = unwrap(chunk)
+        layer_numbers = [layer.layer_number for layer in m.decoder.layers] if hasattr(m, "decoder") else []
+        for local, p in m.named_parameters():
+            name = canonical_name(local, layer_numbers, parallel_state.ep_rank * num_local)
+            if name == "output_layer.weight" and spec.tied_embeddings and name not in maps:
+                name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding (PP > 1)
+            pm = maps.get(name)
+            if pm is None:
+                raise ConversionError(
+                    f"megatron parameter {local!r} (canonical {name!r}, shape {tuple(p.shape)}) has no Hugging Face "
+                    f"counterpart for family {spec.family}; the model was built from a different config"
+                )
+            if pm.tp_dim is None:
+                rank, size = 0, 1
+            elif pm.expert:
+                rank, size = parallel_state.etp_rank, parallel_state.etp_size
+            else:
+                rank, size = parallel_state.tp_rank, parallel_state.tp_size
+            out.append(LocalParam(name, p, rank, size))
+    return out
+
+
+def _infer_role(model_chunks: list[nn.Module], ckpt: HFCheckpoint, role: Optional[str]) -> str:
+    role = role or model_role(model_chunks)
+    if role == "reward" and "score.weight" not in ckpt.files:
+        raise ConversionError(
+            f"{ckpt.path}: a reward model loads from a sequence-classification checkpoint with 'score.weight', which "
+            f"this checkpoint lacks (architectures {ckpt.config.get('architectures')}); use role critic for a fresh "
+            f"value head"
+        )
+    return role
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoint], parallel_state: Any, *,
+                    strict: bool = True, role: Optional[str] = None, world_group: Any = None,
+                    progress: bool = False) -> dict[str, int]:
+    """Copy a HF checkpoint into this rank's `model_chunks` (any TP/PP/VPP/EP layout); return {tensors, bytes}.
+
+    role: None reads the chunks' `megappo_role`. critic: from a causal LM the value head keeps its fresh
+    initialisation and the LM head is ignored (from a sequence-classification checkpoint it takes `score.weight`);
+    reward: `score.weight` -> the value head. strict: every megatron parameter on every rank was
+    loaded and every HF tensor was used by some rank (checked with one all_gather_object over `world_group`,
+    default the whole world); an unused tensor means the config and the weights disagree.
+    """
+    ckpt = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint.open(hf_dir)
+    spec = model_spec_from_hf_config(ckpt.config, os.path.join(ckpt.path, "config.json"))
+    role = _infer_role(model_chunks, ckpt, role)
+    maps = {pm.mcore: pm for pm in param_maps(spec, role)}
+    used: set[str] = set()
+    n_tensors = n_bytes = 0
+    todo = local_params(model_chunks, spec, parallel_state, maps)
+    if progress:
+        from tqdm import tqdm
+
+        todo = tqdm(todo, desc="hf-to-mcore", unit=" tensors")
+    for lp in todo:
+        pm = maps[lp.canonical]
+        if lp.canonical == VALUE_HEAD and role == "critic" and "score.weight" not in ckpt.files:
+            continue  # a fresh value head: a causal LM has nothing to put there
+        for name, shape in expected_hf_shapes(pm, spec, tuple(lp.param.shape), lp.tp_size).items():
+            ckpt.require(name, f"megatron {lp.canonical}")
+            if ckpt.shapes[name] != shape:
+                raise ConversionError(
+                    f"{os.path.join(ckpt.path, ckpt.files[name])}: tensor {name!r} has shape {ckpt.shapes[name]} but "
+                    f"config.json implies {shape} (megatron {lp.canonical}); the weights do not match the config"
+                )
+        shard = shard_from_hf(pm, spec, ckpt.read, lp.tp_rank, lp.tp_size, tuple(lp.param.shape))
+        lp.param.data.copy_(shard)
+        used.update(pm.hf)
+        n_tensors += 1
+        n_bytes += shard.numel() * shard.element_size()
+    if strict:
+        _check_all_used(ckpt, used, role, world_group)
+    ckpt.close()
+    return {"tensors": n_tensors, "bytes": n_bytes}
+
+
+def _check_all_used(ckpt: HFCheckpoint, used: set[str], role: str, group: Any) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sorted(used), group=group)
+        used = set().union(*map(set, gathered))
+    ignored = {"lm_head.weight"} if role in ("critic", "reward") else set()
+    unused = sorted(n for n in ckpt.files if n not in used and n not in ignored and not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise ConversionError(
+            f"{ckpt.path}: {len(unused)} tensors have no place in the megatron model (e.g. {unused[:3]}); the "
+            f"weights do not match config.json (pass strict=False to ignore)"
+        )
+
+
+# -- the command ---------------------------------------------------------------------------------------------------
+def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                vpp: Optional[int] = None, dtype: Optional[str] = None, role: str = "actor", force: bool = False,
+                progress: bool = True) -> dict[str, Any]:
+    """Convert `hf_dir` into a megatron dist_checkpoint at `out_dir` on the ranks of the current launch.
+
+    Run in one process for tp*pp*ep == 1, else under torchrun with tp*pp*(dp) ranks. Returns a summary dict.
+    """
+    from megappo.models.checkpoint import save_model_checkpoint
+    from megappo.models.layout import ParallelLayout
+    from megappo.parallel import init_parallel
+    from megappo.platform import detect_platform
+
+    t0 = time.time()
+    ckpt = HFCheckpoint.open(hf_dir)  # validates config, index and every shard before any rank builds anything
+    spec = model_spec_from_hf_config(ckpt.config, os.path.join(hf_dir, "config.json"))
+    if role == "reward" and "score.weight" not in ckpt.files:
+        raise ConversionError(f"{hf_dir}: --role reward needs a sequence-classification checkpoint (score.weight)")
+    platform = detect_platform(dtype=dtype or _checkpoint_dtype(ckpt))
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    ps = init_parallel(layout, platform, seed=0, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads, num_layers=spec.num_layers,
+                       num_experts=spec.num_experts or None)
+    rank0 = ps.rank == 0
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out) and not force:
+        raise ConversionError(f"{out}: already exists; pass --force to overwrite it")
+    # every weight is overwritten by the load: megatron's random init is skipped (time, and its fp32 temporaries).
+    # The critic's fresh value head is initialised by ValueHead itself, independently of that.
+    chunks = build_for_conversion(hf_dir, role, ps, platform)
+    stats = load_hf_weights(chunks, ckpt, ps, role=role, progress=progress and rank0)
+    t_save = time.time()
+    # save_model_checkpoint is itself atomic (tmp dir renamed when complete); the side files go into its result
+    # before one more rename publishes everything at `out`.
+    tmp = f"{out}.tmp-convert"
+    try:
+        save_model_checkpoint(chunks, tmp)
+        if rank0:
+            copy_side_files(hf_dir, tmp)
+            meta = dict(role=role, source=os.path.abspath(hf_dir), dtype=str(platform.dtype).replace("torch.", ""),
+                        layout=dict(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp), family=spec.family)
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump(meta, f, indent=2)
+            replace_dir(tmp, out)
+    finally:
+        if rank0 and os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    total = torch.tensor([stats["bytes"]], dtype=torch.float64, device=platform.device)  # NCCL: on the GPU
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    seconds = time.time() - t0
+    summary = dict(tensors=stats["tensors"], bytes=int(total.item()), seconds=seconds,
+                   save_seconds=time.time() - t_save, out=out)
+    if rank0 and progress:
+        print(f"hf-to-mcore: {stats['tensors']} tensors on rank 0, {summary['bytes'] / 1e9:.3f} GB over all ranks "
+              f"(tp{tp} pp{pp} ep{ep}) in {seconds:.1f} s ({summary['bytes'] / 1e9 / max(seconds, 1e-9):.3f} GB/s; "
+              f"save {summary['save_seconds']:.1f} s) -> {out}", flush=True)
+    return summary
+
+
+def _checkpoint_dtype(ckpt: HFCheckpoint) -> str:
+    """The dtype of the checkpoint's weights (config's `torch_dtype`/`dtype`, else the first tensor's)."""
+    name = ckpt.config.get("dtype") or ckpt.config.get("torch_dtype")
+    if name:
+        return str(name)
+    first = next(iter(ckpt.dtypes.values()), torch.float32)
+    return str(first).replace("torch.", "")

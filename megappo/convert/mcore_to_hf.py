@@ -1,0 +1,152 @@
+"""Megatron dist_checkpoint -> Hugging Face directory (`megappo convert mcore-to-hf`).
+
+Two sources, one mapping (`mapping.merge_to_hf`) and one writer:
+- default: `dist_reader` reads each parameter's slice of the checkpoint's global tensors and converts it; no model
+  is built, so peak memory is about one parameter whatever the model size, in one process.
+- `--from-model`: the model is built at a layout (torchrun for several ranks), loaded with
+  `load_model_checkpoint` and walked with `export.iter_hf_weights`, the trainer's weight-sync path; the loaded
+  model is resident (its size divided by the number of model-parallel ranks).
+Rank 0 streams each tensor straight into safetensors shards (`ShardedSafetensorsWriter`) in a staging directory
+that is renamed to the output when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo.convert.hf_io import ShardedSafetensorsWriter, StagingDir, copy_side_files
+from megappo.convert.mapping import ConversionError
+
+SEQ_CLS_ARCH = {
+    "llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification", "qwen2_moe": "Qwen2MoeForSequenceClassification",
+    "qwen3_moe": "Qwen3MoeForSequenceClassification", "mixtral": "MixtralForSequenceClassification",
+}
+
+
+def output_config(config: dict, role: str, dtype: torch.dtype) -> dict:
+    """The config.json of the exported model: dtype updated; value models become `*ForSequenceClassification`
+    with one label (their value head is `score.weight`)."""
+    cfg = dict(config)
+    name = str(dtype).replace("torch.", "")
+    cfg["dtype"] = name
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+    if role in ("critic", "reward"):
+        cfg["architectures"] = [SEQ_CLS_ARCH[cfg["model_type"]]]
+        cfg["num_labels"] = 1
+        cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    return cfg
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '1.5GiB', '1024' -> bytes."""
+    t = text.strip().upper()
+    units = [("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3),
+             ("B", 1)]
+    for suffix, mult in units:
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(float(t))
+
+
+def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, force: bool = False,
+                from_model: bool = False, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                max_shard_bytes: int = 5 * 10**9, bucket_bytes: int = 256 << 20,
+                progress: bool = True) -> dict[str, Any]:
+    """Write a complete HF directory for the megatron checkpoint `mcore_dir`.
+
+    Default: streamed out of the checkpoint files one parameter at a time (`dist_reader`), in this process, no model
+    built. from_model=True: build the model at tp/pp/ep (collective over the launch's ranks), load it and export
+    it with `iter_hf_weights`, the trainer's weight-sync path. dtype: of the written tensors (default: the
+    checkpoint's). Returns {tensors, bytes, seconds, out} (on rank 0).
+    """
+    from megappo.convert.dist_reader import checkpoint_dtype, iter_hf_weights_from_checkpoint
+    from megappo.convert.mapping import model_spec_from_hf_config
+    from megappo.models.checkpoint import verify_checkpoint
+    from megappo.platform import parse_dtype
+
+    t0 = time.time()
+    info = verify_checkpoint(mcore_dir)  # names a missing or truncated file before anything is read
+    cfg_path = os.path.join(mcore_dir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ConversionError(f"{cfg_path}: missing; megappo writes the HF config next to the checkpoint "
+                              f"(convert hf-to-mcore does); copy the model's config.json there")
+    with open(cfg_path) as f:
+        hf_config = json.load(f)
+    role = info.get("role") or "actor"
+    spec = model_spec_from_hf_config(hf_config, cfg_path)
+    if os.path.exists(out_dir) and not force:  # before any loading; StagingDir checks again when it starts
+        raise ConversionError(f"{os.path.abspath(out_dir)}: already exists; pass --force to overwrite it")
+    saved = checkpoint_dtype(mcore_dir) or torch.float32
+    out_dtype = parse_dtype(dtype) if dtype else saved
+    if from_model:
+        items, rank0, t_load = _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, etp,
+                                                 bucket_bytes)
+    else:
+        items, rank0, t_load = iter_hf_weights_from_checkpoint(mcore_dir, spec, role, dtype=out_dtype), True, 0.0
+    summary = _write(items, mcore_dir, out_dir, rank0, force, max_shard_bytes, progress,
+                     output_config(hf_config, role, out_dtype))
+    summary.update(load_seconds=t_load, total_seconds=time.time() - t0)
+    if rank0 and progress:
+        print(f"mcore-to-hf: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB written in "
+              f"{summary['seconds']:.1f} s ({summary['bytes'] / 1e9 / max(summary['seconds'], 1e-9):.3f} GB/s"
+              + (f"; model load {t_load:.1f} s" if from_model else ", streamed from the checkpoint")
+              + f") -> {summary['out']}", flush=True)
+    if from_model and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return summary
+
+
+def _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, etp, bucket_bytes):
+    """Build and load the model at the layout; return (iterator of (name, tensor), is rank 0, load seconds)."""
+    from megappo.convert.export import iter_hf_weights
+    from megappo.convert.hf_to_mcore import build_for_conversion
+    from megappo.models.checkpoint import load_model_checkpoint
+    from megappo.models.layout import ParallelLayout
+    from megappo.parallel import init_parallel
+    from megappo.platform import detect_platform
+
+    t0 = time.time()
+    platform = detect_platform(dtype=saved)
+    ps = init_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp), platform)
+    chunks = build_for_conversion(mcore_dir, role, ps, platform)
+    load_model_checkpoint(chunks, mcore_dir)
+    buckets = iter_hf_weights(chunks, ps, hf_config, bucket_bytes=bucket_bytes, dtype=out_dtype)
+    return (item for bucket in buckets for item in bucket), ps.rank == 0, time.time() - t0
+
+
+def _write(items, mcore_dir: str, out_dir: str, rank0: bool, force: bool, max_shard_bytes: int, progress: bool,
+           config: dict) -> dict[str, Any]:
+    """Rank 0 streams `items` into a staging directory renamed to `out_dir` when complete; other ranks only
+    drive the (collective) iterator."""
+    if not rank0:
+        for _ in items:
+            pass
+        return {"out": os.path.abspath(out_dir)}
+    t0 = time.time()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="mcore-to-hf", unit=" tensors")
+    with StagingDir(out_dir, force=force) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        try:
+            for name, tensor in items:
+                writer.add(name, tensor)
+                if bar is not None:
+                    bar.update(1)
+            writer.close()
+        finally:
+            writer.abort()
+            if bar is not None:
+                bar.close()
+        copy_side_files(mcore_dir, tmp, config=config)
+    return dict(out=os.path.abspath(out_dir), tensors=writer.num_tensors, bytes=writer.total_bytes,
+                seconds=time.time() - t0)

@@ -1,0 +1,136 @@
+"""`megappo convert verify`: run the same tokens through the Hugging Face model (transformers) and the converted
+megatron checkpoint (any layout) and compare the outputs.
+
+Causal LMs compare logits [B, T, vocab] (megatron's padded vocabulary columns dropped); critic / reward models
+compare the value head on every token ([B, T]: HF `score(model(x).last_hidden_state)`). Both models run in
+float32 by default so the comparison measures the conversion, not the storage precision.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_ATOL = 1e-3  # float32 forward of the same weights: measured differences are ~1e-6
+
+
+def verify_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0, avoid: Optional[int] = None) -> torch.Tensor:
+    """Deterministic token ids [batch, seq_len] in [0, vocab_size), never the pad id `avoid` (HF's seq-cls pooling
+    would stop there)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
+    if avoid is not None:
+        ids[ids == avoid] = (avoid + 1) % vocab_size
+    return ids
+
+
+@torch.no_grad()
+def mcore_forward(model_chunks: list[nn.Module], parallel_state: Any, input_ids: torch.Tensor,
+                  vocab_size: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Forward `input_ids` [B, T] through megatron chunks (any TP/PP/VPP/EP layout); collective over the world.
+
+    Returns on every rank: logits [B, T, vocab_size] (TP shards all-gathered over `tp_group`, padding columns cut)
+    for a causal LM, or values [B, T] for a value model. The last pipeline stage's result is broadcast over
+    `pp_group`.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ps = parallel_state
+    b, t = input_ids.shape
+    device = next(model_chunks[0].parameters()).device
+    # the interleaved (VPP) schedule needs at least pp micro-batches: split the rows, or repeat the batch
+    m = ps.pp_size if len(model_chunks) > 1 else 1
+    rows = [input_ids[i::m] for i in range(m)] if b % m == 0 else [input_ids] * m
+    micro = [(r.to(device), torch.arange(t, device=device).unsqueeze(0).expand(r.shape[0], t)) for r in rows]
+    for chunk in model_chunks:
+        chunk.eval()
+
+    def forward_step(data_iterator, model):
+        ids, positions = next(data_iterator)
+        out = model(ids, positions, None)  # attention_mask None: megatron's causal mask
+        return out, lambda output, non_loss_data=True: output
+
+    fb = get_forward_backward_func()
+    outs = fb(forward_step_func=forward_step, data_iterator=[iter(micro) for _ in model_chunks],
+              model=model_chunks if len(model_chunks) > 1 else model_chunks[0], num_microbatches=m, seq_length=t,
+              micro_batch_size=micro[0][0].shape[0], forward_only=True, collect_non_loss_data=True)
+    is_value = getattr(model_chunks[-1], "megappo_role", "actor") in ("critic", "reward")
+    out: Optional[torch.Tensor] = None
+    if ps.is_pipeline_last_stage:
+        if b % m == 0:  # undo the strided split: micro-batch i holds rows i, i+m, ...
+            out = torch.stack([o.float() for o in outs], dim=1).reshape(b, *outs[0].shape[1:])
+        else:
+            out = outs[0].float()
+        if not is_value:
+            if ps.tp_size > 1:
+                parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
+                dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
+                out = torch.cat(parts, dim=-1)
+            out = out[..., :vocab_size] if vocab_size else out
+    if ps.pp_size > 1:
+        shape = [None]
+        if ps.is_pipeline_last_stage:
+            shape = [tuple(out.shape)]
+        last = dist.get_global_rank(ps.pp_group, ps.pp_size - 1)
+        dist.broadcast_object_list(shape, src=last, group=ps.pp_group)
+        if out is None:
+            out = torch.empty(shape[0], dtype=torch.float32, device=device)
+        dist.broadcast(out, src=last, group=ps.pp_group)
+    return out.cpu()
+
+
+@torch.no_grad()
+def hf_forward(hf_dir: str, input_ids: torch.Tensor, value: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """HF logits [B, T, V] (causal LM) or per-token values [B, T] (`score` over the last hidden states)."""
+    import transformers
+
+    if value:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=dtype)
+        model.eval()
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        return model.score(hidden).squeeze(-1).float()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    model.eval()
+    return model(input_ids=input_ids).logits.float()
+
+
+def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+           vpp: Optional[int] = None, atol: float = DEFAULT_ATOL, batch: int = 2, seq_len: int = 16,
+           dtype: str = "float32", seed: int = 0) -> dict[str, Any]:
+    """Build the megatron model at the given layout from `mcore_dir` and compare with `hf_dir`.
+
+    Collective (every rank of the launch). Returns {max_abs_diff, atol, ok, shape}; rank 0 ran the HF model.
+    """
+    from megappo.convert.hf_to_mcore import build_for_conversion
+    from megappo.models.checkpoint import load_model_checkpoint, verify_checkpoint
+    from megappo.models.layout import ParallelLayout
+    from megappo.parallel import init_parallel
+    from megappo.platform import detect_platform, parse_dtype
+
+    info = verify_checkpoint(mcore_dir)
+    role = info.get("role") or "actor"
+    with open(os.path.join(mcore_dir, "config.json")) as f:
+        mcfg = json.load(f)
+    platform = detect_platform(dtype=dtype)
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
+    ps = init_parallel(layout, platform)
+    chunks = build_for_conversion(mcore_dir, role, ps, platform)
+    load_model_checkpoint(chunks, mcore_dir)
+    ids = verify_tokens(int(mcfg["vocab_size"]), batch, seq_len, seed, avoid=mcfg.get("pad_token_id"))
+    is_value = role in ("critic", "reward")
+    ours = mcore_forward(chunks, ps, ids, vocab_size=int(mcfg["vocab_size"]))
+    result: dict[str, Any] = dict(atol=atol, shape=tuple(ours.shape), role=role)
+    diff = torch.zeros(1, device=platform.device)  # broadcast below: on the GPU for NCCL
+    if ps.rank == 0:
+        theirs = hf_forward(hf_dir, ids, is_value, parse_dtype(dtype))
+        if theirs.shape != ours.shape:
+            raise RuntimeError(f"output shapes differ: HF {tuple(theirs.shape)} vs megatron {tuple(ours.shape)}")
+        diff = (theirs - ours).abs().max().reshape(1).to(platform.device)
+    if dist.get_world_size() > 1:
+        dist.broadcast(diff, src=0)
+    result.update(max_abs_diff=float(diff.item()), ok=bool(diff.item() <= atol))
+    return result

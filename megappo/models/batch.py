@@ -1,0 +1,194 @@
+"""Typed batches that the model compute functions take.
+
+A batch holds B sequences of T = P + R tokens: a prompt left-padded to P and a response right-padded to R, so
+every response starts at column P and "the last R positions are the response". Per-token outputs (log-probs,
+entropy, values) and the per-token training inputs are [B, R], aligned with the response tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence, Union
+
+import torch
+
+Index = Union[torch.Tensor, Sequence[int], slice]
+
+
+def _index(t: Optional[torch.Tensor], idx: Index) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    if isinstance(idx, slice):
+        return t[idx]
+    return t.index_select(0, torch.as_tensor(idx, dtype=torch.long, device=t.device))
+
+
+@dataclass
+class TrainInputs:
+    """Per-token inputs of the PPO losses; every field is optional and, when set, [B, R] float."""
+
+    old_log_probs: Optional[torch.Tensor] = None  # [B, R] log-probs of the policy that sampled the response
+    ref_log_probs: Optional[torch.Tensor] = None  # [B, R] log-probs of the frozen reference model
+    advantages: Optional[torch.Tensor] = None  # [B, R]
+    returns: Optional[torch.Tensor] = None  # [B, R] value targets
+    values: Optional[torch.Tensor] = None  # [B, R] critic values at rollout time (value clipping)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def select(self, idx: Index) -> "TrainInputs":
+        """Rows `idx` (a slice, index list or LongTensor) of every tensor."""
+        return TrainInputs(**{k: _index(v, idx) for k, v in self.tensors().items()})
+
+    def crop(self, r: int) -> "TrainInputs":
+        """The first `r` response columns (a micro-batch padded only to its own longest response)."""
+        return TrainInputs(**{k: v[:, :r] for k, v in self.tensors().items()})
+
+    def to(self, device: Union[str, torch.device]) -> "TrainInputs":
+        return TrainInputs(**{k: v.to(device) for k, v in self.tensors().items()})
+
+
+@dataclass
+class ModelBatch:
+    """B sequences: prompt left-padded to P, response right-padded to R, T = P + R."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] 1 on real tokens, 0 on padding (left of prompts, right of responses)
+    position_ids: torch.Tensor  # [B, T] long, 0 at each sequence's first real token
+    response_mask: torch.Tensor  # [B, R] 1 on response tokens to score/train, 0 on padding
+    train: Optional[TrainInputs] = None
+
+    def __post_init__(self) -> None:
+        b, t = self.input_ids.shape
+        if self.attention_mask.shape != (b, t) or self.position_ids.shape != (b, t):
+            raise ValueError(
+                f"ModelBatch: attention_mask {tuple(self.attention_mask.shape)} and position_ids "
+                f"{tuple(self.position_ids.shape)} must both have input_ids' shape {(b, t)}"
+            )
+        if self.response_mask.dim() != 2 or self.response_mask.shape[0] != b or self.response_mask.shape[1] > t:
+            raise ValueError(
+                f"ModelBatch: response_mask {tuple(self.response_mask.shape)} must be [B={b}, R] with R <= T={t} "
+                "(the last R columns of input_ids are the response)"
+            )
+        if self.train is not None:
+            for name, v in self.train.tensors().items():
+                if tuple(v.shape) != tuple(self.response_mask.shape):
+                    raise ValueError(
+                        f"ModelBatch: train.{name} has shape {tuple(v.shape)}; it must equal response_mask's "
+                        f"{tuple(self.response_mask.shape)}"
+                    )
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seq_len - self.response_len
+
+    def select(self, idx: Index) -> "ModelBatch":
+        """Rows `idx` (a slice, index list or LongTensor) of every tensor, train inputs included."""
+        return ModelBatch(
+            input_ids=_index(self.input_ids, idx),
+            attention_mask=_index(self.attention_mask, idx),
+            position_ids=_index(self.position_ids, idx),
+            response_mask=_index(self.response_mask, idx),
+            train=None if self.train is None else self.train.select(idx),
+        )
+
+    def slice(self, start: int, end: int) -> "ModelBatch":
+        return self.select(slice(start, end))
+
+    def crop(self, prompt_len: int, response_len: int) -> "ModelBatch":
+        """Keep the last `prompt_len` prompt columns and the first `response_len` response columns.
+
+        Cropping only padding (see `prompt_lengths` / `response_lengths`) leaves every model output unchanged:
+        position ids travel with their tokens and padding is masked out of attention.
+        """
+        p0 = self.prompt_len - prompt_len
+        end = self.prompt_len + response_len
+        if p0 < 0 or response_len > self.response_len:
+            raise ValueError(f"crop({prompt_len}, {response_len}) exceeds the batch's P={self.prompt_len}, "
+                             f"R={self.response_len}")
+        return ModelBatch(
+            input_ids=self.input_ids[:, p0:end],
+            attention_mask=self.attention_mask[:, p0:end],
+            position_ids=self.position_ids[:, p0:end],
+            response_mask=self.response_mask[:, :response_len],
+            train=None if self.train is None else self.train.crop(response_len),
+        )
+
+    def pad_to(self, rows: int, prompt_len: int, response_len: int, pad_token_id: int = 0) -> "ModelBatch":
+        """Grow to [rows, prompt_len + response_len]: prompts padded on the left, responses on the right, and
+        all-padding rows appended (attention_mask and response_mask 0, so they add nothing to any masked loss)."""
+        b, p, r = self.batch_size, self.prompt_len, self.response_len
+        if (rows, prompt_len, response_len) == (b, p, r):
+            return self
+        if rows < b or prompt_len < p or response_len < r:
+            raise ValueError(f"pad_to({rows}, {prompt_len}, {response_len}) is smaller than the batch's "
+                             f"B={b}, P={p}, R={r}")
+        left, right, extra = prompt_len - p, response_len - r, rows - b
+
+        def grow(t: torch.Tensor, fill: float, lo: int, hi: int) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (lo, hi, 0, extra), value=fill)
+
+        train = None
+        if self.train is not None:
+            train = TrainInputs(**{k: grow(v, 0.0, 0, right) for k, v in self.train.tensors().items()})
+        return ModelBatch(
+            input_ids=grow(self.input_ids, pad_token_id, left, right),
+            attention_mask=grow(self.attention_mask, 0, left, right),
+            position_ids=grow(self.position_ids, 0, left, right),
+            response_mask=grow(self.response_mask, 0, 0, right),
+            train=train,
+        )
+
+    def prompt_lengths(self) -> torch.Tensor:
+        """[B] real prompt tokens per row (prompts are left-padded)."""
+        return self.attention_mask[:, : self.prompt_len].sum(-1)
+
+    def response_lengths(self) -> torch.Tensor:
+        """[B] columns up to each row's last real response token (responses are right-padded)."""
+        m = self.attention_mask[:, self.prompt_len:].bool() | self.response_mask.bool()
+        cols = torch.arange(1, self.response_len + 1, device=m.device).expand_as(m)
+        return torch.where(m, cols, torch.zeros_like(cols)).amax(-1)
+
+    def to(self, device: Union[str, torch.device]) -> "ModelBatch":
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            train=None if self.train is None else self.train.to(device),
+        )
+
+    @classmethod
+    def from_token_lists(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        pad_token_id: int,
+        train: Optional[TrainInputs] = None,
+    ) -> "ModelBatch":
+        """Left-pad prompts and right-pad responses into one batch; positions count real tokens from 0."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; give one response per prompt")
+        b = len(prompts)
+        p = max((len(x) for x in prompts), default=0)
+        r = max((len(x) for x in responses), default=0)
+        ids = torch.full((b, p + r), pad_token_id, dtype=torch.long)
+        attn = torch.zeros((b, p + r), dtype=torch.long)
+        for i, (pr, rs) in enumerate(zip(prompts, responses)):
+            ids[i, p - len(pr): p] = torch.as_tensor(list(pr), dtype=torch.long)
+            ids[i, p: p + len(rs)] = torch.as_tensor(list(rs), dtype=torch.long)
+            attn[i, p - len(pr): p + len(rs)] = 1
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        return cls(ids, attn, pos, attn[:, p:].clone(), train)

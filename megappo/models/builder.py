@@ -1,0 +1,274 @@
+"""Build the trainer's megatron-core GPTModels: actor, reference, critic and reward model.
+
+`build_model(...)` returns one GPTModel per virtual pipeline stage held by this rank (a list of length 1 without
+VPP). Chunks are not wrapped in DDP: the training-step code does that. Parameters live on `platform.device` in
+`platform.dtype`.
+
+Roles:
+- actor:  trainable, LM head; forward(input_ids, position_ids, attention_mask) on the last stage returns
+          vocab-parallel logits [B, T, padded_vocab / tp] (this rank's TP shard).
+- ref:    the actor's architecture, frozen (requires_grad False, eval mode); `offload_to_cpu` / `reload` move its
+          weights off the GPU between uses.
+- critic: `output_layer` is a fresh `ValueHead`: the last stage returns values [B, T] (one per token).
+- reward: the same head; read the value at the last non-pad token with `value_head.last_token_values`. The head's
+          state-dict key is `output_layer.weight`, shape [1, hidden_size] (an HF `score.weight`).
+
+Parameter names (local spec, this rank's shard; layer numbers are local to the pipeline chunk):
+  embedding.word_embeddings.weight [padded_vocab/tp, H] (first stage), output_layer.weight (last stage; absent when
+  tied, and a [1, H] value head for critic/reward), decoder.final_layernorm.weight,
+  decoder.layers.N.{input_layernorm, pre_mlp_layernorm}.weight, self_attention.linear_qkv.{weight, bias}
+  (per query group: q heads, k, v interleaved), self_attention.{q,k}_layernorm.weight (Qwen3),
+  self_attention.linear_proj.weight, mlp.linear_fc1.weight ([gate; up]) / mlp.linear_fc2.weight; MoE:
+  mlp.router.weight, mlp.experts.local_experts.E.linear_fc{1,2}.weight (E local to the EP rank),
+  mlp.shared_experts.{linear_fc1, linear_fc2}.weight, mlp.shared_experts.gate_weight [1, H] (Qwen2-MoE).
+  The transformer-engine spec fuses the norms into `self_attention.linear_qkv.layer_norm_weight` and
+  `mlp.linear_fc1.layer_norm_weight`, and grouped experts are `mlp.experts.linear_fc{1,2}.weight<E>`.
+
+Layer spec: transformer-engine's when CUDA is used and TE imports, megatron's local spec otherwise (MoE and QK norm
+follow the TransformerConfig). With sequence parallelism the local spec's norms are replaced by
+`SequenceParallelTorchNorm` (megatron's torch norm refuses SP), which makes SP, and so MoE x TP training, run on CPU.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from megappo.models.hf_config import ModelSpecArgs, transformer_config_from_hf
+from megappo.models.layout import ParallelLayout
+from megappo.models.value_head import ValueHead
+from megappo.parallel import ParallelState
+from megappo.platform.device import Platform
+
+ROLES = ("actor", "ref", "critic", "reward")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Strip DDP / Float16Module / FSDP wrappers (anything exposing `.module`) down to the GPTModel."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+class SequenceParallelTorchNorm:
+    """megatron's local-spec norm (torch RMSNorm/LayerNorm) usable with sequence parallelism.
+
+    megatron's `WrappedTorchNorm` refuses sequence parallelism only because it does not flag its parameters: with
+    the sequence split over TP ranks each rank sees part of the tokens, so the norm's gradients must be summed over
+    TP, which `finalize_model_grads` does for parameters with `sequence_parallel=True` (as TE/Apex norms set).
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> nn.Module:
+        norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization {config.normalization!r} unsupported; use one of {sorted(norms)}")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _replace_module_class(spec: Any, old: type, new: type) -> Any:
+    """Return `spec` (ModuleSpec / submodule dataclasses / lists, as megatron nests them) with class `old` -> `new`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if spec is old:
+        return new
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=_replace_module_class(spec.module, old, new),
+                                   submodules=_replace_module_class(spec.submodules, old, new))
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_replace_module_class(x, old, new) for x in spec)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _replace_module_class(getattr(spec, f.name), old, new)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
+def _stage_flags(parallel_state: ParallelState, vp_stage: Optional[int]) -> tuple[bool, bool]:
+    """(pre_process, post_process) of this rank's chunk `vp_stage` in the (interleaved) pipeline."""
+    from megatron.core import parallel_state as mpu
+
+    if parallel_state.vpp_size is None:
+        return parallel_state.is_pipeline_first_stage, parallel_state.is_pipeline_last_stage
+    return (
+        mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+    )
+
+
+def _build_chunk(config, spec: ModelSpecArgs, role: str, parallel_state: ParallelState, platform: Platform,
+                 vp_stage: Optional[int], seed: int) -> nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    pre, post = _stage_flags(parallel_state, vp_stage)
+    block_spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=spec.use_transformer_engine, normalization=spec.normalization,
+        vp_stage=vp_stage, pp_rank=parallel_state.pp_rank,
+    )
+    if config.sequence_parallel and not spec.use_transformer_engine:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        block_spec = _replace_module_class(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    value_model = role in ("critic", "reward")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=spec.padded_vocab_size,
+        max_sequence_length=spec.max_sequence_length,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,  # logits stay vocab-parallel: no rank materialises the full vocabulary
+        # A value model has its own head; its embedding is never tied to it.
+        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights and not value_model,
+        position_embedding_type=spec.position_embedding_type,
+        rotary_percent=spec.rotary_percent,
+        rotary_base=spec.rotary_base,
+        rope_scaling=spec.rope_scaling,
+        rope_scaling_factor=spec.rope_scaling_factor,
+        seq_len_interpolation_factor=spec.seq_len_interpolation_factor,
+        pg_collection=parallel_state.pg_collection,
+        vp_stage=vp_stage,
+    )
+    if not spec.use_transformer_engine and config.params_dtype != torch.float32:
+        # The local spec's torch norms ignore params_dtype (megatron casts them later in Float16Module, which
+        # megappo does not use): give them the model dtype like every other parameter.
+        for module in model.modules():
+            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                module.to(config.params_dtype)
+    if value_model and post:
+        model.output_layer = ValueHead(
+            config.hidden_size, std=config.init_method_std, dtype=config.params_dtype,
+            device=platform.device,
+            sequence_parallel=config.sequence_parallel, tp_group=parallel_state.tp_group, seed=seed + 1,
+        )
+    return model
+
+
+def build_model(
+    hf_dir_or_config: Union[str, os.PathLike, Mapping[str, Any], Any],
+    role: str,
+    parallel_state: ParallelState,
+    platform: Platform,
+    *,
+    layout: Optional[ParallelLayout] = None,
+    seed: int = 0,
+    config_overrides: Optional[Mapping[str, Any]] = None,
+    make_vocab_size_divisible_by: int = 128,
+) -> list[nn.Module]:
+    """Build this rank's model chunks for `role` ("actor", "ref", "critic", "reward").
+
+    Weights are randomly initialised by megatron from `seed` (this re-seeds torch's and megatron's model-parallel
+    RNGs; same seed and layout give the same weights); load real ones with the conversion code or
+    `checkpoint.load_model_checkpoint`. `layout` defaults to `parallel_state.layout`. Each chunk gets
+    `.megappo_config` (TransformerConfig), `.megappo_spec` (ModelSpecArgs) and `.megappo_role` attributes.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
+    layout = layout or parallel_state.layout
+    if layout != parallel_state.layout:
+        raise ValueError(f"layout {layout} differs from the initialised parallel layout {parallel_state.layout}")
+    config, spec = transformer_config_from_hf(
+        hf_dir_or_config, layout, platform, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        **dict(config_overrides or {}),
+    )
+    from megappo.models.layout import check_layout
+
+    check_layout(
+        layout, parallel_state.world_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, num_layers=config.num_layers, num_experts=spec.num_experts,
+    )
+    from megappo.models.layout import LayoutError
+
+    if layout.cp > 1 and not spec.use_transformer_engine:
+        # megatron's local DotProductAttention asserts context_parallel_size == 1.
+        raise LayoutError(
+            f"context_parallel_size={layout.cp} needs transformer-engine's attention (a GPU with transformer-engine "
+            "installed); set actor_rollout_ref.actor.megatron.context_parallel_size=1"
+        )
+    if spec.num_experts and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic"):
+
+        # megatron-core's MoELayer refuses to run in training mode with TP>1 unless sequence parallel is on.
+        raise LayoutError(
+            f"training a MoE {role} with tensor_model_parallel_size={layout.tp} needs sequence parallelism "
+            "(megatron-core requirement); set actor_rollout_ref.actor.megatron.sequence_parallel=true, or use "
+            "expert_model_parallel_size instead of tensor parallelism"
+        )
+    stages = [None] if parallel_state.vpp_size is None else list(range(parallel_state.vpp_size))
+    # Same seed and layout -> same initial weights (not across layouts: each pipeline stage draws its own layers).
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    chunks = []
+    for vp_stage in stages:
+        model = _build_chunk(config, spec, role, parallel_state, platform, vp_stage, seed)
+        if platform.is_cuda:
+            model = model.to(platform.device)
+        model.megappo_config = config
+        model.megappo_spec = spec
+        model.megappo_role = role
+        if role == "ref":
+            model.eval()
+            model.requires_grad_(False)
+        chunks.append(model)
+    return chunks
+
+
+def offload_to_cpu(model_chunks: list[nn.Module]) -> None:
+    """Move a frozen model's weights to (pinned) CPU memory; `reload` brings them back. A no-op on CPU."""
+    for chunk in model_chunks:
+        for t in list(chunk.parameters()) + list(chunk.buffers()):
+            if t.device.type == "cuda":
+                t.data = t.data.to("cpu", non_blocking=True).pin_memory()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def reload(model_chunks: list[nn.Module], device: torch.device) -> None:
+    """Move weights offloaded by `offload_to_cpu` back to `device`."""
+    if device.type != "cuda":
+        return
+    for chunk in model_chunks:
+        for t in list(chunk.parameters()) + list(chunk.buffers()):
+            if t.device != device:
+                t.data = t.data.to(device, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def count_parameters(model_chunks: list[nn.Module]) -> int:
+    """Parameters held by this rank (its TP/PP/EP shard)."""
+    return sum(p.numel() for chunk in model_chunks for p in unwrap(chunk).parameters())
+
+
+def model_config_summary(model_chunks: list[nn.Module], parallel_state: Optional[ParallelState] = None) -> str:
+    """One human-readable paragraph: family, role, sizes, layout, spec and this rank's parameter count."""
+    m = unwrap(model_chunks[0])
+    cfg, spec, role = m.megappo_config, m.megappo_spec, m.megappo_role
+    parts = [
+        f"{spec.family} {role}: layers {cfg.num_layers} hidden {cfg.hidden_size} ffn {cfg.ffn_hidden_size} "
+        f"heads {cfg.num_attention_heads} kv_heads {cfg.num_query_groups} head_dim {cfg.kv_channels} "
+        f"vocab {spec.vocab_size} (padded {spec.padded_vocab_size}) tied {spec.share_embeddings_and_output_weights}",
+        f"rope base {spec.rotary_base:g}"
+        + (f" llama3-scaling x{spec.rope_scaling_factor:g}" if spec.rope_scaling else ""),
+        f"dtype {cfg.params_dtype} spec {'transformer-engine' if spec.use_transformer_engine else 'local'}",
+    ]
+    if spec.num_experts:
+        parts.append(
+            f"moe experts {spec.num_experts} top{cfg.moe_router_topk} ffn {cfg.moe_ffn_hidden_size} "
+            f"shared {cfg.moe_shared_expert_intermediate_size} pre_softmax {cfg.moe_router_pre_softmax} "
+            f"dispatcher {cfg.moe_token_dispatcher_type}"
+        )
+    parts.append(f"tp {cfg.tensor_model_parallel_size} pp {cfg.pipeline_model_parallel_size} "
+                 f"vpp {cfg.virtual_pipeline_model_parallel_size} cp {cfg.context_parallel_size} "
+                 f"ep {cfg.expert_model_parallel_size} sp {cfg.sequence_parallel}")
+    parts.append(f"chunks {len(model_chunks)} params on this rank {count_parameters(model_chunks):,}")
+    if parallel_state is not None:
+        parts.append(parallel_state.describe())
+    return "; ".join(parts)

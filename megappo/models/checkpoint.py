@@ -1,0 +1,318 @@
+"""Model (and optimizer) checkpoints through megatron's dist_checkpointing (torch_dist format).
+
+Layout-independent: every tensor is saved under its global name and shape, so a checkpoint written at TP2xPP2 loads
+at TP1 (or any layout whose padded vocabulary agrees). Atomic: all ranks write into `<dir>.tmp-<id>`; after a
+barrier rank 0 writes `megappo_checkpoint.json` and renames the folder to `<dir>`, so `<dir>` either holds a
+complete checkpoint or does not exist. Before loading, every file the torch_dist metadata references is checked to
+exist with the recorded size, so a truncated copy fails naming the file.
+
+Layout of the state dict: `{"model": ...}` (or `"model0"`, `"model1"`... one per virtual pipeline chunk), optional
+`"optimizer"`, and plain Python `"scheduler_state"` / `"extra"` saved once by rank 0.
+
+dist_checkpointing's writer spawns worker processes: scripts that save must guard their entry point with
+`if __name__ == "__main__":`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MARKER_FILE = "megappo_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A missing, incomplete or mismatching checkpoint; the message names the directory/file/tensor."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What `load_model_checkpoint` returns besides the weights it loaded in place."""
+
+    directory: str
+    scheduler_state: Any = None
+    extra: Any = None
+    info: dict = field(default_factory=dict)  # megappo_checkpoint.json (layout at save, time, ...)
+    missing_keys: list = field(default_factory=list)  # only when strict=False
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _metadata(dp_cp_group: Any) -> dict[str, Any]:
+    md: dict[str, Any] = {
+        # Optimizer state in the canonical per-parameter form, so it reshards across TP/PP/DP like the weights.
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "chained_optim_avoid_prefix": True,
+        "singleton_local_shards": False,
+    }
+    if dp_cp_group is not None:
+        md["dp_cp_group"] = dp_cp_group
+    return md
+
+
+def _model_sharded_state_dict(model_chunks: list[nn.Module], metadata: dict) -> dict[str, Any]:
+    if len(model_chunks) == 1:
+        return {"model": _unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": _unwrap(m).sharded_state_dict(metadata=metadata) for i, m in enumerate(model_chunks)}
+
+
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh DistributedOptimizer its Adam state before loading into it.
+
+    megatron-core 0.16's DistributedOptimizer.state_dict() without Apex/TE reads each param's "step" and asserts
+    there is one; a never-stepped torch Adam has none. megatron's own dummy initialisation (a zero-gradient step)
+    creates the tensors that the load then overwrites in place.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        inner = getattr(opt, "optimizer", None)
+        if init is not None and inner is not None and len(inner.state) == 0:
+            init()
+
+
+def _load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """`optimizer.load_state_dict(state)`, working around two megatron-core 0.16 bugs of the torch-Adam path.
+
+    1. megatron-core 0.16's DistributedOptimizer without Apex/TE keeps torch Adam's per-parameter "step" in the
+    optimizer state, restores it from the param groups, but `_set_main_param_and_optimizer_states` then copies every
+    state key from the loaded per-parameter tensors, which never contain "step" (KeyError). For the duration of the
+    load, each DistributedOptimizer instance copies only the keys the checkpoint has.
+    2. See below: the restored "step" tensor is shared by all parameters.
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None or not hasattr(opt, "_get_main_param_and_optimizer_states"):
+            continue
+
+        def set_states(model_param, tensors, _opt=opt, _original=original):
+            if "step" in tensors:
+                return _original(model_param, tensors)
+            dst = _opt._get_main_param_and_optimizer_states(model_param)
+            missing = [k for k in tensors if k not in dst]
+            if missing:
+                raise CheckpointError(f"optimizer state keys {missing} of the checkpoint are unknown to this optimizer")
+            for key, value in tensors.items():
+                dst[key].copy_(value)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class method
+    # The same load assigns ONE "step" tensor object to every parameter's state; torch Adam increments each
+    # parameter's step in place, so a shared tensor would advance once per parameter per step and skew Adam's bias
+    # correction. Give each parameter its own copy.
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        for param_state in getattr(inner, "state", {}).values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+
+
+def _check_shapes(state: dict, directory: str, info: dict, model_chunks: list[nn.Module]) -> None:
+    """Raise CheckpointError naming each tensor whose global shape differs from the checkpoint's.
+
+    torch's checkpoint reader would otherwise load a [1, H] value head from a [V, H] LM head without complaint.
+    """
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = load_tensors_metadata(directory)
+    bad = []
+    for sh in nested_values(state):
+        if isinstance(sh, ShardedTensor) and sh.key in saved:
+            want = tuple(saved[sh.key].global_shape)
+            if tuple(sh.global_shape) != want:
+                bad.append(f"{sh.key}: checkpoint {want}, model {tuple(sh.global_shape)}")
+    if bad:
+        here = _describe_chunks(model_chunks)
+        raise CheckpointError(
+            f"{directory} ({info.get('family')} {info.get('role')}, padded vocab {info.get('padded_vocab_size')}) does "
+            f"not fit this {here.get('family')} {here.get('role')} (padded vocab {here.get('padded_vocab_size')}): "
+            + "; ".join(sorted(set(bad))[:6])
+        )
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _agree_on_tmp_dir(directory: str) -> str:
+    token = [f"{uuid.uuid4().hex[:8]}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    return f"{directory}.tmp-{token[0]}"
+
+
+def _describe_chunks(model_chunks: list[nn.Module]) -> dict[str, Any]:
+    m = _unwrap(model_chunks[0])
+    cfg, spec = getattr(m, "megappo_config", None), getattr(m, "megappo_spec", None)
+    info: dict[str, Any] = {"role": getattr(m, "megappo_role", None), "num_chunks": len(model_chunks)}
+    if cfg is not None:
+        info["layout"] = dict(
+            tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size,
+            vpp=cfg.virtual_pipeline_model_parallel_size, cp=cfg.context_parallel_size,
+            ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size,
+        )
+    if spec is not None:
+        info.update(family=spec.family, vocab_size=spec.vocab_size, padded_vocab_size=spec.padded_vocab_size)
+    return info
+
+
+def save_model_checkpoint(
+    model_chunks: list[nn.Module],
+    directory: str,
+    *,
+    optimizer: Any = None,
+    scheduler_state: Any = None,
+    extra: Any = None,
+    dp_cp_group: Any = None,
+    overwrite: bool = True,
+) -> str:
+    """Save this rank's chunks (and `optimizer`'s state) into `directory`; collective over all ranks.
+
+    `scheduler_state`/`extra` are picklable Python objects (saved once). `dp_cp_group` is the data x context
+    parallel group (defaults to megatron's). An existing `directory` is replaced only after the new checkpoint is
+    complete (`overwrite=False` raises instead). Returns the directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    directory = os.path.abspath(directory)
+    if os.path.exists(directory) and not overwrite:
+        raise CheckpointError(f"{directory} exists; pass overwrite=True or choose another directory")
+    tmp = _agree_on_tmp_dir(directory)
+    if _rank() == 0:
+        os.makedirs(tmp, exist_ok=False)
+    _barrier()
+    metadata = _metadata(dp_cp_group)
+    state = _model_sharded_state_dict(model_chunks, metadata)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=metadata)
+    state["scheduler_state"] = scheduler_state
+    state["extra"] = extra
+    dist_checkpointing.save(state, tmp, content_metadata={"megappo_format": FORMAT_VERSION})
+    _barrier()
+    if _rank() == 0:
+        info = dict(_describe_chunks(model_chunks), format=FORMAT_VERSION, saved_at=time.time(),
+                    world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                    has_optimizer=optimizer is not None)
+        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
+            json.dump(info, f, indent=1)
+        old = None
+        if os.path.exists(directory):
+            old = f"{tmp}.old"
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return directory
+
+
+def verify_checkpoint(directory: str) -> dict[str, Any]:
+    """Check `directory` is a complete megappo checkpoint; return its info. Raises CheckpointError naming the
+    missing or truncated file."""
+    directory = os.path.abspath(directory)
+    if not os.path.isdir(directory):
+        parent, name = os.path.dirname(directory), os.path.basename(directory)
+        tmp_dirs = [d for d in os.listdir(parent) if d.startswith(name + ".tmp-")] if os.path.isdir(parent) else []
+        hint = f" (found unfinished {tmp_dirs}: a save was interrupted)" if tmp_dirs else ""
+        raise CheckpointError(f"checkpoint directory {directory} does not exist{hint}")
+    marker = os.path.join(directory, MARKER_FILE)
+    if not os.path.isfile(marker):
+        raise CheckpointError(f"{marker} is missing: {directory} is not a complete megappo checkpoint")
+    with open(marker) as f:
+        try:
+            info = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{marker} is corrupt ({e})") from e
+    for required in ("metadata.json", ".metadata", "common.pt"):
+        if not os.path.isfile(os.path.join(directory, required)):
+            raise CheckpointError(f"{os.path.join(directory, required)} is missing: the checkpoint is incomplete")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported with its path
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')} is unreadable ({e})") from e
+    needed: dict[str, int] = {}
+    for storage in (meta.storage_data or {}).values():
+        end = storage.offset + storage.length
+        needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, the metadata needs {end}")
+    return info
+
+
+def load_model_checkpoint(
+    model_chunks: list[nn.Module],
+    directory: str,
+    *,
+    optimizer: Any = None,
+    strict: bool = True,
+    dp_cp_group: Any = None,
+) -> LoadedCheckpoint:
+    """Load weights (and `optimizer` state) saved by `save_model_checkpoint`, at any compatible layout.
+
+    With strict=True a tensor the model needs but the checkpoint lacks raises CheckpointError naming it; with
+    strict=False such tensors keep their current values and are listed in `missing_keys`. Collective.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    directory = os.path.abspath(directory)
+    info = verify_checkpoint(directory)
+    if optimizer is not None and not info.get("has_optimizer", False):
+        raise CheckpointError(f"{directory} has no optimizer state; load with optimizer=None")
+    metadata = _metadata(dp_cp_group)
+    state = _model_sharded_state_dict(model_chunks, metadata)
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=True, metadata=metadata)
+    _check_shapes(state, directory, info, model_chunks)
+    try:
+        loaded, missing, _unexpected = dist_checkpointing.load(state, directory, strict=StrictHandling.RETURN_ALL)
+    except Exception as e:  # noqa: BLE001 - re-raised with the directory and the layouts involved
+        raise CheckpointError(
+            f"loading {directory} (saved with {info.get('layout')}, padded vocab {info.get('padded_vocab_size')}) "
+            f"into {_describe_chunks(model_chunks).get('layout')} failed: {e}"
+        ) from e
+    missing = sorted(missing)
+    if missing and strict:
+        raise CheckpointError(
+            f"{directory} lacks {len(missing)} tensors this model needs, e.g. {missing[:5]}; check the role/family "
+            "or load with strict=False"
+        )
+    for i, chunk in enumerate(model_chunks):
+        key = "model" if len(model_chunks) == 1 else f"model{i}"
+        _unwrap(chunk).load_state_dict(loaded[key], strict=not missing)
+    if optimizer is not None:
+        _load_optimizer_state(optimizer, loaded["optimizer"])
+    return LoadedCheckpoint(directory, loaded.get("scheduler_state"), loaded.get("extra"), info, missing)

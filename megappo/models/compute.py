@@ -1,0 +1,393 @@
+"""Log-probs, values and training steps of megatron models, through megatron's own pipeline schedules.
+
+Everything runs as megatron does it: a `forward_step(data_iterator, model) -> (output, loss_func)` driven by
+`get_forward_backward_func()` over micro-batches, so any TP / PP / VPP / EP layout works unchanged. The last
+pipeline stage turns its output into per-token results (vocab-parallel log-probs and entropy for the actor and
+reference, per-token values for the critic); those are then broadcast over the pipeline group so every rank
+returns the same tensors.
+
+Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
+counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
+over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
+loss by the number of micro-batches and megatron's DDP averages gradients over data-parallel ranks; `_scaled_loss`
+multiplies both back, so the gradient is exactly that of the mini-batch loss however the batch was split.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megappo.models.batch import ModelBatch
+from megappo.models.microbatch import MicroBatchPlan, split_batch
+from megappo.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
+__all__ = [
+    "ModelOutputs", "MicroBatchContext", "StepMetrics", "MicroBatching", "LossFn",
+    "compute_log_probs", "compute_values", "train_step", "attention_mask_4d",
+]
+
+
+@dataclass
+class ModelOutputs:
+    """Per-token outputs of one micro-batch, aligned with its response tokens."""
+
+    log_probs: Optional[torch.Tensor] = None  # [b, r] log p(response token | prefix), actor/ref
+    entropy: Optional[torch.Tensor] = None  # [b, r] entropy of the next-token distribution, when asked
+    values: Optional[torch.Tensor] = None  # [b, r] critic value of the state before each response token
+
+
+@dataclass
+class MicroBatchContext:
+    """What a loss closure needs besides the outputs: the micro-batch and the mini-batch's global counts."""
+
+    batch: ModelBatch  # the micro-batch (train inputs included), cropped to its own padding
+    global_num_tokens: int  # response tokens (response_mask) in the mini-batch over all data-parallel ranks
+    global_num_seqs: int  # sequences in the mini-batch over all data-parallel ranks
+    index: int  # position of this micro-batch in the step
+    num_micro_batches: int
+
+
+# loss_fn(outputs, ctx) -> (this micro-batch's share of the mini-batch loss, {metric name: scalar tensor})
+LossFn = Callable[[ModelOutputs, MicroBatchContext], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class MicroBatching:
+    """How a batch is cut into micro-batches (verl's names: *_micro_batch_size_per_gpu, use_dynamic_bsz,
+    *_max_token_len_per_gpu)."""
+
+    micro_batch_size: Optional[int] = None  # sequences per micro-batch; None: the whole batch at once
+    use_dynamic_bsz: bool = False  # group by a token budget instead
+    max_token_len: Optional[int] = None  # padded tokens per micro-batch with use_dynamic_bsz
+
+
+@dataclass
+class StepMetrics:
+    loss: float  # the mini-batch loss: sum of the closures' losses over micro-batches and data-parallel ranks
+    grad_norm: float  # global gradient norm before clipping
+    lr: float  # learning rate used by this step
+    update_successful: bool  # False when a bf16/fp16 overflow skipped the update
+    num_micro_batches: int
+    metrics: dict[str, float] = field(default_factory=dict)  # closure metrics, mean over micro-batches and DP
+
+
+def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, s] 1 = token -> [b, 1, s, s] bool, True where attention is *blocked* (megatron's convention).
+
+    Causal and padding combined: megatron's local attention uses a given mask as-is (no causal mask is added), so
+    the causal part must be in it. A padding query sees no key; megatron fills blocked scores with -10000, which
+    makes its row a harmless uniform average that no real token ever reads.
+    """
+    s = attention_mask.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril_()
+    keep = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # [b, s(query), s(key)]
+    return (~keep).unsqueeze(1)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _is_value_model(model_chunks: Sequence[nn.Module]) -> bool:
+    return getattr(_unwrap(model_chunks[0]), "megappo_role", "actor") in ("critic", "reward")
+
+
+def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
+    spec = getattr(_unwrap(model_chunks[-1]), "megappo_spec", None)
+    return getattr(spec, "vocab_size", None)
+
+
+def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool, calculate_entropy: bool,
+                      temperature: float, tp_group: Any, vocab_size: Optional[int]) -> ModelOutputs:
+    """The last stage's output [b, s, V/tp] (logits) or [b, s] (values) -> per-response-token outputs [b, r].
+
+    Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
+    (the value of the state before token j) are read from columns P-1 .. P+R-2.
+    """
+    p, r = mb.prompt_len, mb.response_len
+    if p < 1:
+        raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
+    if value_model:
+        return ModelOutputs(values=output[:, p - 1: p + r - 1].float())
+    logits = output[:, p - 1: p + r - 1, :]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp, ent = vocab_parallel_log_probs_and_entropy(
+        logits, mb.input_ids[:, p:], tp_group, calculate_entropy=calculate_entropy, vocab_size=vocab_size
+    )
+    return ModelOutputs(log_probs=logp, entropy=ent)
+
+
+def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable) -> tuple:
+    mb = next(data_iterator)
+    output = model(
+        input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=attention_mask_4d(mb.attention_mask)
+    )
+    return output, partial(loss_func, mb)
+
+
+def _prepare(model_chunks: Sequence[nn.Module], parallel_state: Any) -> Any:
+    """Megatron's model config, set for our micro-batches; rejects what this module does not support."""
+    from megatron.core.utils import get_model_config
+
+    if parallel_state.cp_size > 1:
+        raise NotImplementedError(
+            "context parallelism is not supported by megappo's log-prob/value/train compute yet (the sequence would "
+            "need CP-aware splitting); set context_parallel_size=1"
+        )
+    config = get_model_config(model_chunks[0])
+    # Micro-batches are cropped to their own padding, so activation shapes differ between micro-batches: the
+    # pipeline p2p exchanges shapes first (megatron's variable_seq_lengths). Not with virtual stages: there a
+    # stage can send to its previous and next rank in one batched call, and when both are the same peer (PP=2)
+    # gloo pairs the two shape messages crosswise. Those micro-batches are padded to one shape instead.
+    config.variable_seq_lengths = parallel_state.pp_size > 1 and not parallel_state.vpp_size
+    if parallel_state.vpp_size and not torch.cuda.is_available():
+        # The same crosswise pairing hits batched tensor sends on gloo; megatron's unbatched path orders the
+        # sends and receives by even/odd rank so that they pair up.
+        config.batch_p2p_comm = False
+    return config
+
+
+def _count_multiple(parallel_state: Any) -> int:
+    # megatron's interleaved (virtual pipeline) schedule runs micro-batches in groups of the pipeline size
+    return parallel_state.pp_size if parallel_state.vpp_size else 1
+
+
+def _shape_group(model_chunks: Sequence[nn.Module], parallel_state: Any) -> Any:
+    # megatron's allgather MoE dispatcher all-gathers tokens over the expert-parallel ranks, which are data-parallel
+    # peers with their own micro-batches: it needs the same [b, s] on each, so pad to the max over the DP group.
+    config = _unwrap(model_chunks[0]).config
+    if parallel_state.ep_size > 1 and getattr(config, "moe_token_dispatcher_type", None) == "allgather":
+        return parallel_state.dp_group
+    return None
+
+
+def _device(model_chunks: Sequence[nn.Module]) -> torch.device:
+    return next(iter(model_chunks[0].parameters())).device
+
+
+def _plan(model_chunks: Sequence[nn.Module], batch: ModelBatch, micro: MicroBatching,
+          parallel_state: Any) -> MicroBatchPlan:
+    """Micro-batches for megatron's schedule, on the model's device, with the constraints of this layout."""
+    device = _device(model_chunks)
+    plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
+                       use_dynamic_bsz=micro.use_dynamic_bsz, dp_group=parallel_state.dp_group,
+                       count_multiple=_count_multiple(parallel_state),
+                       uniform_shape=bool(parallel_state.vpp_size),
+                       shape_group=_shape_group(model_chunks, parallel_state), comm_device=device)
+    plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
+    return plan
+
+
+def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_func: Callable, *,
+                  parallel_state: Any, forward_only: bool) -> list[dict]:
+    """Run megatron's forward(-backward) schedule over the plan's micro-batches; the last stage's loss dicts."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    fbf = get_forward_backward_func(parallel_state.pp_size, parallel_state.vpp_size)
+    n = len(plan)
+    # One iterator per model chunk: with virtual pipeline stages every chunk walks the same micro-batches.
+    iters = [iter(plan.micro_batches) for _ in model_chunks]
+    return fbf(
+        forward_step_func=partial(_forward_step, loss_func=loss_func),
+        data_iterator=iters if len(iters) > 1 else iters[0],
+        model=list(model_chunks),
+        num_microbatches=n,
+        seq_length=max(mb.seq_len for mb in plan.micro_batches),
+        micro_batch_size=max(mb.batch_size for mb in plan.micro_batches),
+        forward_only=forward_only,
+    )
+
+
+def _broadcast_from_last_stage(tensors: list[Optional[torch.Tensor]], shapes: list[tuple[int, ...]],
+                               parallel_state: Any, device: torch.device) -> list[torch.Tensor]:
+    """Send the last pipeline stage's tensors to every stage of `parallel_state.pp_group`."""
+    if parallel_state.pp_size == 1:
+        return tensors  # type: ignore[return-value]
+    src = dist.get_global_rank(parallel_state.pp_group, parallel_state.pp_size - 1)
+    out = []
+    for t, shape in zip(tensors, shapes):
+        if t is None:
+            t = torch.empty(shape, dtype=torch.float32, device=device)
+        t = t.contiguous()
+        dist.broadcast(t, src=src, group=parallel_state.pp_group)
+        out.append(t)
+    return out
+
+
+@contextlib.contextmanager
+def _mode(model_chunks: Sequence[nn.Module], train: bool):
+    before = [m.training for m in model_chunks]
+    for m in model_chunks:
+        m.train(train)
+    try:
+        yield
+    finally:
+        for m, t in zip(model_chunks, before):
+            m.train(t)
+
+
+def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, calculate_entropy, temperature):
+    _prepare(model_chunks, parallel_state)
+    vocab_size = _real_vocab_size(model_chunks)
+    plan = _plan(model_chunks, batch, micro, parallel_state)
+
+    def loss_func(mb: ModelBatch, output: torch.Tensor):
+        out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
+                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
+        return torch.zeros((), device=output.device), out
+
+    with torch.no_grad(), _mode(model_chunks, train=False):
+        results = _run_schedule(model_chunks, plan, loss_func, parallel_state=parallel_state, forward_only=True)
+    keys = ["values"] if value_model else ["log_probs"] + (["entropy"] if calculate_entropy else [])
+    restored: list[Optional[torch.Tensor]] = [None] * len(keys)
+    if parallel_state.is_pipeline_last_stage:
+        restored = [plan.restore([getattr(o, k).float() for o in results]) for k in keys]
+    shape = (batch.batch_size, batch.response_len)
+    out = _broadcast_from_last_stage(restored, [shape] * len(keys), parallel_state, _device(model_chunks))
+    return [t.to(batch.input_ids.device) for t in out]  # results live where the batch came from
+
+
+def compute_log_probs(
+    model_chunks: Sequence[nn.Module],
+    batch: ModelBatch,
+    *,
+    parallel_state: Any,
+    micro: MicroBatching = MicroBatching(),
+    calculate_entropy: bool = False,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Forward-only log p(response token) [B, R] (and entropy [B, R]) of an LM-head model; zero on padding.
+
+    The logits stay vocab-parallel (each TP rank holds [b, s, V/tp]); results are identical on every rank of the
+    model-parallel group. `temperature` divides the logits first (match the sampler's temperature).
+    """
+    out = _forward_only(model_chunks, batch, parallel_state, micro, value_model=False,
+                        calculate_entropy=calculate_entropy, temperature=temperature)
+    mask = batch.response_mask.to(out[0].dtype)
+    return out[0] * mask, (out[1] * mask if calculate_entropy else None)
+
+
+def compute_values(
+    model_chunks: Sequence[nn.Module],
+    batch: ModelBatch,
+    *,
+    parallel_state: Any,
+    micro: MicroBatching = MicroBatching(),
+) -> torch.Tensor:
+    """Forward-only critic values [B, R]: the value of the state before each response token; zero on padding."""
+    (values,) = _forward_only(model_chunks, batch, parallel_state, micro, value_model=True,
+                              calculate_entropy=False, temperature=1.0)
+    return values * batch.response_mask.to(values.dtype)
+
+
+def _global_counts(batch: ModelBatch, dp_group: Any, device: torch.device) -> tuple[int, int]:
+    t = torch.tensor([int(batch.response_mask.sum()), batch.batch_size], dtype=torch.long, device=device)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(t, group=dp_group)
+    return int(t[0]), int(t[1])
+
+
+def _reduce_metrics(results: list[dict], parallel_state: Any) -> tuple[float, dict[str, float]]:
+    """(loss summed over micro-batches and DP ranks, other metrics averaged), identical on every rank."""
+    payload: list[Any] = [None, None]
+    if parallel_state.is_pipeline_last_stage:
+        keys = sorted(results[0])
+        if any(sorted(r) != keys for r in results):
+            names = [sorted(r) for r in results]
+            raise ValueError(f"loss_fn returned different metric names across micro-batches: {names}")
+        vals = torch.stack([torch.stack([r[k].float().reshape(()) for r in results]) for k in keys])  # [K, n]
+        is_loss = torch.tensor([k == "loss" for k in keys], device=vals.device)
+        # the loss shares add up to the mini-batch loss; the other metrics are means over micro-batches and ranks
+        reduced = torch.where(is_loss, vals.sum(-1), vals.mean(-1))  # [K]
+        if parallel_state.dp_size > 1:
+            dist.all_reduce(reduced, group=parallel_state.dp_group)
+            reduced = torch.where(is_loss, reduced, reduced / parallel_state.dp_size)
+        payload = [keys, reduced.tolist()]
+    if parallel_state.pp_size > 1:
+        src = dist.get_global_rank(parallel_state.pp_group, parallel_state.pp_size - 1)
+        dist.broadcast_object_list(payload, src=src, group=parallel_state.pp_group)
+    metrics = dict(zip(payload[0], payload[1]))
+    return metrics.pop("loss"), metrics
+
+
+def train_step(
+    model_chunks: Sequence[nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    batch: ModelBatch,
+    loss_fn: LossFn,
+    *,
+    parallel_state: Any,
+    micro: MicroBatching = MicroBatching(),
+    calculate_entropy: bool = False,
+    temperature: float = 1.0,
+    platform: Any = None,
+) -> StepMetrics:
+    """One optimizer step on `batch` (this data-parallel rank's share of the mini-batch).
+
+    model_chunks: DDP-wrapped chunks (`optim.wrap_ddp`); optimizer/scheduler from `optim.build_optimizer` /
+    `optim.build_scheduler` (scheduler may be None). platform: `detect_platform()`'s (None: CPU unless CUDA is
+    available), for megatron's optimizer code on CPU. `loss_fn(outputs, ctx)` gets the micro-batch's log-probs
+    (and entropy) for an LM model or values for a critic, each [b, r], and returns its share of the mini-batch
+    loss (normalise by `ctx.global_num_tokens` / `ctx.global_num_seqs`) and scalar metrics.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    from megappo.models.optim import optimizer_step_context
+
+    if not all(hasattr(c, "zero_grad_buffer") for c in model_chunks):
+        raise TypeError("train_step needs megatron-DDP-wrapped chunks: wrap them with megappo.models.optim.wrap_ddp")
+    config = _prepare(model_chunks, parallel_state)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [c.no_sync for c in model_chunks if hasattr(c, "no_sync")]
+    if no_sync and getattr(getattr(model_chunks[0], "ddp_config", None), "overlap_grad_reduce", False):
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        config.grad_sync_func = None
+    value_model = _is_value_model(model_chunks)
+    vocab_size = _real_vocab_size(model_chunks)
+
+    plan = _plan(model_chunks, batch, micro, parallel_state)
+    n_tokens, n_seqs = _global_counts(batch, parallel_state.dp_group, _device(model_chunks))
+    n_tokens = max(n_tokens, 1)  # a mini-batch with no response token: shares of 0, not NaN
+    n = len(plan)
+    index_of = {id(mb): i for i, mb in enumerate(plan.micro_batches)}
+    undo = float(n * parallel_state.dp_size)  # megatron divides by n (schedule) and by dp (DDP grad average)
+
+    def loss_func(mb: ModelBatch, output: torch.Tensor):
+        out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
+                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
+        ctx = MicroBatchContext(mb, n_tokens, n_seqs, index_of[id(mb)], n)
+        loss, metrics = loss_fn(out, ctx)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__} "
+                             f"{tuple(getattr(loss, 'shape', ()))}")
+        if "loss" in metrics:
+            raise ValueError("loss_fn metrics must not use the key 'loss' (the step reports the loss itself)")
+        # clone: the schedule divides the returned loss in place, and a detached view would share that storage
+        reported = {"loss": loss.detach().clone(), **{k: v.detach().clone() for k, v in metrics.items()}}
+        return loss * undo, reported
+
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    with _mode(model_chunks, train=True):
+        results = _run_schedule(model_chunks, plan, loss_func, parallel_state=parallel_state, forward_only=False)
+    lr = float(optimizer.param_groups[0]["lr"])
+    with optimizer_step_context(platform):
+        update_successful, grad_norm, _ = optimizer.step()
+    if scheduler is not None and update_successful:
+        scheduler.step(1)
+    loss, metrics = _reduce_metrics(results, parallel_state)
+    return StepMetrics(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
+                       update_successful=bool(update_successful), num_micro_batches=n, metrics=metrics)
+

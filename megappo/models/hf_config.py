@@ -1,0 +1,288 @@
+"""A megatron `TransformerConfig` (plus the GPTModel constructor arguments) from a Hugging Face `config.json`.
+
+Supported families (HF `model_type`): llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral. Both transformers-4
+(`rope_theta`, `rope_scaling`) and transformers-5 (`rope_parameters`) rotary fields are read.
+
+Mapping notes, per HF modeling code:
+- MoE routing: HF computes softmax over all experts, takes the top-k and renormalises when `norm_topk_prob`
+  (Qwen3-MoE, Mixtral always). Renormalised top-k of a softmax equals softmax over the top-k logits, which is
+  megatron's `moe_router_pre_softmax=False`; without renormalisation (Qwen2-MoE) it is `pre_softmax=True`.
+- Qwen2-MoE's shared expert output is scaled by `sigmoid(shared_expert_gate(x))`: `moe_shared_expert_gate=True`.
+- MoE models use `add_bias_linear=False` (megatron-core 0.16 fails with expert biases; the HF families have none).
+- The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp` (megatron's rule), so logits have
+  `ModelSpecArgs.padded_vocab_size` columns; columns >= `vocab_size` are padding that log-prob code must mask.
+  A checkpoint is layout-independent only between layouts whose padded sizes agree.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from megappo.models.layout import ParallelLayout
+from megappo.platform.device import Platform
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+# Megatron's llama-3 rope scaling (`RotaryEmbedding._apply_scaling`) fixes these; other values cannot be honoured.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class UnsupportedModelError(ValueError):
+    """A Hugging Face config megappo cannot map onto megatron-core; the message says what and what is supported."""
+
+
+@dataclass(frozen=True)
+class ModelSpecArgs:
+    """Everything `GPTModel(...)` needs besides the TransformerConfig, and how the layer spec is chosen."""
+
+    family: str  # HF model_type
+    vocab_size: int  # the tokenizer's / HF embedding rows
+    padded_vocab_size: int  # megatron embedding rows (multiple of make_vocab_size_divisible_by * tp)
+    max_sequence_length: int
+    share_embeddings_and_output_weights: bool
+    position_embedding_type: str = "rope"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: bool = False  # llama-3 style frequency scaling
+    rope_scaling_factor: float = 8.0
+    seq_len_interpolation_factor: Optional[float] = None  # "linear" rope scaling
+    num_experts: Optional[int] = None
+    moe_grouped_gemm: bool = False
+    qk_layernorm: bool = False
+    normalization: str = "RMSNorm"
+    use_transformer_engine: bool = False  # TE layer spec (CUDA + TE importable) vs megatron's local spec
+    hf_architecture: str = ""
+
+
+def load_hf_config_dict(hf_config_or_dir: Union[str, os.PathLike, Mapping[str, Any], Any]) -> dict[str, Any]:
+    """A plain dict of HF config fields from a model directory, a config.json path, a dict or a PretrainedConfig."""
+    if isinstance(hf_config_or_dir, Mapping):
+        return dict(hf_config_or_dir)
+    if isinstance(hf_config_or_dir, (str, os.PathLike)):
+        path = os.fspath(hf_config_or_dir)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no Hugging Face config at {path}; pass a model directory containing config.json")
+        with open(path) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON ({e}); re-download or re-export the model") from e
+    if hasattr(hf_config_or_dir, "to_dict"):
+        return hf_config_or_dir.to_dict()
+    raise TypeError(
+        f"expected a model directory, config.json path, dict or PretrainedConfig; got {type(hf_config_or_dir)}"
+    )
+
+
+def transformer_engine_available() -> bool:
+    """True when transformer-engine imports (chosen at run time; never imported unconditionally)."""
+    try:
+        import importlib
+
+        importlib.import_module("transformer_engine")
+    except Exception:  # noqa: BLE001 - a broken TE install (ABI mismatch) must fall back, not crash
+        return False
+    return True
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rotary base and scaling from transformers-5 `rope_parameters` or transformers-4 `rope_theta`/`rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    if not params and scaling:
+        params = scaling
+    base = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    out: dict[str, Any] = dict(rotary_base=float(base))
+    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    if partial is not None:
+        out["rotary_percent"] = float(partial)
+    if rope_type == "default":
+        return out
+    if rope_type == "llama3":
+        for key, expected in _LLAMA3_FIXED.items():
+            if key in params and float(params[key]) != expected:
+                raise UnsupportedModelError(
+                    f"llama3 rope scaling with {key}={params[key]} is not supported: megatron-core's RotaryEmbedding "
+                    f"fixes {key}={expected}"
+                )
+        return {**out, "rope_scaling": True, "rope_scaling_factor": float(params.get("factor", 8.0))}
+    if rope_type == "linear":
+        return {**out, "seq_len_interpolation_factor": float(params["factor"])}
+    raise UnsupportedModelError(
+        f"rope type {rope_type!r} is not supported; supported: default, llama3, linear"
+    )
+
+
+def _moe_fields(
+    family: str, cfg: dict[str, Any], layout: ParallelLayout, platform: Platform, use_te: bool
+) -> dict[str, Any]:
+    if family == "mixtral":
+        num_experts, ffn = cfg["num_local_experts"], cfg["intermediate_size"]
+        pre_softmax, shared = False, None
+        layer_freq: Any = 1
+    else:
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an alias)
+        num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
+        ffn = cfg["moe_intermediate_size"]
+        pre_softmax = not cfg.get("norm_topk_prob", family == "qwen3_moe")
+        shared = cfg.get("shared_expert_intermediate_size") or None
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"])]
+        layer_freq = 1 if all(pattern) else pattern
+    fields_: dict[str, Any] = dict(
+        num_moe_experts=num_experts,
+        moe_ffn_hidden_size=ffn,
+        moe_router_topk=cfg["num_experts_per_tok"],
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",  # RL fine-tuning: no aux loss unless overridden
+        moe_aux_loss_coeff=0.0,
+        moe_layer_freq=layer_freq,
+        # alltoall on GPU. On CPU allgather is simpler, but megatron allows only alltoall with variable sequence
+        # lengths, which pipeline parallelism turns on (see variable_seq_lengths below).
+        moe_token_dispatcher_type="alltoall" if platform.is_cuda or layout.pp > 1 else "allgather",
+        # Grouped GEMM needs TE's GroupedLinear (or the grouped_gemm package): only on CUDA with TE.
+        moe_grouped_gemm=bool(platform.is_cuda and use_te),
+        moe_router_dtype="fp32",
+    )
+    if shared:
+        fields_.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return fields_
+
+
+def _check_supported(family: str, cfg: dict[str, Any]) -> None:
+    if family not in SUPPORTED_FAMILIES:
+        archs = cfg.get("architectures") or ["?"]
+        raise UnsupportedModelError(
+            f"unsupported model_type {family!r} (architectures {archs}); supported families: "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r} is not supported; these families use 'silu'")
+    if family in ("llama", "qwen3", "qwen3_moe") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedModelError(
+            f"{family} with attention_bias/mlp_bias=true is not supported (megatron's add_qkv_bias has no o_proj "
+            "bias); supported: the released checkpoints' attention_bias=false"
+        )
+    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
+        raise UnsupportedModelError(
+            f"sliding-window attention (sliding_window={cfg.get('sliding_window')}) is not supported; use a "
+            "checkpoint with full attention"
+        )
+
+
+def pad_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: the smallest multiple of `divisible_by * tp` that holds `vocab_size`."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config_from_hf(
+    hf_config_or_dir: Union[str, os.PathLike, Mapping[str, Any], Any],
+    layout: ParallelLayout,
+    platform: Platform,
+    *,
+    make_vocab_size_divisible_by: int = 128,
+    use_transformer_engine: Optional[bool] = None,
+    **overrides: Any,
+):
+    """Build `(TransformerConfig, ModelSpecArgs)` for a Hugging Face causal-LM config.
+
+    `overrides` replace any TransformerConfig field (e.g. `recompute_granularity="full"`,
+    `moe_aux_loss_coeff=0.01`). `use_transformer_engine=None` picks TE when CUDA is used and TE imports.
+    Raises UnsupportedModelError (listing the supported families) for anything else.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = load_hf_config_dict(hf_config_or_dir)
+    family = cfg.get("model_type", "")
+    _check_supported(family, cfg)
+    if use_transformer_engine is None:
+        use_transformer_engine = platform.is_cuda and transformer_engine_available()
+    use_te = bool(use_transformer_engine)
+
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = _rope(cfg)
+    dtype = platform.dtype
+    is_moe = family in _MOE_FAMILIES
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
+    qk_norm = family in ("qwen3", "qwen3_moe")
+
+    tc_fields: dict[str, Any] = dict(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(qkv_bias),
+        qk_layernorm=qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+        init_method_std=cfg.get("initializer_range", 0.02),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # parallel layout
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp or layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        # micro-batches of different lengths go through the pipeline (dynamic batch size): exchange shapes
+        variable_seq_lengths=layout.pp > 1,
+        # megatron rejects variable_seq_lengths with the (default) allgather dispatcher even for dense models
+        moe_token_dispatcher_type="alltoall" if layout.pp > 1 else "allgather",
+        # dtypes and placement
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not platform.is_cuda,
+    )
+    if is_moe:
+        tc_fields.update(_moe_fields(family, cfg, layout, platform, use_te))
+    unknown = set(overrides) - {f.name for f in fields(TransformerConfig)}
+    if unknown:
+        raise TypeError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")
+    tc_fields.update(overrides)
+    config = TransformerConfig(**tc_fields)
+
+    vocab = cfg["vocab_size"]
+    spec = ModelSpecArgs(
+        family=family,
+        vocab_size=vocab,
+        padded_vocab_size=pad_vocab_size(vocab, layout.tp, make_vocab_size_divisible_by),
+        max_sequence_length=cfg.get("max_position_embeddings", 4096),
+        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        num_experts=tc_fields.get("num_moe_experts"),
+        moe_grouped_gemm=bool(tc_fields.get("moe_grouped_gemm", False)),
+        qk_layernorm=qk_norm,
+        use_transformer_engine=use_te,
+        hf_architecture=(cfg.get("architectures") or [""])[0],
+        **rope,
+    )
+    return config, spec

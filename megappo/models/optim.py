@@ -1,0 +1,160 @@
+"""Megatron DDP wrapping, megatron's optimizer and the learning-rate schedule, from plain settings.
+
+- `wrap_ddp`: each model chunk in megatron's `DistributedDataParallel` (contiguous grad buffers, one reduce over
+  the data-parallel group per step; the reduce overlaps backward on NCCL, never on gloo where it would only
+  serialise).
+- `build_optimizer`: `get_megatron_optimizer` with Adam (decoupled weight decay), gradient clipping and optionally
+  the distributed optimizer (optimizer state sharded over data-parallel ranks).
+- `build_scheduler`: megatron's `OptimizerParamScheduler`, constant or cosine after a linear warmup.
+
+Inputs are `OptimSettings` (plain numbers), so callers map their own config onto it; megappo's config tree maps
+`OptimConfig` with `OptimSettings.from_config`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from megappo.platform.device import Platform
+
+__all__ = ["OptimSettings", "wrap_ddp", "build_optimizer", "build_scheduler", "optimizer_step_context"]
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # global grad-norm clip; <= 0 disables clipping (the norm is still returned)
+    total_steps: int = 1  # optimizer steps of the whole run (the cosine decay length)
+    lr_warmup_steps: Optional[int] = None  # None or <= 0: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler: str = "constant"  # "constant" or "cosine" (after warmup)
+    min_lr_ratio: float = 0.0  # cosine: final lr = lr * min_lr_ratio
+    use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks
+    grad_reduce_in_fp32: bool = True  # reduce (and keep) gradients in fp32 when training in bf16/fp16
+
+    @classmethod
+    def from_config(cls, optim: Any, total_steps: int, **kwargs: Any) -> "OptimSettings":
+        """From megappo's `OptimConfig` (lr, betas, weight_decay, clip_grad, lr_warmup_steps(_ratio),
+        lr_scheduler, min_lr_ratio)."""
+        return cls(
+            lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=optim.clip_grad,
+            total_steps=total_steps, lr_warmup_steps=optim.lr_warmup_steps,
+            lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio, lr_scheduler=optim.lr_scheduler,
+            min_lr_ratio=optim.min_lr_ratio, **kwargs,
+        )
+
+    def warmup_steps(self) -> int:
+        if self.lr_warmup_steps is not None and self.lr_warmup_steps > 0:
+            return int(self.lr_warmup_steps)
+        return int(self.lr_warmup_steps_ratio * self.total_steps)
+
+    def validate(self) -> None:
+        if self.lr_scheduler not in ("constant", "cosine"):
+            raise ValueError(f"optim.lr_scheduler={self.lr_scheduler!r}; use 'constant' or 'cosine'")
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps={self.total_steps}: the schedule needs the number of optimizer steps >= 1")
+        if not 0.0 <= self.lr_warmup_steps_ratio < 1.0:
+            raise ValueError(f"optim.lr_warmup_steps_ratio={self.lr_warmup_steps_ratio} must be in [0, 1)")
+        if self.warmup_steps() > 0 and self.warmup_steps() >= self.total_steps:
+            raise ValueError(f"lr warmup of {self.warmup_steps()} steps does not fit in {self.total_steps} total "
+                             "steps; lower optim.lr_warmup_steps(_ratio)")
+
+
+def optimizer_step_context(platform: Optional[Platform]):
+    """The context megatron's optimizer code runs in: on CPU, `cpu_compat.cuda_to_cpu()` (its hard-coded CUDA
+    allocations and `param.type()` checks); on GPU, nothing. platform None: CPU unless CUDA is available."""
+    import contextlib
+
+    if platform.is_cuda if platform is not None else torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from megappo.platform.cpu_compat import cuda_to_cpu
+
+    return cuda_to_cpu()
+
+
+def wrap_ddp(model_chunks: Sequence[nn.Module], settings: OptimSettings, platform: Platform,
+             pg_collection: Any = None) -> list[nn.Module]:
+    """Wrap each chunk in megatron's DistributedDataParallel (grad buffers reduced over the DP group).
+
+    Only the first chunk buckets gradients (megatron's convention for virtual pipeline stages: later chunks finish
+    backward first, so their buffers are reduced as one).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
+        # Overlap needs asynchronous collectives on a separate stream: NCCL. On gloo it only adds hooks.
+        overlap_grad_reduce=platform.is_cuda,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    wrapped = []
+    with optimizer_step_context(platform):
+        for i, chunk in enumerate(model_chunks):
+            wrapped.append(DistributedDataParallel(
+                config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0,
+                pg_collection=pg_collection,
+            ))
+    for w, chunk in zip(wrapped, model_chunks):  # keep the builder's metadata reachable on the wrapper
+        for attr in ("megappo_config", "megappo_spec", "megappo_role"):
+            if hasattr(chunk, attr):
+                setattr(w, attr, getattr(chunk, attr))
+    return wrapped
+
+
+def build_optimizer(ddp_chunks: Sequence[nn.Module], settings: OptimSettings, platform: Platform,
+                    dtype: Optional[torch.dtype] = None):
+    """Megatron's Adam over the DDP-wrapped chunks: fp32 master weights for bf16/fp16 models, clipping by
+    `settings.clip_grad`, the distributed optimizer when `settings.use_distributed_optimizer`."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    settings.validate()
+    dtype = dtype or platform.dtype
+    cfg = OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.lr * settings.min_lr_ratio,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.betas[0],
+        adam_beta2=settings.betas[1],
+        adam_eps=settings.eps,
+        # megatron only computes the norm when clipping; an infinite threshold keeps the norm and never clips
+        clip_grad=settings.clip_grad if settings.clip_grad > 0 else float("inf"),
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    with optimizer_step_context(platform):
+        return get_megatron_optimizer(cfg, list(ddp_chunks), use_gloo_process_groups=not platform.is_cuda)
+
+
+def build_scheduler(optimizer: Any, settings: OptimSettings):
+    """Megatron's OptimizerParamScheduler: linear warmup from 0 to lr over the warmup steps, then constant or
+    cosine decay to lr * min_lr_ratio at `total_steps`. Call `.step(1)` after each optimizer step;
+    `state_dict()` / `load_state_dict()` checkpoint it."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    settings.validate()
+    warmup = settings.warmup_steps()
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else settings.lr,
+        max_lr=settings.lr,
+        min_lr=settings.lr * settings.min_lr_ratio,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(settings.total_steps, warmup + 1),
+        lr_decay_style=settings.lr_scheduler,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=max(settings.total_steps, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+    )
