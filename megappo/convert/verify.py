@@ -70,7 +70,7 @@ def mcore_forward(model_chunks: list[nn.Module], parallel_state: Any, input_ids:
                 parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
                 dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
                 out = torch.cat(parts, dim=-1)
-            out = out[..., :vocab_size] if vocab_size else out
+            out = (out[..., :vocab_size] if vocab_size else out).contiguous()  # gloo sends raw storage
     if ps.pp_size > 1:
         shape = [None]
         if ps.is_pipeline_last_stage:

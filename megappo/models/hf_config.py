@@ -9,9 +9,11 @@ Mapping notes, per HF modeling code:
   megatron's `moe_router_pre_softmax=False`; without renormalisation (Qwen2-MoE) it is `pre_softmax=True`.
 - Qwen2-MoE's shared expert output is scaled by `sigmoid(shared_expert_gate(x))`: `moe_shared_expert_gate=True`.
 - MoE models use `add_bias_linear=False` (megatron-core 0.16 fails with expert biases; the HF families have none).
-- The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp` (megatron's rule), so logits have
-  `ModelSpecArgs.padded_vocab_size` columns; columns >= `vocab_size` are padding that log-prob code must mask.
-  A checkpoint is layout-independent only between layouts whose padded sizes agree.
+- The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * lcm(tp, 8)`, not megatron's
+  `make_vocab_size_divisible_by * tp`: the padded size is then the same at TP 1, 2, 4 and 8, so a checkpoint saved
+  at one of them loads at any other (with megatron's rule Qwen's 151936 pads to 151936 at TP1 but 152064 at TP2,
+  and the embedding no longer fits). Logits have `ModelSpecArgs.padded_vocab_size` columns; columns >= `vocab_size`
+  are padding that log-prob code must mask.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class ModelSpecArgs:
 
     family: str  # HF model_type
     vocab_size: int  # the tokenizer's / HF embedding rows
-    padded_vocab_size: int  # megatron embedding rows (multiple of make_vocab_size_divisible_by * tp)
+    padded_vocab_size: int  # megatron embedding rows (see pad_vocab_size)
     max_sequence_length: int
     share_embeddings_and_output_weights: bool
     position_embedding_type: str = "rope"
@@ -182,9 +184,13 @@ def _check_supported(family: str, cfg: dict[str, Any]) -> None:
         )
 
 
+# Every TP size dividing this pads the vocabulary identically, which keeps checkpoints layout-independent.
+LAYOUT_INDEPENDENT_TP = 8
+
+
 def pad_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: the smallest multiple of `divisible_by * tp` that holds `vocab_size`."""
-    multiple = divisible_by * tp
+    """The smallest multiple of `divisible_by * lcm(tp, 8)` that holds `vocab_size` (same for tp in 1, 2, 4, 8)."""
+    multiple = divisible_by * math.lcm(tp, LAYOUT_INDEPENDENT_TP)
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 

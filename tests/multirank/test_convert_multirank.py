@@ -56,9 +56,9 @@ def _job(rank, world_size, dense_dir, moe_dir, work):
     # MoE: TP2 x PP2 x EP2 (expert TP 1), written for the TP1 load in the parent
     moe_ckpt = os.path.join(work, "moe_tp2pp2ep2")
     hf_to_mcore(moe_dir, moe_ckpt, tp=2, pp=2, ep=2, etp=1, progress=False)
-    # forward at TP2 x EP2 from the TP2xPP2xEP2 files (a reshard); MoE forward with PP > 1 on CPU needs the alltoall
-    # dispatcher, which megatron-core 0.16 cannot run on gloo (tensor split sizes)
-    out["moe_verify"] = verify(moe_dir, moe_ckpt, tp=2, ep=2, etp=1)["max_abs_diff"]
+    out["moe_verify"] = verify(moe_dir, moe_ckpt, tp=2, pp=2, ep=2, etp=1)["max_abs_diff"]
+    # and at TP2 x EP2 from the TP2xPP2xEP2 files (a reshard)
+    out["moe_reshard_verify"] = verify(moe_dir, moe_ckpt, tp=2, ep=2, etp=1)["max_abs_diff"]
     ps = init_parallel(ParallelLayout(tp=2, pp=2, ep=2, etp=1), platform)
     chunks = build_for_conversion(moe_dir, "actor", ps, platform)
     load_hf_weights(chunks, moe_dir, ps)
@@ -78,6 +78,7 @@ def test_convert_tp2_pp2_ep2(hf_model_dir, tmp_path):
     results = run_distributed(_job, 4, dense, moe, str(tmp_path), timeout=400)
     for r in results:
         assert r["dense_verify"] < 1e-4 and r["vpp_verify"] < 1e-4 and r["moe_verify"] < 1e-4, r
+        assert r["moe_reshard_verify"] < 1e-4, r
         assert r["dense_export"] == r["vpp_export"] > 0 and r["moe_export"] == r["moe_etp_export"] > 0, r
     # the TP2xPP2xEP2 checkpoint loads at TP1 in this (single) process with the same outputs as HF
     from megappo.convert.verify import verify

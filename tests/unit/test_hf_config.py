@@ -30,7 +30,7 @@ def test_llama(cpu):
     assert c.use_cpu_initialization and c.params_dtype == torch.float32 and not c.bf16
     assert c.num_moe_experts is None
     assert s.family == "llama" and s.rotary_base == 500000.0 and not s.rope_scaling
-    assert not s.share_embeddings_and_output_weights and s.padded_vocab_size == 512
+    assert not s.share_embeddings_and_output_weights and s.padded_vocab_size == 1024
     assert s.max_sequence_length == 512 and not s.use_transformer_engine
 
 
@@ -87,9 +87,12 @@ def test_rope_scaling_transformers4_and_5(cpu):
 
 
 def test_vocab_padding_and_layout_fields(cpu):
-    assert pad_vocab_size(500, 1) == 512 and pad_vocab_size(513, 2) == 768 and pad_vocab_size(151936, 2) == 152064
+    assert pad_vocab_size(500, 1) == 1024 and pad_vocab_size(1025, 2) == 2048
+    # The same padded size at every TP up to 8, so a TP2 checkpoint of Qwen's vocabulary loads at TP1.
+    assert {pad_vocab_size(151936, tp) for tp in (1, 2, 4, 8)} == {152576}
+    assert pad_vocab_size(151936, 16) == 153600  # past 8 the multiple grows with tp
     c, s = _cfg("qwen2_moe", layout=ParallelLayout(tp=2, pp=2, ep=2), platform=cpu, vocab_size=513)
-    assert s.padded_vocab_size == 768 and s.vocab_size == 513
+    assert s.padded_vocab_size == 1024 and s.vocab_size == 513
     assert (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.expert_model_parallel_size) == (2, 2, 2)
     assert c.variable_seq_lengths and c.moe_token_dispatcher_type == "alltoall"  # megatron: allgather can't
 
