@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 # (module, attribute) of each subcommand's register function, in the order `--help` lists them.
 SUBCOMMANDS = [
@@ -34,7 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_known_warnings() -> None:
+    """Hide warnings a user cannot act on: megatron-core announcing its fallbacks when transformer-engine or apex
+    is absent (always, on CPU) and deprecations inside megatron's own calls into torch. MEGAPPO_WARNINGS=1 shows
+    them."""
+    if os.environ.get("MEGAPPO_WARNINGS") == "1":
+        return
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+    warnings.filterwarnings("ignore", message=r".*cuda_graph_scope")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch)\.")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_known_warnings()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
