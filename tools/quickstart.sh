@@ -38,7 +38,7 @@ megappo convert hf-to-mcore --hf "$OUT/hf" --out "$OUT/mcore"
 
 step "5/6 verify against transformers: TP1, then TP2 on 2 gloo ranks"
 megappo convert verify --hf "$OUT/hf" --mcore "$OUT/mcore"
-torchrun --standalone --nproc-per-node 2 -m megappo.cli convert verify --hf "$OUT/hf" --mcore "$OUT/mcore" --tp 2
+launch/torchrun.sh --nproc-per-node 2 convert verify --hf "$OUT/hf" --mcore "$OUT/mcore" --tp 2
 
 step "6/6 megatron -> Hugging Face, verified against the megatron checkpoint"
 megappo convert mcore-to-hf --mcore "$OUT/mcore" --out "$OUT/hf_export"

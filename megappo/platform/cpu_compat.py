@@ -1,7 +1,7 @@
 """The adaptation of megatron-core's CUDA assumptions for CPU-only runs (tests, CI; never a GPU).
 
 megatron-core 0.16 assumes a CUDA device in a handful of places. Each item below names the megatron-core code that
-needs it (see /work/shared/notes/megatron-core-on-cpu.md) so that a megatron-core upgrade shows what can go:
+needs it (measured in the project notes, shared/notes/megatron-core-on-cpu.md) so that a megatron-core upgrade shows what can go:
 
 1. RNG tracker. `tensor_parallel.random.CudaRNGStatesTracker.add/fork`, `_get_cuda_rng_state`,
    `_set_cuda_rng_state` (used by `model_parallel_cuda_manual_seed`, attention dropout even at p=0, activation
