@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
+
+from megappo.models.hf_config import (
+    SUPPORTED_FAMILIES, HFArchitecture, UnsupportedModelError, read_hf_architecture,
+)
 
 Kind = Literal["copy", "qkv", "glu", "vocab"]
 Role = Literal["actor", "ref", "critic", "reward"]
@@ -31,44 +35,14 @@ Role = Literal["actor", "ref", "critic", "reward"]
 VALUE_HEAD = "output_layer.weight"
 
 # model_type in config.json -> family. Families share HF names except in their MoE blocks.
-SUPPORTED_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen2_moe": "qwen2_moe",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-}
+SUPPORTED_MODEL_TYPES = {family: family for family in SUPPORTED_FAMILIES}
+
+# The shape facts of a HF decoder that decide its tensor names and shapes: read by the one HF config reader.
+ModelSpec = HFArchitecture
 
 
 class ConversionError(ValueError):
     """A checkpoint that cannot be converted; the message names the file/tensor and the fix."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape facts of a HF decoder that decide its tensor names and shapes."""
-
-    family: str  # key of SUPPORTED_MODEL_TYPES' values
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int  # rows of the HF embedding (megatron's padding excluded)
-    ffn_size: int  # dense MLP intermediate size
-    num_experts: int  # 0: dense model
-    moe_ffn_size: int
-    shared_expert_size: int  # 0: no shared expert
-    shared_expert_gate: bool  # qwen2_moe: sigmoid gate on the shared expert's output
-    moe_layers: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP
-    qkv_bias: bool
-    qk_norm: bool  # qwen3: RMSNorm on each query/key head
-    tied_embeddings: bool
-
-
-def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
 
 
 def model_spec_from_hf_config(cfg: Any, source: str = "config.json") -> ModelSpec:
@@ -76,55 +50,10 @@ def model_spec_from_hf_config(cfg: Any, source: str = "config.json") -> ModelSpe
 
     Raises ConversionError naming `source` for an unsupported architecture.
     """
-    model_type = _get(cfg, "model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConversionError(
-            f"{source}: unsupported model_type {model_type!r} (architectures {_get(cfg, 'architectures')}); "
-            f"megappo converts {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
-    family = SUPPORTED_MODEL_TYPES[model_type]
-    n_layers = int(_get(cfg, "num_hidden_layers"))
-    hidden = int(_get(cfg, "hidden_size"))
-    heads = int(_get(cfg, "num_attention_heads"))
-    kv = int(_get(cfg, "num_key_value_heads") or heads)
-    head_dim = int(_get(cfg, "head_dim") or hidden // heads)
-    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map): accept both keys
-    num_experts = int(_get(cfg, "num_local_experts", 0) or _get(cfg, "num_experts", 0) or 0)
-    if family not in ("qwen2_moe", "qwen3_moe", "mixtral"):
-        num_experts = 0
-    moe_layers = tuple(False for _ in range(n_layers))
-    if num_experts:
-        if family == "mixtral":
-            moe_layers = tuple(True for _ in range(n_layers))
-        else:  # qwen MoE: layers listed in mlp_only_layers, and those off the sparse step, are dense
-            step = int(_get(cfg, "decoder_sparse_step", 1) or 1)
-            dense = set(_get(cfg, "mlp_only_layers", []) or [])
-            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
-    shared = int(_get(cfg, "shared_expert_intermediate_size", 0) or 0) if family == "qwen2_moe" else 0
-    if family == "qwen2_moe" or family == "qwen2":
-        qkv_bias = bool(_get(cfg, "qkv_bias", True))
-    else:
-        qkv_bias = bool(_get(cfg, "attention_bias", False))
-    if _get(cfg, "mlp_bias", False):
-        raise ConversionError(f"{source}: mlp_bias=true is not supported (megappo builds bias-free MLPs)")
-    return ModelSpec(
-        family=family,
-        num_layers=n_layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        vocab_size=int(_get(cfg, "vocab_size")),
-        ffn_size=int(_get(cfg, "intermediate_size")),
-        num_experts=num_experts,
-        moe_ffn_size=int(_get(cfg, "moe_intermediate_size", 0) or _get(cfg, "intermediate_size")),
-        shared_expert_size=shared,
-        shared_expert_gate=shared > 0,
-        moe_layers=moe_layers,
-        qkv_bias=qkv_bias,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        tied_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-    )
+    try:
+        return read_hf_architecture(cfg, source)
+    except UnsupportedModelError as e:
+        raise ConversionError(str(e)) from e
 
 
 @dataclass(frozen=True)

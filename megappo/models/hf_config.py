@@ -125,32 +125,111 @@ def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _moe_fields(
-    family: str, cfg: dict[str, Any], layout: ParallelLayout, platform: Platform, use_te: bool
-) -> dict[str, Any]:
-    if family == "mixtral":
-        num_experts, ffn = cfg["num_local_experts"], cfg["intermediate_size"]
-        pre_softmax, shared = False, None
-        layer_freq: Any = 1
-    else:
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an alias)
-        num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
-        ffn = cfg["moe_intermediate_size"]
-        pre_softmax = not cfg.get("norm_topk_prob", family == "qwen3_moe")
-        shared = cfg.get("shared_expert_intermediate_size") or None
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        dense = set(cfg.get("mlp_only_layers") or [])
-        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(cfg["num_hidden_layers"])]
-        layer_freq = 1 if all(pattern) else pattern
+@dataclass(frozen=True)
+class HFArchitecture:
+    """The architecture facts of a HF decoder, read once from config.json for both model building and conversion."""
+
+    family: str  # HF model_type, one of SUPPORTED_FAMILIES
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # rows of the HF embedding (megatron's padding excluded)
+    ffn_size: int  # dense MLP intermediate size
+    num_experts: int  # 0: dense model
+    moe_ffn_size: int
+    shared_expert_size: int  # 0: no shared expert
+    shared_expert_gate: bool  # qwen2_moe: sigmoid gate on the shared expert's output
+    moe_layers: tuple[bool, ...]  # per layer: MoE block (True) or dense MLP
+    qkv_bias: bool
+    qk_norm: bool  # qwen3: RMSNorm on each query/key head
+    tied_embeddings: bool
+    moe_topk: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights (see the module docstring)
+
+
+def read_hf_architecture(
+    hf_config_or_dir: Union[str, os.PathLike, Mapping[str, Any], Any], source: Optional[str] = None
+) -> HFArchitecture:
+    """The one reader of a HF config's architecture (model directory, config.json path, dict or PretrainedConfig).
+
+    Raises UnsupportedModelError naming `source` (default: the config path, or "config.json") and listing the
+    supported families for a model megappo cannot map.
+    """
+    if source is None:
+        source = "config.json"
+        if isinstance(hf_config_or_dir, (str, os.PathLike)):
+            path = os.fspath(hf_config_or_dir)
+            source = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    cfg = load_hf_config_dict(hf_config_or_dir)
+    family = cfg.get("model_type", "")
+    if family not in SUPPORTED_FAMILIES:
+        archs = cfg.get("architectures") or ["?"]
+        raise UnsupportedModelError(
+            f"{source}: unsupported model_type {family!r} (architectures {archs}); supported families: "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
+        )
+    if family in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
+        raise UnsupportedModelError(
+            f"{source}: {family} with attention_bias=true is not supported (megatron's add_qkv_bias has no o_proj "
+            "bias); supported: the released checkpoints' attention_bias=false"
+        )
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported (megappo builds bias-free MLPs)")
+    n_layers = int(cfg["num_hidden_layers"])
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    num_experts, moe_ffn, shared = 0, 0, 0
+    moe_layers = tuple(False for _ in range(n_layers))
+    if family in _MOE_FAMILIES:
+        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an alias): accept both
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        if not num_experts:
+            raise UnsupportedModelError(f"{source}: {family} without num_experts/num_local_experts")
+        if family == "mixtral":
+            moe_ffn = int(cfg["intermediate_size"])
+            moe_layers = tuple(True for _ in range(n_layers))
+        else:  # qwen MoE: layers listed in mlp_only_layers, and those off the sparse step, are dense
+            moe_ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+        if family == "qwen2_moe":
+            shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return HFArchitecture(
+        family=family,
+        num_layers=n_layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        ffn_size=int(cfg["intermediate_size"]),
+        num_experts=num_experts,
+        moe_ffn_size=moe_ffn,
+        shared_expert_size=shared,
+        shared_expert_gate=shared > 0,
+        moe_layers=moe_layers,
+        # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias=false); the others have none (checked above)
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        moe_topk=int(cfg.get("num_experts_per_tok") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", family in ("qwen3_moe", "mixtral"))),
+    )
+
+
+def _moe_fields(arch: HFArchitecture, layout: ParallelLayout, platform: Platform, use_te: bool) -> dict[str, Any]:
+    pattern = [int(m) for m in arch.moe_layers]
     fields_: dict[str, Any] = dict(
-        num_moe_experts=num_experts,
-        moe_ffn_hidden_size=ffn,
-        moe_router_topk=cfg["num_experts_per_tok"],
-        moe_router_pre_softmax=pre_softmax,
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_size,
+        moe_router_topk=arch.moe_topk,
+        moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="none",  # RL fine-tuning: no aux loss unless overridden
         moe_aux_loss_coeff=0.0,
-        moe_layer_freq=layer_freq,
+        moe_layer_freq=1 if all(pattern) else pattern,
         # alltoall on GPU. On CPU allgather is simpler, but megatron allows only alltoall with variable sequence
         # lengths, which pipeline parallelism turns on (see variable_seq_lengths below).
         moe_token_dispatcher_type="alltoall" if platform.is_cuda or layout.pp > 1 else "allgather",
@@ -158,25 +237,16 @@ def _moe_fields(
         moe_grouped_gemm=bool(platform.is_cuda and use_te),
         moe_router_dtype="fp32",
     )
-    if shared:
-        fields_.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    if arch.shared_expert_size:
+        fields_.update(moe_shared_expert_intermediate_size=arch.shared_expert_size,
+                       moe_shared_expert_gate=arch.shared_expert_gate)
     return fields_
 
 
-def _check_supported(family: str, cfg: dict[str, Any]) -> None:
-    if family not in SUPPORTED_FAMILIES:
-        archs = cfg.get("architectures") or ["?"]
-        raise UnsupportedModelError(
-            f"unsupported model_type {family!r} (architectures {archs}); supported families: "
-            f"{', '.join(SUPPORTED_FAMILIES)}"
-        )
+def _check_runtime_supported(family: str, cfg: dict[str, Any]) -> None:
+    """What megatron cannot run beyond the architecture read by read_hf_architecture."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r} is not supported; these families use 'silu'")
-    if family in ("llama", "qwen3", "qwen3_moe") and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise UnsupportedModelError(
-            f"{family} with attention_bias/mlp_bias=true is not supported (megatron's add_qkv_bias has no o_proj "
-            "bias); supported: the released checkpoints' attention_bias=false"
-        )
     if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
         raise UnsupportedModelError(
             f"sliding-window attention (sliding_window={cfg.get('sliding_window')}) is not supported; use a "
@@ -211,35 +281,31 @@ def transformer_config_from_hf(
     """
     from megatron.core.transformer import TransformerConfig
 
+    arch = read_hf_architecture(hf_config_or_dir)
     cfg = load_hf_config_dict(hf_config_or_dir)
-    family = cfg.get("model_type", "")
-    _check_supported(family, cfg)
+    family = arch.family
+    _check_runtime_supported(family, cfg)
     if use_transformer_engine is None:
         use_transformer_engine = platform.is_cuda and transformer_engine_available()
     use_te = bool(use_transformer_engine)
 
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = _rope(cfg)
     dtype = platform.dtype
-    is_moe = family in _MOE_FAMILIES
-    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
-    qk_norm = family in ("qwen3", "qwen3_moe")
 
     tc_fields: dict[str, Any] = dict(
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
-        kv_channels=head_dim,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(qkv_bias),
-        qk_layernorm=qk_norm,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
         init_method_std=cfg.get("initializer_range", 0.02),
@@ -269,24 +335,24 @@ def transformer_config_from_hf(
         fp16=dtype == torch.float16,
         use_cpu_initialization=not platform.is_cuda,
     )
-    if is_moe:
-        tc_fields.update(_moe_fields(family, cfg, layout, platform, use_te))
+    if arch.num_experts:
+        tc_fields.update(_moe_fields(arch, layout, platform, use_te))
     unknown = set(overrides) - {f.name for f in fields(TransformerConfig)}
     if unknown:
         raise TypeError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")
     tc_fields.update(overrides)
     config = TransformerConfig(**tc_fields)
 
-    vocab = cfg["vocab_size"]
+    vocab = arch.vocab_size
     spec = ModelSpecArgs(
         family=family,
         vocab_size=vocab,
         padded_vocab_size=pad_vocab_size(vocab, layout.tp, make_vocab_size_divisible_by),
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
-        share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=arch.tied_embeddings,
         num_experts=tc_fields.get("num_moe_experts"),
         moe_grouped_gemm=bool(tc_fields.get("moe_grouped_gemm", False)),
-        qk_layernorm=qk_norm,
+        qk_layernorm=arch.qk_norm,
         use_transformer_engine=use_te,
         hf_architecture=(cfg.get("architectures") or [""])[0],
         **rope,

@@ -13,6 +13,7 @@ from megappo.convert.hf_io import HFCheckpoint, ShardedSafetensorsWriter
 from megappo.convert.mapping import (
     ConversionError, ModelSpec, canonical_name, merge_to_hf, model_spec_from_hf_config, param_maps, shard_from_hf,
 )
+from megappo.testing import FAMILIES, tiny_hf_config
 
 
 def _spec(**kw) -> ModelSpec:
@@ -119,6 +120,32 @@ def test_param_maps_name_every_saved_tensor_once(family, hf_model_dir):
     mapped = [n for pm in param_maps(model_spec_from_hf_config(ckpt.config)) for n in pm.hf]
     assert len(mapped) == len(set(mapped))
     assert set(mapped) == set(ckpt.files)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_conversion_and_model_config_read_the_same_architecture(family):
+    """The conversion mapping and transformer_config_from_hf agree on every architecture fact, per family."""
+    from megappo.models.hf_config import transformer_config_from_hf
+    from megappo.models.layout import ParallelLayout
+    from megappo.platform import Platform
+
+    cfg = tiny_hf_config(family).to_dict()
+    spec = model_spec_from_hf_config(cfg)
+    c, s = transformer_config_from_hf(cfg, ParallelLayout(), Platform(torch.device("cpu"), "gloo", torch.float32))
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+        c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels)
+    assert spec.num_experts == (c.num_moe_experts or 0) == (s.num_experts or 0)
+    if spec.num_experts:
+        freq = c.moe_layer_freq
+        assert list(spec.moe_layers) == ([True] * c.num_layers if freq == 1 else [bool(x) for x in freq])
+        assert spec.moe_ffn_size == c.moe_ffn_hidden_size
+    else:
+        assert not any(spec.moe_layers)
+    assert spec.shared_expert_size == (c.moe_shared_expert_intermediate_size or 0)
+    assert spec.shared_expert_gate == bool(c.moe_shared_expert_gate)
+    assert spec.qkv_bias == c.add_qkv_bias and spec.qk_norm == c.qk_layernorm == s.qk_layernorm
+    assert spec.tied_embeddings == s.share_embeddings_and_output_weights
+    assert spec.vocab_size == s.vocab_size and spec.ffn_size == c.ffn_hidden_size
 
 
 def test_unsupported_architecture_names_config():
