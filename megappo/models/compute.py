@@ -29,7 +29,7 @@ from megappo.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
 __all__ = [
     "ModelOutputs", "MicroBatchContext", "StepMetrics", "MicroBatching", "LossFn",
-    "compute_log_probs", "compute_values", "train_step", "attention_mask_4d",
+    "compute_log_probs", "compute_values", "train_step", "left_aligned", "causal_mask",
 ]
 
 
@@ -77,17 +77,41 @@ class StepMetrics:
     metrics: dict[str, float] = field(default_factory=dict)  # closure metrics, mean over micro-batches and DP
 
 
-def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[b, s] 1 = token -> [b, 1, s, s] bool, True where attention is *blocked* (megatron's convention).
+def left_aligned(mb: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and position_ids [b, s] with each row rolled left so that its first real token is at column 0.
 
-    Causal and padding combined: megatron's local attention uses a given mask as-is (no causal mask is added), so
-    the causal part must be in it. A padding query sees no key; megatron fills blocked scores with -10000, which
-    makes its row a harmless uniform average that no real token ever reads.
+    A row is [left padding | prompt | response | right padding] and its real tokens are contiguous, so after the
+    roll every real token sits left of every padding token and the plain causal mask alone is exact: no real token
+    can see padding. That is what transformer-engine and flash attention implement (a `causal` mask type ignores
+    any padding mask passed in), and it spares the [b, s, s] padding mask of megatron's local attention.
     """
-    s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril_()
-    keep = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # [b, s(query), s(key)]
-    return (~keep).unsqueeze(1)
+    t = mb.seq_len
+    shift = (mb.prompt_len - mb.prompt_lengths()).to(torch.long)  # [b] left-padding columns
+    idx = (torch.arange(t, device=shift.device).unsqueeze(0) + shift.unsqueeze(1)) % t  # [b, s]
+    return mb.input_ids.gather(1, idx), mb.position_ids.gather(1, idx)
+
+
+def _response_window(mb: ModelBatch) -> torch.Tensor:
+    """[b, R] left-aligned columns whose outputs score response tokens 0..R-1 (a row's last prompt token and on).
+
+    An all-padding row (appended by `ModelBatch.pad_to`) reads columns 0..R-1; its outputs are masked anyway.
+    """
+    start = (mb.prompt_lengths().to(torch.long) - 1).clamp_(min=0)  # [b]
+    return start.unsqueeze(1) + torch.arange(mb.response_len, device=start.device).unsqueeze(0)
+
+
+_CAUSAL: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def causal_mask(s: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, s, s] bool, True where attention is blocked (megatron's convention), one per length and device.
+
+    megatron's local attention uses a given mask as-is; without one it builds the causal mask on device "cuda".
+    """
+    key = (s, str(device))
+    if key not in _CAUSAL:
+        _CAUSAL[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1).view(1, 1, s, s)
+    return _CAUSAL[key]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -110,27 +134,30 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
     """The last stage's output [b, s, V/tp] (logits) or [b, s] (values) -> per-response-token outputs [b, r].
 
     Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
-    (the value of the state before token j) are read from columns P-1 .. P+R-2.
+    (the value of the state before token j) are read from columns P-1 .. P+R-2: in the left-aligned rows the model
+    ran on, each row's last prompt token and the R - 1 columns after it.
     """
-    p, r = mb.prompt_len, mb.response_len
-    if p < 1:
+    if mb.prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
+    window = _response_window(mb)  # the model ran on left-aligned rows (see `left_aligned`)
     if value_model:
-        return ModelOutputs(values=output[:, p - 1: p + r - 1].float())
-    logits = output[:, p - 1: p + r - 1, :]
+        return ModelOutputs(values=output.gather(1, window).float())
+    logits = output.gather(1, window.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
     if temperature != 1.0:
         logits = logits / temperature
     logp, ent = vocab_parallel_log_probs_and_entropy(
-        logits, mb.input_ids[:, p:], tp_group, calculate_entropy=calculate_entropy, vocab_size=vocab_size
+        logits, mb.input_ids[:, mb.prompt_len:], tp_group, calculate_entropy=calculate_entropy, vocab_size=vocab_size
     )
     return ModelOutputs(log_probs=logp, entropy=ent)
 
 
 def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable) -> tuple:
     mb = next(data_iterator)
-    output = model(
-        input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=attention_mask_4d(mb.attention_mask)
-    )
+    input_ids, position_ids = left_aligned(mb)
+    spec = getattr(_unwrap(model), "megappo_spec", None)
+    # transformer-engine builds the causal mask itself (and ignores one passed with a causal mask type)
+    mask = None if getattr(spec, "use_transformer_engine", False) else causal_mask(mb.seq_len, input_ids.device)
+    output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
     return output, partial(loss_func, mb)
 
 
