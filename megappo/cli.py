@@ -44,6 +44,8 @@ def _quiet_known_warnings() -> None:
         return
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
     warnings.filterwarnings("ignore", message=r".*cuda_graph_scope")
+    # torch's checkpoint reader run in one process on purpose (streamed mcore-to-hf)
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch)\.")
 
 

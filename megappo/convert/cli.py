@@ -56,6 +56,9 @@ def register(subparsers) -> None:
                    help="actor/ref: causal LM; critic: causal LM body + fresh value head; reward: sequence-"
                         "classification checkpoint, score.weight -> value head (default actor)")
     h.add_argument("--force", action="store_true", help="overwrite an existing --out (replaced once complete)")
+    h.add_argument("--bucket-size", default="512MB",
+                   help="weights produced and written at a time per rank, e.g. 512MB, 2GB; peak memory is about twice "
+                        "this plus the largest tensor (default 512MB)")
     _layout_args(h)
     h.set_defaults(func=_hf_to_mcore)
 
@@ -142,9 +145,11 @@ def _teardown() -> None:
 def _hf_to_mcore(args) -> int:
     _prelude(args)
     from megappo.convert.hf_to_mcore import hf_to_mcore
+    from megappo.convert.mcore_to_hf import parse_size
 
     return _run(lambda a: (hf_to_mcore(a.hf, a.out, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, dtype=a.dtype,
-                                       role=a.role, force=a.force), 0)[1], args)
+                                       role=a.role, force=a.force,
+                                       bucket_bytes=parse_size(a.bucket_size)), 0)[1], args)
 
 
 def _mcore_to_hf(args) -> int:

@@ -1,8 +1,10 @@
-"""Hugging Face -> megatron: stream HF safetensors into already-built model chunks of any layout, and the
-`megappo convert hf-to-mcore` command that saves the result as a megatron dist_checkpoint.
+"""Hugging Face -> megatron: stream HF safetensors into model chunks of any layout (`load_hf_weights`, which the
+trainer uses), and the `megappo convert hf-to-mcore` command that writes a megatron dist_checkpoint.
 
 Each rank reads only the rows/columns of its own shards (`safe_open(...).get_slice`), so no rank ever holds the full
-model and no communication is needed except the final strict check.
+model and no communication is needed except the final strict check. The command goes further: it builds the model
+on the meta device and writes the checkpoint a bucket of tensors at a time (`stream_save`), so its memory is one
+bucket plus the largest tensor, not the model.
 """
 from __future__ import annotations
 
@@ -127,25 +129,31 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoi
 
         todo = tqdm(todo, desc="hf-to-mcore", unit=" tensors")
     for lp in todo:
-        pm = maps[lp.canonical]
-        if lp.canonical == VALUE_HEAD and role == "critic" and "score.weight" not in ckpt.files:
-            continue  # a fresh value head: a causal LM has nothing to put there
-        for name, shape in expected_hf_shapes(pm, spec, tuple(lp.param.shape), lp.tp_size).items():
-            ckpt.require(name, f"megatron {lp.canonical}")
-            if ckpt.shapes[name] != shape:
-                raise ConversionError(
-                    f"{os.path.join(ckpt.path, ckpt.files[name])}: tensor {name!r} has shape {ckpt.shapes[name]} but "
-                    f"config.json implies {shape} (megatron {lp.canonical}); the weights do not match the config"
-                )
-        shard = shard_from_hf(pm, spec, ckpt.read, lp.tp_rank, lp.tp_size, tuple(lp.param.shape))
+        shard = _hf_shard(lp, maps[lp.canonical], spec, ckpt, role)
+        if shard is None:
+            continue
         lp.param.data.copy_(shard)
-        used.update(pm.hf)
+        used.update(maps[lp.canonical].hf)
         n_tensors += 1
         n_bytes += shard.numel() * shard.element_size()
     if strict:
         _check_all_used(ckpt, used, role, world_group)
     ckpt.close()
     return {"tensors": n_tensors, "bytes": n_bytes}
+
+
+def _hf_shard(lp: LocalParam, pm: ParamMap, spec: ModelSpec, ckpt: HFCheckpoint, role: str) -> Optional[torch.Tensor]:
+    """This rank's shard of `lp` read from `ckpt` (None: a critic's fresh value head, which keeps its init)."""
+    if lp.canonical == VALUE_HEAD and role == "critic" and "score.weight" not in ckpt.files:
+        return None  # a causal LM has nothing to put there
+    for name, shape in expected_hf_shapes(pm, spec, tuple(lp.param.shape), lp.tp_size).items():
+        ckpt.require(name, f"megatron {lp.canonical}")
+        if ckpt.shapes[name] != shape:
+            raise ConversionError(
+                f"{os.path.join(ckpt.path, ckpt.files[name])}: tensor {name!r} has shape {ckpt.shapes[name]} but "
+                f"config.json implies {shape} (megatron {lp.canonical}); the weights do not match the config"
+            )
+    return shard_from_hf(pm, spec, ckpt.read, lp.tp_rank, lp.tp_size, tuple(lp.param.shape))
 
 
 def _check_all_used(ckpt: HFCheckpoint, used: set[str], role: str, group: Any) -> None:
@@ -165,12 +173,15 @@ def _check_all_used(ckpt: HFCheckpoint, used: set[str], role: str, group: Any) -
 # -- the command ---------------------------------------------------------------------------------------------------
 def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
                 vpp: Optional[int] = None, dtype: Optional[str] = None, role: str = "actor", force: bool = False,
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, bucket_bytes: int = 512 << 20) -> dict[str, Any]:
     """Convert `hf_dir` into a megatron dist_checkpoint at `out_dir` on the ranks of the current launch.
 
-    Run in one process for tp*pp*ep == 1, else under torchrun with tp*pp*(dp) ranks. Returns a summary dict.
+    Run in one process for tp*pp*ep == 1, else under torchrun with tp*pp*(dp) ranks. Memory per rank stays near
+    `bucket_bytes` plus the largest tensor: the model is built on the meta device and written a bucket at a time
+    (`megappo.convert.stream_save`). Returns a summary dict.
     """
-    from megappo.models.checkpoint import save_model_checkpoint
+    from megappo.convert.stream_save import save_streamed
+    from megappo.models.checkpoint import FORMAT_VERSION, model_sharded_state_dict, write_marker
     from megappo.models.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
@@ -189,17 +200,47 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     out = os.path.abspath(out_dir)
     if os.path.exists(out) and not force:
         raise ConversionError(f"{out}: already exists; pass --force to overwrite it")
-    # every weight is overwritten by the load: megatron's random init is skipped (time, and its fp32 temporaries).
-    # The critic's fresh value head is initialised by ValueHead itself, independently of that.
-    chunks = build_for_conversion(hf_dir, role, ps, platform)
-    stats = load_hf_weights(chunks, ckpt, ps, role=role, progress=progress and rank0)
+    # Built on the meta device: no weight exists until its bucket is written (see stream_save); megatron's random
+    # init is skipped. The critic's fresh value head is real (ValueHead initialises it on the CPU).
+    with torch.device("meta"):
+        chunks = build_for_conversion(hf_dir, role, ps, platform)
+    maps = {pm.mcore: pm for pm in param_maps(spec, role)}
+    by_id = {id(lp.param): lp for lp in local_params(chunks, spec, ps, maps)}
+    used: set[str] = set()
+
+    def materialise(t: torch.Tensor) -> torch.Tensor:
+        lp = by_id.get(id(t))
+        if lp is None:
+            raise ConversionError(f"a checkpoint tensor of shape {tuple(t.shape)} is no parameter of the {spec.family} "
+                                  f"model; this model part cannot be converted by streaming")
+        shard = _hf_shard(lp, maps[lp.canonical], spec, ckpt, role)
+        if shard is None:
+            return t  # the fresh value head
+        used.update(maps[lp.canonical].hf)
+        return shard
+
+    bar = None
+    if progress and rank0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(by_id), desc="hf-to-mcore", unit=" tensors")
     t_save = time.time()
-    # save_model_checkpoint is itself atomic (tmp dir renamed when complete); the side files go into its result
-    # before one more rename publishes everything at `out`.
+    # save_streamed writes into an empty folder; the side files join it before one rename publishes `out`.
     tmp = f"{out}.tmp-convert"
     try:
-        save_model_checkpoint(chunks, tmp)
         if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        stats = save_streamed(model_sharded_state_dict(chunks), tmp, materialise, bucket_bytes=bucket_bytes,
+                              content_metadata={"megappo_format": FORMAT_VERSION},
+                              progress=bar.update if bar is not None else None)
+        if bar is not None:
+            bar.close()
+        _check_all_used(ckpt, used, role, None)
+        if rank0:
+            write_marker(tmp, chunks, has_optimizer=False)
             copy_side_files(hf_dir, tmp)
             meta = dict(role=role, source=os.path.abspath(hf_dir), dtype=str(platform.dtype).replace("torch.", ""),
                         layout=dict(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp), family=spec.family)
@@ -207,20 +248,21 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
                 json.dump(meta, f, indent=2)
             replace_dir(tmp, out)
     finally:
+        if dist.get_world_size() > 1:
+            dist.barrier()
         if rank0 and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    if dist.get_world_size() > 1:
-        dist.barrier()
+    ckpt.close()
     total = torch.tensor([stats["bytes"]], dtype=torch.float64, device=platform.device)  # NCCL: on the GPU
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
     seconds = time.time() - t0
-    summary = dict(tensors=stats["tensors"], bytes=int(total.item()), seconds=seconds,
+    summary = dict(tensors=stats["tensors"], bytes=int(total.item()), seconds=seconds, buckets=stats["buckets"],
                    save_seconds=time.time() - t_save, out=out)
     if rank0 and progress:
         print(f"hf-to-mcore: {stats['tensors']} tensors on rank 0, {summary['bytes'] / 1e9:.3f} GB over all ranks "
               f"(tp{tp} pp{pp} ep{ep}) in {seconds:.1f} s ({summary['bytes'] / 1e9 / max(seconds, 1e-9):.3f} GB/s; "
-              f"save {summary['save_seconds']:.1f} s) -> {out}", flush=True)
+              f"{stats['buckets']} buckets) -> {out}", flush=True)
     return summary
 
 

@@ -215,11 +215,7 @@ def save_model_checkpoint(
     dist_checkpointing.save(state, tmp, content_metadata={"megappo_format": FORMAT_VERSION})
     _barrier()
     if _rank() == 0:
-        info = dict(_describe_chunks(model_chunks), format=FORMAT_VERSION, saved_at=time.time(),
-                    world_size=dist.get_world_size() if dist.is_initialized() else 1,
-                    has_optimizer=optimizer is not None)
-        with open(os.path.join(tmp, MARKER_FILE), "w") as f:
-            json.dump(info, f, indent=1)
+        write_marker(tmp, model_chunks, has_optimizer=optimizer is not None)
         old = None
         if os.path.exists(directory):
             old = f"{tmp}.old"
@@ -229,6 +225,22 @@ def save_model_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return directory
+
+
+def write_marker(directory: str, model_chunks: list[nn.Module], *, has_optimizer: bool) -> None:
+    """Write `megappo_checkpoint.json` (role, layout at save, family, vocab) into a just-saved checkpoint."""
+    info = dict(_describe_chunks(model_chunks), format=FORMAT_VERSION, saved_at=time.time(),
+                world_size=dist.get_world_size() if dist.is_initialized() else 1, has_optimizer=has_optimizer)
+    with open(os.path.join(directory, MARKER_FILE), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+def model_sharded_state_dict(model_chunks: list[nn.Module], dp_cp_group: Any = None) -> dict[str, Any]:
+    """The state dict `save_model_checkpoint` saves for the weights alone (no optimizer), with its common keys."""
+    state = _model_sharded_state_dict(model_chunks, _metadata(dp_cp_group))
+    state["scheduler_state"] = None
+    state["extra"] = None
+    return state
 
 
 def verify_checkpoint(directory: str) -> dict[str, Any]:

@@ -26,7 +26,8 @@ class ValueHead(nn.Module):
                  sequence_parallel: bool = False, tp_group: Any = None, seed: int = 0) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        w = torch.randn(1, hidden_size, generator=gen, dtype=torch.float32) * std
+        # explicit CPU: under a meta-device build (streamed conversion) the fresh head still gets real values
+        w = torch.randn(1, hidden_size, generator=gen, dtype=torch.float32, device="cpu") * std
         self.weight = nn.Parameter(w.to(device=device, dtype=dtype))
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group

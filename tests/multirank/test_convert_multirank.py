@@ -40,7 +40,7 @@ def _job(rank, world_size, dense_dir, moe_dir, work):
     out = {}
     # dense, tied embeddings: convert at TP2xPP2, verify there, export is bit-identical on every rank
     dense_ckpt = os.path.join(work, "dense_tp2pp2")
-    hf_to_mcore(dense_dir, dense_ckpt, tp=2, pp=2, progress=False)
+    hf_to_mcore(dense_dir, dense_ckpt, tp=2, pp=2, progress=False, bucket_bytes=64 << 10)
     out["dense_verify"] = verify(dense_dir, dense_ckpt, tp=2, pp=2)["max_abs_diff"]
     platform = detect_platform(dtype="float32")
     ps = init_parallel(ParallelLayout(tp=2, pp=2), platform)
@@ -55,7 +55,7 @@ def _job(rank, world_size, dense_dir, moe_dir, work):
     out["vpp_verify"] = verify(dense_dir, dense_ckpt, pp=2, vpp=2)["max_abs_diff"]
     # MoE: TP2 x PP2 x EP2 (expert TP 1), written for the TP1 load in the parent
     moe_ckpt = os.path.join(work, "moe_tp2pp2ep2")
-    hf_to_mcore(moe_dir, moe_ckpt, tp=2, pp=2, ep=2, etp=1, progress=False)
+    hf_to_mcore(moe_dir, moe_ckpt, tp=2, pp=2, ep=2, etp=1, progress=False, bucket_bytes=96 << 10)
     out["moe_verify"] = verify(moe_dir, moe_ckpt, tp=2, pp=2, ep=2, etp=1)["max_abs_diff"]
     # and at TP2 x EP2 from the TP2xPP2xEP2 files (a reshard)
     out["moe_reshard_verify"] = verify(moe_dir, moe_ckpt, tp=2, ep=2, etp=1)["max_abs_diff"]

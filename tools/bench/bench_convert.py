@@ -3,7 +3,8 @@
     python tools/bench/bench_convert.py [--layers 12 --hidden 2048 --vocab 32000 --dtype bf16] [--workdir /tmp/x]
 
 Writes a random-weight Llama checkpoint (default 1.33 GB in bf16) straight to safetensors, then runs, each as its
-own process: `megappo convert hf-to-mcore`, `mcore-to-hf` (streamed from the checkpoint files) and
+own process: `megappo convert hf-to-mcore` (with 128MB and the default 512MB write buckets), `mcore-to-hf`
+(streamed from the checkpoint files) and
 `mcore-to-hf --from-model` (the trainer's weight-sync path), sampling the resident memory (PSS: pages shared with
 forked workers counted once) of each process tree every 100 ms; finally checks that both exports are bit-identical
 to the source. Prints one line per step. The work directory is deleted at the end (unless --keep).
@@ -126,7 +127,8 @@ def main() -> None:
         nbytes = make_checkpoint(src, args.layers, args.hidden, args.vocab, parse_dtype(args.dtype))
         print(f"model: llama {args.layers} layers hidden {args.hidden} vocab {args.vocab} {args.dtype}: "
               f"{nbytes / 1e9:.2f} GB written in {time.time() - t0:.1f} s", flush=True)
-        steps = [("hf-to-mcore", env_cmd + ["hf-to-mcore", "--hf", src, "--out", mc]),
+        steps = [("hf-to-mcore", env_cmd + ["hf-to-mcore", "--hf", src, "--out", mc + "_128MB", "--bucket-size", "128MB"]),
+                 ("hf-to-mcore", env_cmd + ["hf-to-mcore", "--hf", src, "--out", mc]),
                  ("mcore-to-hf", env_cmd + ["mcore-to-hf", "--mcore", mc, "--out", out]),
                  ("mcore-to-hf", env_cmd + ["mcore-to-hf", "--mcore", mc, "--out", out + "_model", "--from-model"])]
         for step, cmd in steps:
@@ -134,6 +136,10 @@ def main() -> None:
             line = next((ln for ln in output.splitlines()[::-1] if ln.startswith(f"{step}:")), "")
             if "--from-model" in cmd:
                 step += " --from-model"
+            if "--bucket-size" in cmd:
+                step += " --bucket-size 128MB"
+            else:
+                step += " (default 512MB buckets)" if step == "hf-to-mcore" else ""
             print(f"{step}: {nbytes / 1e9:.2f} GB, process {seconds:.1f} s ({nbytes / 1e9 / seconds:.3f} GB/s incl. "
                   f"start-up), peak memory (PSS) {peak:.2f} GB ({peak * 1e9 / nbytes:.2f}x the model) | {line}", flush=True)
         t0 = time.time()
