@@ -104,3 +104,36 @@ def test_checkpoint_round_trip_on_gpu(cuda_state, hf_model_dir, tmp_path):
     load_model_checkpoint(b, str(tmp_path / "ck"))
     with torch.no_grad():
         assert torch.equal(a[0](*batch, None), b[0](*batch, None))
+
+
+def test_padded_log_probs_match_transformers_with_the_gpu_attention(cuda_state, hf_model_dir):
+    """transformer-engine / flash attention take a causal mask type and ignore padding masks: megappo runs rows
+    left-aligned, so a left-padded batch must still give each row's unpadded log-probs (fp32, no TF32)."""
+    import torch
+    import transformers
+
+    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.models.batch import ModelBatch
+    from megappo.models.builder import build_model
+    from megappo.models.compute import MicroBatching, compute_log_probs
+    from megappo.platform import detect_platform
+
+    _, ps = cuda_state
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    platform = detect_platform(dtype="float32")
+    hf_dir = hf_model_dir("qwen2")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (2, 9, 5)]
+    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (7, 1, 4)]
+    batch = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
+    chunks = build_model(hf_dir, "actor", ps, platform)
+    load_hf_weights(chunks, hf_dir, ps)
+    logp, _ = compute_log_probs(chunks, batch.to(platform.device), parallel_state=ps,
+                                micro=MicroBatching(micro_batch_size=3))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).to("cuda").eval()
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r], device="cuda")).logits[0, len(p) - 1: len(p) + len(r) - 1]
+        ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r, device="cuda")[:, None])[:, 0]
+        torch.testing.assert_close(logp[i, : len(r)].to("cuda"), ref, rtol=1e-3, atol=1e-3)
