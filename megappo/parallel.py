@@ -75,21 +75,14 @@ def _init_default_group(platform: Platform) -> None:
     if dist.is_initialized():
         return
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    kwargs: dict[str, Any] = dict(backend=platform.backend, timeout=timedelta(minutes=30))
     if missing:
         if os.environ.get("WORLD_SIZE", "1") != "1":
             raise RuntimeError(f"torch.distributed env vars {missing} are not set; launch with torchrun")
-        # A single process run without a launcher: a world of one on a free local port.
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        # A single process run without a launcher: a world of one on an in-process store. No port is opened, so
+        # nothing can collide with it, and no MASTER_PORT leaks into the environment of processes started later.
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port))
-    kwargs: dict[str, Any] = dict(backend=platform.backend, timeout=timedelta(minutes=30))
     if platform.is_cuda:
         kwargs["device_id"] = platform.device
     dist.init_process_group(**kwargs)

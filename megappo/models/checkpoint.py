@@ -283,6 +283,14 @@ def verify_checkpoint(directory: str) -> dict[str, Any]:
     return info
 
 
+def _union_over_ranks(keys: set) -> list:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(keys))
+        keys = set().union(*map(set, gathered))
+    return sorted(keys)
+
+
 def load_model_checkpoint(
     model_chunks: list[nn.Module],
     directory: str,
@@ -310,13 +318,16 @@ def load_model_checkpoint(
         state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=True, metadata=metadata)
     _check_shapes(state, directory, info, model_chunks)
     try:
-        loaded, missing, _unexpected = dist_checkpointing.load(state, directory, strict=StrictHandling.RETURN_ALL)
+        # megatron names them the other way round from torch: its "missing" keys are in the checkpoint but not
+        # requested (optimizer state when loading weights alone: fine), its "unexpected" keys are requested but
+        # absent from the checkpoint (what strict loading must refuse)
+        loaded, _ckpt_only, absent = dist_checkpointing.load(state, directory, strict=StrictHandling.RETURN_ALL)
     except Exception as e:  # noqa: BLE001 - re-raised with the directory and the layouts involved
         raise CheckpointError(
             f"loading {directory} (saved with {info.get('layout')}, padded vocab {info.get('padded_vocab_size')}) "
             f"into {_describe_chunks(model_chunks).get('layout')} failed: {e}"
         ) from e
-    missing = sorted(missing)
+    missing = _union_over_ranks(absent)  # each rank sees only the keys it requested
     if missing and strict:
         raise CheckpointError(
             f"{directory} lacks {len(missing)} tensors this model needs, e.g. {missing[:5]}; check the role/family "
