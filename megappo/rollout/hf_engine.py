@@ -1,0 +1,150 @@
+"""megappo's in-process rollout engine: a `transformers` model with a KV-cached sampling loop.
+
+It is the default rollout on CPU (where SGLang's kernels do not run) and reads the same Hugging Face weights an
+SGLang server would: it starts from a HF directory (the conversion code's output) and takes every later actor update
+as checkpoint-named tensors (`update_weights(iter_hf_weights(...))`), so conversion and weight sync run wherever it
+does. Requests and completions mirror SGLang's (`SamplingParams`, `Completion`).
+
+Batches are left-padded; positions are counted from each row's first real token, so a row's tokens and log-probs do
+not depend on what it was batched with (up to float summation order).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+from megappo.rollout.hf_weights import HFWeightLoader
+from megappo.rollout.sampling import Completion, SamplingParams, sample_next
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def _eos_ids(model) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    return ids
+
+
+class HFEngine:
+    """Generate from a HF causal LM in this process; update its weights in place.
+
+    model_path: a Hugging Face directory. dtype: the compute dtype (fp32 on CPU). max_num_seqs: sequences per forward
+    batch. seed: the engine's sampling stream (a request's own `seed` overrides it).
+    """
+
+    def __init__(self, model_path: str, *, dtype: torch.dtype = torch.float32,
+                 device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, seed: int = 0):
+        import transformers
+
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise FileNotFoundError(f"{model_path}: no config.json; the rollout engine needs a Hugging Face "
+                                    f"directory (megappo convert mcore-to-hf writes one)")
+        self.device = torch.device(device)
+        dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **{dtype_kw: dtype})
+        self.model.to(self.device).eval()
+        self.eos_ids = _eos_ids(self.model)
+        self.pad_id = next(iter(sorted(self.eos_ids)), 0)  # any id: padded positions are masked
+        self.max_num_seqs = max_num_seqs
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.weight_version = 0
+        self._weights = HFWeightLoader(self.model)
+        # transformers 5 renamed the KV cache argument (past_key_values -> cache); logits_to_keep=1 spares the
+        # prompt's full-vocabulary logits
+        accepted = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in accepted else "past_key_values"
+        self._extra_kw = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (token ids), grouped by prompt in request order."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        gen = self.generator
+        if params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(params.seed)
+        rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        done: list[Completion] = []
+        for start in range(0, len(rows), self.max_num_seqs):
+            done += self._generate_batch(rows[start:start + self.max_num_seqs], params, gen)
+        grouped: list[list[Completion]] = [[] for _ in prompts]
+        for c in done:
+            grouped[c.prompt_index].append(c)
+        return grouped
+
+    def _generate_batch(self, rows: list[tuple[int, list[int]]], params: SamplingParams,
+                        gen: torch.Generator) -> list[Completion]:
+        b, p = len(rows), max(len(ids) for _, ids in rows)
+        ids = torch.full((b, p), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, p), dtype=torch.long)
+        for r, (_, prompt) in enumerate(rows):
+            ids[r, p - len(prompt):] = torch.tensor(prompt)
+            mask[r, p - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        stop = torch.tensor(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)),
+                            dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._extra_kw)
+        tokens, logps = [], []
+        finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+        length = torch.zeros(b, dtype=torch.long, device=self.device)
+        for _ in range(params.max_new_tokens):
+            tok, logp = sample_next(out.logits[:, -1], params, gen)
+            tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
+            tokens.append(tok)
+            logps.append(logp)
+            length += (~finished).long()
+            finished |= torch.isin(tok, stop)
+            if bool(finished.all()):
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            pos = pos[:, -1:] + 1
+            cache = out.get("cache", out.get("past_key_values"))
+            out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True,
+                             **{self._cache_kw: cache}, **self._extra_kw)
+        tok_mat, logp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+        return [
+            Completion(prompt_index=i, output_ids=tok_mat[r][:n], log_probs=logp_mat[r][:n],
+                       finish_reason="stop" if bool(finished[r]) else "length", weight_version=self.weight_version)
+            for r, ((i, _), n) in enumerate(zip(rows, length.tolist()))
+        ]
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, tensors: Union[NamedTensors, Iterable[NamedTensors]], *, version: Optional[int] = None,
+                       complete: bool = True) -> int:
+        """Copy checkpoint-named tensors (pairs, or buckets of pairs as `iter_hf_weights` yields) into the model.
+
+        complete: every parameter must have been filled (a partial sync would mix two policies). Returns the new
+        weight version (`version`, else the old one + 1).
+        """
+        filled: dict[str, int] = {}
+        for item in tensors:
+            pairs = [item] if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else item
+            for name, t in pairs:
+                canonical = self._weights.load(name, t)
+                filled[canonical] = filled.get(canonical, 0) + t.numel()
+        if complete:
+            missing = self._weights.incomplete(filled)
+            if missing:
+                raise ValueError(f"weight update left {len(missing)} parameters unset (e.g. {missing[:4]}); the "
+                                 f"exporter and the engine's model disagree")
+        self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
+    def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
+        """Load a HF directory's safetensors (same architecture) into the running model."""
+        from megappo.convert.hf_io import HFCheckpoint
+
+        ckpt = HFCheckpoint.open(model_path)
+        try:
+            return self.update_weights(((n, ckpt.read(n)) for n in ckpt.files), version=version)
+        finally:
+            ckpt.close()

@@ -1,0 +1,80 @@
+"""Sampling parameters, completions and the next-token sampler of megappo's rollout engines.
+
+The names follow SGLang's `sampling_params` (max_new_tokens, temperature, top_p, top_k, n, stop_token_ids,
+ignore_eos), so the in-process engine and an SGLang server take the same request. Log-probs are those of the
+distribution the token was drawn from *before* top-k/top-p filtering but after temperature: the quantity the
+actor recomputes (`compute_log_probs(..., temperature=T)`), so rollout and training log-probs can be compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 (or greedy=True): argmax
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    n: int = 1  # completions per prompt
+    greedy: bool = False
+    ignore_eos: bool = False  # generate max_new_tokens whatever is sampled
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
+    seed: Optional[int] = None  # the engine's generator seed for this request (None: the engine's stream)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.n < 1:
+            raise ValueError(f"invalid sampling parameters {self}: need temperature >= 0, 0 < top_p <= 1, n >= 1")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_rollout_config(cls, rollout, *, validate: bool = False) -> "SamplingParams":
+        """From `actor_rollout_ref.rollout` (or its `val_kwargs` when validate)."""
+        src = rollout.val_kwargs if validate else rollout
+        return cls(max_new_tokens=rollout.response_length, temperature=src.temperature, top_p=src.top_p,
+                   top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos)
+
+
+@dataclass
+class Completion:
+    """One sampled response."""
+
+    prompt_index: int  # index of its prompt in the request
+    output_ids: list[int]  # the response tokens, the stop token included when one ended it
+    log_probs: list[float]  # per output token, under softmax(logits / temperature) (raw logits when greedy)
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    weight_version: int = 0  # the engine's weights when it was sampled
+    extra: dict = field(default_factory=dict)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] (float) -> (tokens [B] long, log-probs [B] of those tokens, see the module docstring)."""
+    logits = logits.float()
+    if params.is_greedy:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+    else:
+        logits = logits / params.temperature
+        logp = torch.log_softmax(logits, -1)
+        filtered = logits.clone()
+        if params.top_k > 0 and params.top_k < logits.shape[-1]:
+            kth = torch.topk(filtered, params.top_k, dim=-1).values[..., -1:]
+            filtered[filtered < kth] = float("-inf")
+        if params.top_p < 1.0:
+            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the smallest set reaching top_p
+            sorted_logits[drop] = float("-inf")
+            filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
+        probs = torch.softmax(filtered, -1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
