@@ -106,7 +106,7 @@ class HFEngine:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             pos = pos[:, -1:] + 1
-            cache = out.get("cache", out.get("past_key_values"))
+            cache = out["cache"] if "cache" in out else out.past_key_values
             out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: cache}, **self._extra_kw)
         tok_mat, logp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
