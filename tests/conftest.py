@@ -1,7 +1,10 @@
 """Shared test setup: one torch thread per process, the test tiers' markers, and cached tiny HF models."""
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +61,32 @@ def tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tokenizer")
     make_tokenizer(str(out))
     return str(out)
+
+
+SGLANG_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "sglang"
+
+
+def _install_hash() -> str:
+    h = hashlib.sha256()
+    for name in ("install_cpu.sh", "requirements-cpu.txt", "sgl_kernel_stub.py", "patch_torchvision.py"):
+        h.update((SGLANG_TOOLS / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """Python of an environment with SGLang: $MEGAPPO_SGLANG_PYTHON, else (CPU) a venv that
+    tools/sglang/install_cpu.sh builds once into $MEGAPPO_SGLANG_VENV (default
+    ~/.cache/megappo/sglang-cpu-<hash of the install files>) and later sessions reuse. SGLang pins other torch and
+    transformers versions than megappo, so it never shares megappo's environment."""
+    if os.environ.get("MEGAPPO_SGLANG_PYTHON"):
+        return os.environ["MEGAPPO_SGLANG_PYTHON"]
+    venv = Path(os.environ.get("MEGAPPO_SGLANG_VENV")
+                or Path.home() / ".cache" / "megappo" / f"sglang-cpu-{_install_hash()}")
+    ready = venv / ".megappo-ready"
+    if not ready.exists():
+        proc = subprocess.run(["bash", str(SGLANG_TOOLS / "install_cpu.sh"), str(venv)], capture_output=True,
+                              text=True, timeout=1200)
+        assert proc.returncode == 0, f"building the SGLang venv failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        ready.write_text("ok\n")
+    return str(venv / "bin" / "python")

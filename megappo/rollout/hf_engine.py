@@ -89,8 +89,9 @@ class HFEngine:
             mask[r, p - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        stop = torch.tensor(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)),
-                            dtype=torch.long, device=self.device)
+        # ignore_eos ignores every stop token, as SGLang does
+        stops = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
+        stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._extra_kw)
         tokens, logps = [], []
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)

@@ -21,7 +21,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0: off
     n: int = 1  # completions per prompt
     greedy: bool = False
-    ignore_eos: bool = False  # generate max_new_tokens whatever is sampled
+    ignore_eos: bool = False  # generate max_new_tokens whatever is sampled (stop_token_ids too, as in SGLang)
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
     seed: Optional[int] = None  # the engine's generator seed for this request (None: the engine's stream)
 

@@ -21,80 +21,16 @@ tools/sglang/install_cpu.sh, which builds such a venv.
     python tools/sglang/check.py --hf /tmp/export [--port 30111] [--max-new-tokens 16]
 """
 import argparse
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
+
+# megappo's server launcher (standard library only): importable from SGLang's environment without installing megappo
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from megappo.rollout.sglang_server import SGLangServer, http_json  # noqa: E402
 
 PROMPT_LENGTHS = (5, 8, 13, 3)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http(url, payload=None, timeout=600):
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.status, json.loads(resp.read() or b"null")
-
-
-def start_server(args, cuda, log):
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.hf, "--dtype", "float32",
-           "--host", "127.0.0.1", "--port", str(args.port), "--max-total-tokens", "4096",
-           "--disable-overlap-schedule"]
-    env = dict(os.environ)
-    if not cuda:
-        cmd += ["--device", "cpu", "--attention-backend", "torch_native"]
-        env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env.setdefault("OMP_NUM_THREADS", "1")
-    if args.skip_tokenizer_init:
-        cmd.append("--skip-tokenizer-init")
-    print("starting:", " ".join(cmd), flush=True)
-    # own session, so the scheduler/detokenizer children can be stopped with the server as one group
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def stop_server(proc):
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # children that outlived the parent
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def wait_healthy(proc, base, timeout):
-    start = time.time()
-    while time.time() - start < timeout:
-        if proc.poll() is not None:
-            return None
-        try:
-            if http(base + "/health", timeout=5)[0] == 200:
-                return time.time() - start
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        time.sleep(1)
-    return None
 
 
 def reference(hf_dir, prompts, max_new_tokens):
@@ -130,7 +66,6 @@ def main():
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="pass --skip-tokenizer-init")
     args = ap.parse_args()
     args.hf = os.path.abspath(args.hf)
-    args.port = args.port or free_port()
 
     import torch
     from transformers import AutoConfig
@@ -138,30 +73,31 @@ def main():
     vocab = AutoConfig.from_pretrained(args.hf).vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    cuda = torch.cuda.is_available()
-    base = f"http://127.0.0.1:{args.port}"
-
-    log = tempfile.NamedTemporaryFile("w+", prefix="sglang_check_", suffix=".log", delete=False)
-    proc = start_server(args, cuda, log)
+    extra = ["--skip-tokenizer-init"] if args.skip_tokenizer_init else []
+    server = SGLangServer(args.hf, python=sys.executable, port=args.port or None, cuda=torch.cuda.is_available(),
+                          extra_args=extra)
+    print("starting:", " ".join(server.cmd), flush=True)
+    t0 = time.time()
     try:
-        t0 = time.time()
-        ref = reference(args.hf, prompts, args.max_new_tokens)  # overlaps with the server's startup
+        started: dict = {}
+        # the server starts while transformers computes the reference
+        thread = threading.Thread(target=lambda: started.update(up=_start(server, args.startup_timeout)))
+        thread.start()
+        ref = reference(args.hf, prompts, args.max_new_tokens)
         print(f"transformers reference: {time.time() - t0:.1f} s", flush=True)
-        up = wait_healthy(proc, base, max(args.startup_timeout - (time.time() - t0), 1))
-        if up is None:
-            log.flush()
-            log.seek(0)
-            print("".join(log.readlines()[-40:]), file=sys.stderr)
-            print(f"sglang_check: server did not become healthy (log: {log.name})", file=sys.stderr)
+        thread.join()
+        if isinstance(started.get("up"), Exception):
+            print(started["up"], file=sys.stderr)
+            print("sglang_check: server did not become healthy", file=sys.stderr)
             return 2
-        print(f"server healthy after {time.time() - t0:.1f} s", flush=True)
+        print(f"server healthy after {started['up']:.1f} s", flush=True)
         sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True}
         t1 = time.time()
-        _, got = http(base + "/generate", {"input_ids": prompts, "sampling_params": sp, "return_logprob": True})
+        got = http_json(server.url + "/generate", {"input_ids": prompts, "sampling_params": sp,
+                                                    "return_logprob": True})
         print(f"sglang generate: {time.time() - t1:.2f} s", flush=True)
     finally:
-        stop_server(proc)
-        log.close()
+        server.stop()
 
     same, max_diff = 0, 0.0
     for i, (ids, (ref_ids, ref_lp), item) in enumerate(zip(prompts, ref, got)):
@@ -179,10 +115,17 @@ def main():
     print(f"sglang_check: {same}/{len(prompts)} prompts identical, max |logprob diff| = {max_diff:.3g}")
     ok = same == len(prompts) and max_diff <= args.logprob_tol
     if ok:
-        os.unlink(log.name)
+        os.unlink(server.log.name)
     else:
-        print(f"server log: {log.name}")
+        print(f"server log: {server.log.name}")
     return 0 if ok else 1
+
+
+def _start(server, timeout):
+    try:
+        return server.start(timeout)
+    except RuntimeError as e:
+        return e
 
 
 if __name__ == "__main__":
