@@ -3,25 +3,59 @@
 Requests go to SGLang's native `POST /generate` with token ids (no text round trip); a prompt's `n` samples are sent
 as `n` rows, each with its own `sampling_seed` when the request has a seed. SGLang honours those seeds only when
 the server runs with `--enable-deterministic-inference` (SGLang 0.5.23); otherwise sampling is not repeatable.
-Weights reload from a Hugging Face directory (`/update_weights_from_disk`); the streamed, distributed update
-belongs to the trainer's weight sync.
+Weights reload from a Hugging Face directory (`/update_weights_from_disk`) or stream from the trainer
+(`update_weights`): the trainer and the server's TP ranks share a process group (`init_weight_group`), and for each
+bucket the server is told the names, dtypes and shapes while the trainer broadcasts the tensors in that order.
 
 Log-probs are the server's `output_token_logprobs`; greedy ones equal `transformers`' log-softmax of the raw
 logits (tools/sglang/check.py measures it).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
 
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.sglang_server import http_json
+from megappo.rollout.sglang_server import free_port, http_json
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _post_in_background(url: str, payload: Any, timeout: float) -> tuple[threading.Thread, dict]:
+    """POST while this thread takes part in the collective the request waits for."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["answer"] = http_json(url, payload, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - re-raised by the caller after the collective
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _joined(thread: threading.Thread, result: dict, what: str) -> Any:
+    thread.join()
+    if "error" in result:
+        raise RuntimeError(f"SGLang {what} failed: {result['error']}")
+    answer = result["answer"]
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise RuntimeError(f"SGLang {what} failed: {answer.get('message')}")
+    return answer
 
 
 class SGLangEngine:
-    def __init__(self, url: str, *, timeout: float = 600):
+    def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.tp_size = tp_size  # the server's tensor-parallel ranks (each joins the weight group)
         self.weight_version = 0
+        self._group: Any = None
+        self._group_name = "megappo_weight_sync"
 
     def _sampling_params(self, params: SamplingParams, row: int) -> dict[str, Any]:
         sp: dict[str, Any] = {
@@ -74,3 +108,46 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang could not load {model_path}: {answer.get('message')}")
         self.weight_version = version
         return version
+
+    def connect_weight_group(self, *, backend: str = "gloo", master_address: str = "127.0.0.1",
+                             master_port: Optional[int] = None) -> Any:
+        """Create the process group (trainer = rank 0, server TP ranks 1..tp) that `update_weights` streams over."""
+        from megappo.rollout.weight_group import init_weight_group
+
+        port = master_port or free_port()
+        body = {"master_address": master_address, "master_port": port, "rank_offset": 1,
+                "world_size": self.tp_size + 1, "group_name": self._group_name, "backend": backend}
+        thread, result = _post_in_background(self.url + "/init_weights_update_group", body, self.timeout)
+        self._group = init_weight_group(master_address, port, rank=0, world_size=self.tp_size + 1,
+                                        group_name=self._group_name, backend=backend)
+        _joined(thread, result, "init_weights_update_group")
+        return self._group
+
+    def update_weights(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
+        """Stream checkpoint-named tensors (buckets, as `iter_hf_weights` yields them) into the server."""
+        import torch.distributed as dist
+
+        if self._group is None:
+            self.connect_weight_group()
+        version = self.weight_version + 1 if version is None else version
+        _joined(*_post_in_background(self.url + "/begin_weight_update", {"selector": "all"}, self.timeout),
+                "begin_weight_update")
+        for bucket in buckets:
+            body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
+                    "flush_cache": True, "weight_version": str(version)}
+            thread, result = _post_in_background(self.url + "/update_weights_from_distributed", body, self.timeout)
+            for _, t in bucket:
+                dist.broadcast(t.contiguous(), src=0, group=self._group)
+            _joined(thread, result, "update_weights_from_distributed")
+        _joined(*_post_in_background(self.url + "/end_weight_update", {}, self.timeout), "end_weight_update")
+        self.weight_version = version
+        return version
+
+    def close_weight_group(self) -> None:
+        """Leave the weight group on this side (the server's ranks drop theirs with the server)."""
+        import torch.distributed as dist
+
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None

@@ -46,3 +46,35 @@ def test_sglang_engine_generates_what_the_in_process_engine_does(sglang_python, 
         got = engine.generate(PROMPTS, GREEDY)
         assert all(c.weight_version == 1 for g in got for c in g)
         _same(got, HFEngine(new).generate(PROMPTS, GREEDY))
+
+
+def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_model_dir, tmp_path):
+    """The trainer's sync: a megatron actor's `iter_hf_weights` buckets, broadcast over a gloo group that the
+    server's ranks joined, replace the server's (other) weights; it then generates what HFEngine does on the actor's
+    weights."""
+    from megappo.convert.export import iter_hf_weights
+    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.models.builder import build_model
+    from megappo.models.hf_config import load_hf_config_dict
+    from megappo.models.layout import ParallelLayout
+    from megappo.parallel import destroy_parallel, init_parallel
+    from megappo.platform import detect_platform
+    from megappo.testing.hf_models import make_hf_model
+
+    actor_dir = hf_model_dir("qwen2")
+    stale = make_hf_model("qwen2", str(tmp_path / "stale"), seed=4)
+    plat = detect_platform()
+    ps = init_parallel(ParallelLayout(), plat, seed=0)
+    try:
+        actor = build_model(actor_dir, "actor", ps, plat)
+        load_hf_weights(actor, actor_dir, ps)
+        with SGLangServer(stale, python=sglang_python) as server:
+            engine = SGLangEngine(server.url)
+            buckets = iter_hf_weights(actor, ps, load_hf_config_dict(actor_dir), bucket_bytes=256 << 10)
+            assert engine.update_weights(buckets, version=5) == 5
+            got = engine.generate(PROMPTS, GREEDY)
+            engine.close_weight_group()
+    finally:
+        destroy_parallel()
+    assert all(c.weight_version == 5 for g in got for c in g)
+    _same(got, HFEngine(actor_dir).generate(PROMPTS, GREEDY))
