@@ -168,3 +168,12 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
         mpu.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def union_over_ranks(names: set[str], group: Any = None) -> set[str]:
+    """The union of every rank's `names` over `group` (default: the world); `names` itself without peers."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return set(names)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sorted(names), group=group)
+    return set().union(*map(set, gathered))

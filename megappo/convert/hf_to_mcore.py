@@ -157,10 +157,9 @@ def _hf_shard(lp: LocalParam, pm: ParamMap, spec: ModelSpec, ckpt: HFCheckpoint,
 
 
 def _check_all_used(ckpt: HFCheckpoint, used: set[str], role: str, group: Any) -> None:
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, sorted(used), group=group)
-        used = set().union(*map(set, gathered))
+    from megappo.parallel import union_over_ranks
+
+    used = union_over_ranks(used, group)
     ignored = {"lm_head.weight"} if role in ("critic", "reward") else set()
     unused = sorted(n for n in ckpt.files if n not in used and n not in ignored and not n.endswith(_IGNORED_SUFFIXES))
     if unused:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megappo.parallel import union_over_ranks
+
 MARKER_FILE = "megappo_checkpoint.json"
 FORMAT_VERSION = 1
 
@@ -283,14 +285,6 @@ def verify_checkpoint(directory: str) -> dict[str, Any]:
     return info
 
 
-def _union_over_ranks(keys: set) -> list:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(keys))
-        keys = set().union(*map(set, gathered))
-    return sorted(keys)
-
-
 def load_model_checkpoint(
     model_chunks: list[nn.Module],
     directory: str,
@@ -327,7 +321,7 @@ def load_model_checkpoint(
             f"loading {directory} (saved with {info.get('layout')}, padded vocab {info.get('padded_vocab_size')}) "
             f"into {_describe_chunks(model_chunks).get('layout')} failed: {e}"
         ) from e
-    missing = _union_over_ranks(absent)  # each rank sees only the keys it requested
+    missing = sorted(union_over_ranks(absent))  # each rank sees only the keys it requested
     if missing and strict:
         raise CheckpointError(
             f"{directory} lacks {len(missing)} tensors this model needs, e.g. {missing[:5]}; check the role/family "

@@ -100,18 +100,21 @@ def _response_window(mb: ModelBatch) -> torch.Tensor:
     return start.unsqueeze(1) + torch.arange(mb.response_len, device=start.device).unsqueeze(0)
 
 
-_CAUSAL: dict[tuple[int, str], torch.Tensor] = {}
+_CAUSAL: dict[str, torch.Tensor] = {}  # device -> the mask of the longest length seen on it
 
 
 def causal_mask(s: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, s, s] bool, True where attention is blocked (megatron's convention), one per length and device.
+    """[1, 1, s, s] bool, True where attention is blocked (megatron's convention).
 
     megatron's local attention uses a given mask as-is; without one it builds the causal mask on device "cuda".
+    Micro-batches are cropped to their own lengths, so one mask per device is kept at the longest length seen and
+    sliced: a mask per length would pile up s^2 bytes for every length ever seen.
     """
-    key = (s, str(device))
-    if key not in _CAUSAL:
-        _CAUSAL[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1).view(1, 1, s, s)
-    return _CAUSAL[key]
+    key = str(device)
+    full = _CAUSAL.get(key)
+    if full is None or full.shape[-1] < s:
+        full = _CAUSAL[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1).view(1, 1, s, s)
+    return full[..., :s, :s]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -38,14 +38,18 @@ def _post_in_background(url: str, payload: Any, timeout: float) -> tuple[threadi
     return thread, result
 
 
+def _checked(answer: Any, what: str) -> Any:
+    """`answer` of a weight-control endpoint, unless it lacks {"success": true} (then its message is raised)."""
+    if not isinstance(answer, dict) or answer.get("success") is not True:
+        raise RuntimeError(f"SGLang {what} failed: {answer.get('message') if isinstance(answer, dict) else answer}")
+    return answer
+
+
 def _joined(thread: threading.Thread, result: dict, what: str) -> Any:
     thread.join()
     if "error" in result:
         raise RuntimeError(f"SGLang {what} failed: {result['error']}")
-    answer = result["answer"]
-    if isinstance(answer, dict) and answer.get("success") is False:
-        raise RuntimeError(f"SGLang {what} failed: {answer.get('message')}")
-    return answer
+    return _checked(result["answer"], what)
 
 
 class SGLangEngine:
@@ -102,10 +106,9 @@ class SGLangEngine:
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
         """Reload the server's weights from a HF directory of the same architecture."""
         version = self.weight_version + 1 if version is None else version
-        answer = http_json(self.url + "/update_weights_from_disk",
-                           {"model_path": model_path, "weight_version": str(version)}, timeout=self.timeout)
-        if not answer.get("success", False):
-            raise RuntimeError(f"SGLang could not load {model_path}: {answer.get('message')}")
+        _checked(http_json(self.url + "/update_weights_from_disk",
+                           {"model_path": model_path, "weight_version": str(version)}, timeout=self.timeout),
+                 f"update_weights_from_disk({model_path})")
         self.weight_version = version
         return version
 
@@ -130,8 +133,8 @@ class SGLangEngine:
         if self._group is None:
             self.connect_weight_group()
         version = self.weight_version + 1 if version is None else version
-        _joined(*_post_in_background(self.url + "/begin_weight_update", {"selector": "all"}, self.timeout),
-                "begin_weight_update")
+        _checked(http_json(self.url + "/begin_weight_update", {"selector": "all"}, timeout=self.timeout),
+                 "begin_weight_update")
         for bucket in buckets:
             body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
@@ -140,7 +143,7 @@ class SGLangEngine:
             for _, t in bucket:
                 dist.broadcast(t.contiguous(), src=0, group=self._group)
             _joined(thread, result, "update_weights_from_distributed")
-        _joined(*_post_in_background(self.url + "/end_weight_update", {}, self.timeout), "end_weight_update")
+        _checked(http_json(self.url + "/end_weight_update", {}, timeout=self.timeout), "end_weight_update")
         self.weight_version = version
         return version
 
