@@ -156,6 +156,9 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as-is (e.g. SGLang args)
+    # sglang: URLs of running servers (http://host:port); empty: the trainer starts one server per node
+    server_urls: list[str] = field(default_factory=list)
+    server_python: Optional[str] = None  # sglang: the python that has SGLang installed; None: this one
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
@@ -197,6 +200,19 @@ class CriticConfig:
 # data and rewards
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
+class SyntheticTaskConfig:
+    """A built-in verifiable task that needs no files: before anything else the trainer writes a tiny model (with a
+    short supervised warm start) and its train/val prompt sets under `<trainer.default_local_dir>/synthetic/`, and
+    points actor_rollout_ref.model.path, data.train_files and data.val_files at them. Deterministic in `seed`."""
+
+    name: Optional[str] = None  # None: off; a task of megappo.tasks (e.g. the main CPU job's)
+    num_train_prompts: int = 1024
+    num_val_prompts: int = 64
+    warm_start_steps: int = 100  # supervised steps on the task before RL (0: the random model)
+    seed: int = 0
+
+
+@dataclass
 class DataConfig:
     tokenizer: Optional[str] = None  # None: the actor model's tokenizer
     train_files: Union[str, list[str]] = "~/data/gsm8k/train.parquet"  # one Parquet path or a list
@@ -212,6 +228,7 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # drop prompts over max_prompt_length when the dataset loads
     shuffle: bool = True  # shuffle training prompts each epoch
     seed: int = 1  # seed of that shuffle, so a resumed run sees the same order
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
 
 @dataclass
@@ -265,7 +282,8 @@ class TrainerConfig:
     default_local_dir: Optional[str] = None  # resolved: checkpoints/{project_name}/{experiment_name}
     project_name: str = "megappo_examples"
     experiment_name: str = "gsm8k"
-    logger: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console"])
+    # metrics.jsonl in default_local_dir is always written; these are the other sinks
+    logger: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console", "tensorboard"])
     balance_batch: bool = True  # reorder samples so data-parallel ranks get similar token counts
     kl_guard: KLGuardConfig = field(default_factory=KLGuardConfig)
 

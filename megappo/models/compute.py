@@ -24,8 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megappo.models.batch import ModelBatch
+from megappo.models.builder import unwrap
 from megappo.models.microbatch import MicroBatchPlan, split_batch
 from megappo.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from megappo.parallel import ParallelState
 
 __all__ = [
     "ModelOutputs", "MicroBatchContext", "StepMetrics", "MicroBatching", "LossFn",
@@ -74,7 +76,7 @@ class StepMetrics:
     lr: float  # learning rate used by this step
     update_successful: bool  # False when a bf16/fp16 overflow skipped the update
     num_micro_batches: int
-    metrics: dict[str, float] = field(default_factory=dict)  # closure metrics, mean over micro-batches and DP
+    metrics: dict[str, float] = field(default_factory=dict)  # closure metrics: shares summed over micro-batches and DP
 
 
 def left_aligned(mb: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,18 +119,12 @@ def causal_mask(s: int, device: torch.device) -> torch.Tensor:
     return full[..., :s, :s]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
 def _is_value_model(model_chunks: Sequence[nn.Module]) -> bool:
-    return getattr(_unwrap(model_chunks[0]), "megappo_role", "actor") in ("critic", "reward")
+    return getattr(unwrap(model_chunks[0]), "megappo_role", "actor") in ("critic", "reward")
 
 
 def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
-    spec = getattr(_unwrap(model_chunks[-1]), "megappo_spec", None)
+    spec = getattr(unwrap(model_chunks[-1]), "megappo_spec", None)
     return getattr(spec, "vocab_size", None)
 
 
@@ -157,14 +153,14 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
 def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable) -> tuple:
     mb = next(data_iterator)
     input_ids, position_ids = left_aligned(mb)
-    spec = getattr(_unwrap(model), "megappo_spec", None)
+    spec = getattr(unwrap(model), "megappo_spec", None)
     # transformer-engine builds the causal mask itself (and ignores one passed with a causal mask type)
     mask = None if getattr(spec, "use_transformer_engine", False) else causal_mask(mb.seq_len, input_ids.device)
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
     return output, partial(loss_func, mb)
 
 
-def _prepare(model_chunks: Sequence[nn.Module], parallel_state: Any) -> Any:
+def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
     """Megatron's model config, set for our micro-batches; rejects what this module does not support."""
     from megatron.core.utils import get_model_config
 
@@ -186,15 +182,15 @@ def _prepare(model_chunks: Sequence[nn.Module], parallel_state: Any) -> Any:
     return config
 
 
-def _count_multiple(parallel_state: Any) -> int:
+def _count_multiple(parallel_state: ParallelState) -> int:
     # megatron's interleaved (virtual pipeline) schedule runs micro-batches in groups of the pipeline size
     return parallel_state.pp_size if parallel_state.vpp_size else 1
 
 
-def _shape_group(model_chunks: Sequence[nn.Module], parallel_state: Any) -> Any:
+def _shape_group(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
     # megatron's allgather MoE dispatcher all-gathers tokens over the expert-parallel ranks, which are data-parallel
     # peers with their own micro-batches: it needs the same [b, s] on each, so pad to the max over the DP group.
-    config = _unwrap(model_chunks[0]).config
+    config = unwrap(model_chunks[0]).config
     if parallel_state.ep_size > 1 and getattr(config, "moe_token_dispatcher_type", None) == "allgather":
         return parallel_state.dp_group
     return None
@@ -205,7 +201,7 @@ def _device(model_chunks: Sequence[nn.Module]) -> torch.device:
 
 
 def _plan(model_chunks: Sequence[nn.Module], batch: ModelBatch, micro: MicroBatching,
-          parallel_state: Any) -> MicroBatchPlan:
+          parallel_state: ParallelState) -> MicroBatchPlan:
     """Micro-batches for megatron's schedule, on the model's device, with the constraints of this layout."""
     device = _device(model_chunks)
     plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
@@ -218,7 +214,7 @@ def _plan(model_chunks: Sequence[nn.Module], batch: ModelBatch, micro: MicroBatc
 
 
 def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_func: Callable, *,
-                  parallel_state: Any, forward_only: bool) -> list[dict]:
+                  parallel_state: ParallelState, forward_only: bool) -> list[dict]:
     """Run megatron's forward(-backward) schedule over the plan's micro-batches; the last stage's loss dicts."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -238,7 +234,7 @@ def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_
 
 
 def _broadcast_from_last_stage(tensors: list[Optional[torch.Tensor]], shapes: list[tuple[int, ...]],
-                               parallel_state: Any, device: torch.device) -> list[torch.Tensor]:
+                               parallel_state: ParallelState, device: torch.device) -> list[torch.Tensor]:
     """Send the last pipeline stage's tensors to every stage of `parallel_state.pp_group`."""
     if parallel_state.pp_size == 1:
         return tensors  # type: ignore[return-value]
@@ -290,7 +286,7 @@ def compute_log_probs(
     model_chunks: Sequence[nn.Module],
     batch: ModelBatch,
     *,
-    parallel_state: Any,
+    parallel_state: ParallelState,
     micro: MicroBatching = MicroBatching(),
     calculate_entropy: bool = False,
     temperature: float = 1.0,
@@ -310,7 +306,7 @@ def compute_values(
     model_chunks: Sequence[nn.Module],
     batch: ModelBatch,
     *,
-    parallel_state: Any,
+    parallel_state: ParallelState,
     micro: MicroBatching = MicroBatching(),
 ) -> torch.Tensor:
     """Forward-only critic values [B, R]: the value of the state before each response token; zero on padding."""
@@ -326,21 +322,20 @@ def _global_counts(batch: ModelBatch, dp_group: Any, device: torch.device) -> tu
     return int(t[0]), int(t[1])
 
 
-def _reduce_metrics(results: list[dict], parallel_state: Any) -> tuple[float, dict[str, float]]:
-    """(loss summed over micro-batches and DP ranks, other metrics averaged), identical on every rank."""
+def _reduce_metrics(results: list[dict], parallel_state: ParallelState) -> tuple[float, dict[str, float]]:
+    """(loss, metrics), each summed over micro-batches and DP ranks, identical on every rank.
+
+    A closure returns its micro-batch's *share* of each metric, as of the loss (e.g. a token mean weighted by the
+    micro-batch's fraction of the mini-batch's tokens), so the sums are the mini-batch's values."""
     payload: list[Any] = [None, None]
     if parallel_state.is_pipeline_last_stage:
         keys = sorted(results[0])
         if any(sorted(r) != keys for r in results):
             names = [sorted(r) for r in results]
             raise ValueError(f"loss_fn returned different metric names across micro-batches: {names}")
-        vals = torch.stack([torch.stack([r[k].float().reshape(()) for r in results]) for k in keys])  # [K, n]
-        is_loss = torch.tensor([k == "loss" for k in keys], device=vals.device)
-        # the loss shares add up to the mini-batch loss; the other metrics are means over micro-batches and ranks
-        reduced = torch.where(is_loss, vals.sum(-1), vals.mean(-1))  # [K]
+        reduced = torch.stack([torch.stack([r[k].float().reshape(()) for r in results]) for k in keys]).sum(-1)
         if parallel_state.dp_size > 1:
             dist.all_reduce(reduced, group=parallel_state.dp_group)
-            reduced = torch.where(is_loss, reduced, reduced / parallel_state.dp_size)
         payload = [keys, reduced.tolist()]
     if parallel_state.pp_size > 1:
         src = dist.get_global_rank(parallel_state.pp_group, parallel_state.pp_size - 1)
@@ -356,7 +351,7 @@ def train_step(
     batch: ModelBatch,
     loss_fn: LossFn,
     *,
-    parallel_state: Any,
+    parallel_state: ParallelState,
     micro: MicroBatching = MicroBatching(),
     calculate_entropy: bool = False,
     temperature: float = 1.0,
@@ -368,7 +363,8 @@ def train_step(
     `optim.build_scheduler` (scheduler may be None). platform: `detect_platform()`'s (None: CPU unless CUDA is
     available), for megatron's optimizer code on CPU. `loss_fn(outputs, ctx)` gets the micro-batch's log-probs
     (and entropy) for an LM model or values for a critic, each [b, r], and returns its share of the mini-batch
-    loss (normalise by `ctx.global_num_tokens` / `ctx.global_num_seqs`) and scalar metrics.
+    loss (normalise by `ctx.global_num_tokens` / `ctx.global_num_seqs`) and its shares of scalar metrics (summed
+    over micro-batches and data-parallel ranks, as the loss).
     """
     from megatron.core.distributed import finalize_model_grads
 

@@ -1,9 +1,13 @@
 """Sampling parameters, completions and the next-token sampler of megappo's rollout engines.
 
 The names follow SGLang's `sampling_params` (max_new_tokens, temperature, top_p, top_k, n, stop_token_ids,
-ignore_eos), so the in-process engine and an SGLang server take the same request. Log-probs are those of the
-distribution the token was drawn from *before* top-k/top-p filtering but after temperature: the quantity the
-actor recomputes (`compute_log_probs(..., temperature=T)`), so rollout and training log-probs can be compared.
+ignore_eos), so the in-process engine and an SGLang server take the same request.
+
+Which distribution a log-prob is under is decided in one place, `SamplingParams.logprob_temperature`: a sampled
+token's log-prob is taken under softmax(logits / T) *before* top-k/top-p filtering, with T the sampling temperature,
+and under softmax(logits) (T = 1) for greedy decoding (temperature 0 or top_k 1, where dividing by 0 is undefined).
+The trainer recomputes exactly that quantity with `compute_log_probs(..., temperature=params.logprob_temperature)`,
+so rollout and training log-probs can be compared token for token.
 """
 from __future__ import annotations
 
@@ -35,12 +39,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0 or self.top_k == 1
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution that reported log-probs are under (see the module docstring)."""
+        return 1.0 if self.is_greedy else float(self.temperature)
+
     @classmethod
-    def from_rollout_config(cls, rollout, *, validate: bool = False) -> "SamplingParams":
+    def from_rollout_config(cls, rollout, *, validate: bool = False, seed: Optional[int] = None) -> "SamplingParams":
         """From `actor_rollout_ref.rollout` (or its `val_kwargs` when validate)."""
         src = rollout.val_kwargs if validate else rollout
         return cls(max_new_tokens=rollout.response_length, temperature=src.temperature, top_p=src.top_p,
-                   top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos)
+                   top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed)
 
 
 @dataclass
@@ -49,7 +58,7 @@ class Completion:
 
     prompt_index: int  # index of its prompt in the request
     output_ids: list[int]  # the response tokens, the stop token included when one ended it
-    log_probs: list[float]  # per output token, under softmax(logits / temperature) (raw logits when greedy)
+    log_probs: list[float]  # per output token, under softmax(logits / params.logprob_temperature)
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     weight_version: int = 0  # the engine's weights when it was sampled
     extra: dict = field(default_factory=dict)
@@ -58,13 +67,11 @@ class Completion:
 def sample_next(logits: torch.Tensor, params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (float) -> (tokens [B] long, log-probs [B] of those tokens, see the module docstring)."""
-    logits = logits.float()
+    logits = logits.float() / params.logprob_temperature
+    logp = torch.log_softmax(logits, -1)
     if params.is_greedy:
         tokens = logits.argmax(-1)
-        logp = torch.log_softmax(logits, -1)
     else:
-        logits = logits / params.temperature
-        logp = torch.log_softmax(logits, -1)
         filtered = logits.clone()
         if params.top_k > 0 and params.top_k < logits.shape[-1]:
             kth = torch.topk(filtered, params.top_k, dim=-1).values[..., -1:]

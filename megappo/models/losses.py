@@ -1,0 +1,87 @@
+"""The PPO loss closures that `compute.train_step` runs on each micro-batch: the actor's and the critic's.
+
+They turn a micro-batch's model outputs and its `TrainInputs` into the micro-batch's share of the mini-batch loss by
+calling `megappo.algos` with plain numbers and the mini-batch's *global* token and sequence counts (over every
+micro-batch and data-parallel rank), so the sum of the shares is the mini-batch loss however it was split. The
+settings are plain dataclasses; `megappo.trainer.settings` is the one place config names map onto them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megappo import algos
+from megappo.models.compute import LossFn, MicroBatchContext, ModelOutputs
+
+
+@dataclass(frozen=True)
+class ActorLossSettings:
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.2  # and above at 1 + clip_high
+    clip_c: Optional[float] = 3.0  # dual-clip bound for negative advantages (None: off)
+    agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
+    use_kl_loss: bool = False  # loss += kl_loss_coef * KL(actor || ref)
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+
+
+@dataclass(frozen=True)
+class CriticLossSettings:
+    clip_range: Optional[float] = 0.5  # values clipped to old +- clip_range (None: plain MSE)
+    agg_mode: str = "token-mean"
+
+
+def _agg(x: torch.Tensor, mask: torch.Tensor, mode: str, ctx: MicroBatchContext) -> torch.Tensor:
+    return algos.aggregate_loss(x, mask, mode, num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs)
+
+
+def _token_share(mask: torch.Tensor, ctx: MicroBatchContext) -> float:
+    """This micro-batch's fraction of the mini-batch's response tokens: a token mean times it is its share."""
+    return float(mask.sum()) / max(ctx.global_num_tokens, 1)
+
+
+def actor_loss_fn(s: ActorLossSettings) -> LossFn:
+    """Clipped (and dual-clip) surrogate + optional KL loss - entropy bonus. Needs log-probs and entropy
+    (`train_step(..., calculate_entropy=True)`) and train inputs old_log_probs, advantages (and ref_log_probs).
+    Metrics (shares, see `train_step`): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss."""
+
+    def loss_fn(out: ModelOutputs, ctx: MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        t, mask = ctx.batch.train, ctx.batch.response_mask
+        pg_loss, pg_metrics = algos.policy_loss(
+            out.log_probs, t.old_log_probs, t.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high,
+            clip_c=s.clip_c, agg_mode=s.agg_mode, num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs,
+        )
+        share = _token_share(mask, ctx)
+        metrics = {k: v * share for k, v in pg_metrics.items()}  # token means within the micro-batch
+        metrics["pg_loss"] = pg_loss.detach()
+        loss = pg_loss
+        if out.entropy is not None:
+            entropy = _agg(out.entropy, mask, s.agg_mode, ctx)
+            metrics["entropy"] = entropy.detach()
+            if s.entropy_coeff:
+                loss = loss - s.entropy_coeff * entropy
+        if s.use_kl_loss:
+            kl_loss = _agg(algos.kl_penalty(out.log_probs, t.ref_log_probs, s.kl_loss_type), mask, s.agg_mode, ctx)
+            loss = loss + s.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(s: CriticLossSettings) -> LossFn:
+    """Clipped value loss against the returns. Needs values and train inputs values (old) and returns.
+    Metrics (shares): vf_loss, vf_clipfrac."""
+
+    def loss_fn(out: ModelOutputs, ctx: MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        t, mask = ctx.batch.train, ctx.batch.response_mask
+        loss, metrics = algos.value_loss(
+            out.values, t.values, t.returns, mask, clip_range=s.clip_range, agg_mode=s.agg_mode,
+            num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs,
+        )
+        return loss, {"vf_loss": loss.detach(), "vf_clipfrac": metrics["vf_clipfrac"] * _token_share(mask, ctx)}
+
+    return loss_fn

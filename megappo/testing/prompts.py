@@ -1,0 +1,45 @@
+"""Small Parquet prompt sets in verl's schema for tests and benchmarks (no download, deterministic)."""
+from __future__ import annotations
+
+import os
+import random
+
+
+def write_prompt_parquet(path: str, n: int, *, seed: int = 0, data_source: str = "openai/gsm8k") -> str:
+    """`n` short arithmetic prompts with GSM8K-style numeric ground truths, written as one Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        rows.append({
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": f"how many apples is {a} and {b} apples?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"split": "train", "index": i},
+        })
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def tiny_run_overrides(out_dir: str, model_dir: str, train_file: str, *, val_file: str | None = None,
+                       steps: int = 1, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """Overrides of recipes/gsm8k/tiny_cpu.yaml for a fast trainer run on a tiny model (tests, benchmarks)."""
+    return [
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={train_file}",
+        f"data.val_files={val_file or 'null'}", f"trainer.default_local_dir={out_dir}",
+        "data.max_prompt_length=64", "data.max_response_length=8", f"trainer.total_training_steps={steps}",
+        "trainer.logger=[]", "reward_model.backend=serial", *extra,
+    ]
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    """The rows of `<out_dir>/metrics.jsonl` (one per logged step; validation before training is step 0)."""
+    import json
+
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

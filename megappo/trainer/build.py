@@ -1,0 +1,150 @@
+"""Everything `fit` needs before its first step: process groups, the synthetic task if asked for, data, models,
+rollout engine, reward scorer, KL controller, logger, and the state of a resumed run."""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo import algos
+from megappo.config import resolve
+from megappo.config.schema import MegappoConfig
+from megappo.models.losses import actor_loss_fn, critic_loss_fn
+from megappo.parallel import destroy_parallel, init_parallel
+from megappo.platform.device import detect_platform
+from megappo.trainer import checkpointing, settings
+from megappo.trainer.metrics import MetricsLogger
+from megappo.trainer.phases import Run
+from megappo.trainer.roles import build_roles
+from megappo.trainer.rollout import RolloutWorker
+
+
+@dataclass
+class TrainState:
+    """Where the run is: the last finished step, the data position and the outputs."""
+
+    step: int  # steps finished (0: none)
+    total_steps: int
+    loader: Any  # PromptLoader over the training prompts
+    val_loader: Optional[Any]
+    logger: MetricsLogger
+    local_dir: str
+
+    def batches(self) -> Iterator[Any]:
+        """The training batches from the saved position on, epoch after epoch."""
+        while True:
+            yield from self.loader
+
+    def state_dict(self, run: Run) -> dict:
+        return {"dataloader": self.loader.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
+                "weight_version": run.rollout.weight_version}
+
+
+def _threads_per_rank() -> None:
+    # Ranks of one node share its cores; more threads than cores per rank measured 3-4x slower here.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def _synthetic(cfg: MegappoConfig, local_dir: str) -> None:
+    """Write the built-in task's model and prompts (rank 0; the others wait) and point the config at them."""
+    syn = cfg.data.synthetic
+    if not syn.name:
+        return
+    from megappo.tasks import prepare_task
+
+    out = os.path.join(local_dir, "synthetic", syn.name)
+    files = [None]
+    if dist.get_rank() == 0:
+        files = [prepare_task(syn.name, out, num_train_prompts=syn.num_train_prompts,
+                              num_val_prompts=syn.num_val_prompts, warm_start_steps=syn.warm_start_steps,
+                              seed=syn.seed)]
+    dist.broadcast_object_list(files, src=0)
+    task = files[0]
+    arr = cfg.actor_rollout_ref
+    for model in (arr.model, cfg.critic.model):
+        model.path, model.tokenizer_path = task.model_dir, task.model_dir
+    cfg.data.train_files, cfg.data.val_files = task.train_files, task.val_files
+
+
+def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
+    from megappo.data import PromptDataset, PromptLoader
+
+    d = cfg.data
+
+    def dataset(files):
+        return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                             filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key)
+
+    train = PromptLoader(dataset(d.train_files), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    val = None
+    if d.val_files:
+        val_set = dataset(d.val_files)
+        val = PromptLoader(val_set, d.val_batch_size or len(val_set), shuffle=False, drop_last=False)
+    return train, val
+
+
+def _scorer(cfg: MegappoConfig):
+    if dist.get_rank() != 0:
+        return None
+    from megappo.rewards.registry import load_custom_reward_fn
+    from megappo.rewards.scorer import RewardScorer
+
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    fn = load_custom_reward_fn(crf.path, crf.name) if crf.path else None
+    return RewardScorer(fn, num_workers=rm.num_workers, backend=rm.backend, timeout_s=rm.timeout_s,
+                        failure_score=rm.failure_score, ray_address=rm.ray_address)
+
+
+def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
+    cfg = resolve(copy.deepcopy(cfg))
+    t = cfg.trainer
+    platform = detect_platform(t.device, cfg.actor_rollout_ref.model.dtype)
+    if not platform.is_cuda:
+        _threads_per_rank()
+    ps = init_parallel(settings.layout_of(cfg.actor_rollout_ref.actor.megatron), platform,
+                       seed=cfg.actor_rollout_ref.actor.megatron.seed)
+    local_dir = os.path.abspath(os.path.expanduser(t.default_local_dir))
+    _synthetic(cfg, local_dir)
+    from transformers import AutoTokenizer
+
+    tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path
+    tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    loader, val_loader = _data(cfg, tokenizer)
+    total = t.total_training_steps or t.total_epochs * len(loader)
+    roles = build_roles(cfg, ps, platform, total)
+    kl = cfg.algorithm.kl_ctrl
+    run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
+              scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
+              pad_token_id=loader.dataset.pad_token_id,
+              kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
+                                                horizon=kl.horizon),
+              batching=settings.batching(cfg), sampling=settings.sampling(cfg),
+              actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
+              critic_loss=critic_loss_fn(settings.critic_loss(cfg)))
+    state = TrainState(0, total, loader, val_loader, None, local_dir)  # type: ignore[arg-type]
+    resume = checkpointing.find_resume_dir(local_dir, t.resume_mode, t.resume_from_path)
+    if resume is not None:
+        saved = checkpointing.load(run, resume)
+        state.step = int(saved["step"])
+        loader.load_state_dict(saved["dataloader"])
+        run.kl_ctrl.load_state_dict(saved["kl_ctrl"])
+        run.rollout.weight_version = int(saved.get("weight_version", 0))
+        run.rollout.sync_weights(roles.actor.chunks, roles.hf_config)  # the engine generates with what we resumed
+    state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0, start_step=state.step)
+    return run, state
+
+
+def teardown(run: Optional[Run], state: Optional[TrainState]) -> None:
+    """Stop every process and file the run started; safe to call after a failed setup."""
+    if state is not None and state.logger is not None:
+        state.logger.close()
+    if run is not None:
+        run.rollout.close()
+        if run.scorer is not None:
+            run.scorer.close()
+    destroy_parallel(destroy_process_group=True)

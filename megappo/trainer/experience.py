@@ -1,0 +1,138 @@
+"""A step's experience: the sampled responses of the whole step, and this rank's typed batch of them.
+
+`Samples` holds every sample of the step (all data-parallel ranks' rollouts gathered, identical on every rank) as
+token lists; `Experience` is this data-parallel rank's share, balanced by token workload, as tensors that the
+phases fill in one after another (scores, reference and old log-probs, values, rewards, advantages).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megappo.data.dataset import PromptBatch
+from megappo.models.batch import ModelBatch, TrainInputs
+from megappo.rollout.sampling import Completion
+
+
+@dataclass
+class Samples:
+    """Every sample of one step, in (prompt, sample) order: N = prompts * n."""
+
+    prompt_ids: list[list[int]]  # N prompts, unpadded
+    response_ids: list[list[int]]  # N responses, the stop token included when one ended it
+    rollout_log_probs: list[list[float]]  # N, per response token, as the engine reported them
+    truncated: list[bool]  # N, stopped by the length limit rather than a stop token
+    uids: list[int]  # N, the prompt's index in the step: a GRPO group
+    data_sources: list[str]  # N
+    ground_truths: list[Any]  # N
+    extra_infos: list[dict]  # N
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @classmethod
+    def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]],
+                         first_uid: int = 0) -> "Samples":
+        """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
+        out = cls([], [], [], [], [], [], [], [])
+        for b, group in enumerate(completions):
+            ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
+            for c in group:
+                out.prompt_ids.append(ids)
+                out.response_ids.append(list(c.output_ids))
+                out.rollout_log_probs.append(list(c.log_probs))
+                out.truncated.append(c.finish_reason == "length")
+                out.uids.append(first_uid + b)
+                out.data_sources.append(prompts.data_sources[b])
+                out.ground_truths.append(prompts.ground_truths[b])
+                out.extra_infos.append(prompts.extra_infos[b])
+        return out
+
+    @classmethod
+    def concat(cls, parts: Sequence["Samples"]) -> "Samples":
+        out = cls([], [], [], [], [], [], [], [])
+        for p in parts:
+            for name in out.__dataclass_fields__:
+                getattr(out, name).extend(getattr(p, name))
+        return out
+
+
+@dataclass
+class Experience:
+    """This data-parallel rank's B samples of the step. Tensors [B, R] are aligned with the response tokens."""
+
+    batch: ModelBatch  # input_ids [B, P+R]; response_mask [B, R]; train inputs [B, R] filled by the phases
+    indices: list[int]  # [B] each sample's index in the step's `Samples`
+    uids: torch.Tensor  # [B] long, the prompt's index in the step (GRPO group)
+    data_sources: list[str]  # [B]
+    truncated: torch.Tensor  # [B] bool, the response hit the length limit
+    rollout_log_probs: torch.Tensor  # [B, R] the engine's log-probs (0 on padding)
+    scores: Optional[torch.Tensor] = None  # [B] the sequence score (rule reward or reward model)
+    token_rewards: Optional[torch.Tensor] = None  # [B, R] score at the last token, minus the KL penalty if any
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def train(self) -> TrainInputs:
+        if self.batch.train is None:
+            self.batch.train = TrainInputs()
+        return self.batch.train
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.batch.response_mask
+
+    def response_lengths(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+
+def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int) -> Experience:
+    """The typed batch of `samples[indices]` (prompts left-padded, responses right-padded)."""
+    idx = list(indices)
+    batch = ModelBatch.from_token_lists([samples.prompt_ids[i] for i in idx], [samples.response_ids[i] for i in idx],
+                                        pad_token_id, train=None)
+    logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    for row, i in enumerate(idx):
+        lp = samples.rollout_log_probs[i]
+        logp[row, :len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
+    return Experience(
+        batch=batch, indices=idx, uids=torch.as_tensor([samples.uids[i] for i in idx], dtype=torch.long),
+        data_sources=[samples.data_sources[i] for i in idx],
+        truncated=torch.as_tensor([samples.truncated[i] for i in idx], dtype=torch.bool),
+        rollout_log_probs=logp,
+    )
+
+
+def balanced_partitions(workloads: Sequence[int], parts: int) -> list[list[int]]:
+    """Split indices 0..N-1 into `parts` lists of equal size N / parts whose workloads are close.
+
+    Longest-processing-time first: the heaviest remaining sample goes to the lightest part that still has room.
+    Each part keeps its indices in ascending order, so a part's content does not depend on ties in the sort.
+    """
+    n = len(workloads)
+    if n % parts:
+        raise ValueError(f"{n} samples do not split evenly over {parts} data-parallel ranks")
+    size = n // parts
+    heap = [(0, p) for p in range(parts)]  # (load, part)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(n), key=lambda i: (-workloads[i], i)):
+        load, p = heapq.heappop(heap)
+        out[p].append(i)
+        if len(out[p]) < size:
+            heapq.heappush(heap, (load + workloads[i], p))
+    return [sorted(p) for p in out]
+
+
+def workloads(samples: Samples) -> list[int]:
+    """Tokens each sample costs in the forward and backward passes (prompt + response)."""
+    return [len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids)]
+
+
+def mini_batches(n: int, count: int, *, shuffle: bool, seed: int) -> list[torch.Tensor]:
+    """`count` equal index sets over 0..n-1 (a seeded permutation when `shuffle`)."""
+    if n % count:
+        raise ValueError(f"{n} local samples do not split into {count} mini-batches")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)) if shuffle else torch.arange(n)
+    return list(order.view(count, n // count))

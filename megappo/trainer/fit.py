@@ -1,0 +1,76 @@
+"""`fit(cfg)`: KL-regularized PPO (or GRPO), one named phase after another. Every rank runs it (SPMD)."""
+from __future__ import annotations
+
+import os
+
+from megappo.config.schema import MegappoConfig
+from megappo.trainer import checkpointing, phases
+from megappo.trainer.build import setup, teardown
+from megappo.trainer.metrics import Timer
+from megappo.trainer.phases import Run
+from megappo.trainer.rollout import step_seed
+from megappo.trainer.settings import sampling
+
+
+def fit(cfg: MegappoConfig) -> int:
+    run = state = None
+    try:
+        run, state = setup(cfg)
+        t = run.cfg.trainer
+        if state.step == 0 and t.val_before_train and state.val_loader is not None and run.scorer is not None:
+            state.logger.log(0, phases.validate(run, state.val_loader))
+        batches = state.batches()
+        for step in range(state.step + 1, state.total_steps + 1):
+            metrics = train_step(run, next(batches), step)
+            last = step == state.total_steps
+            if state.val_loader is not None and run.scorer is not None and (
+                    (t.test_freq > 0 and step % t.test_freq == 0) or (last and t.test_freq > 0)):
+                metrics.update(phases.validate(run, state.val_loader))
+            state.step = step
+            if t.save_freq > 0 and (step % t.save_freq == 0 or last):
+                checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
+            state.logger.log(step, metrics)
+        checkpointing.export_actor(run, os.path.join(state.local_dir, "hf", "actor"))
+        return 0
+    finally:
+        teardown(run, state)
+
+
+def train_step(run: Run, prompts, step: int) -> dict[str, float]:
+    """One PPO step on a batch of prompts; returns the step's metrics."""
+    cfg, timer, m = run.cfg, Timer(), {}
+    with timer("step"):
+        with timer("rollout"):
+            samples = phases.rollout(run, prompts, sampling(cfg, seed=step_seed(cfg.data.seed, step)))
+        with timer("reward"):
+            scores, reward_metrics = (None, {}) if cfg.reward_model.enable else phases.rule_scores(run, samples)
+        exp = phases.make_experience(run, samples, scores)
+        if run.roles.reward is not None:
+            with timer("reward_model"):
+                phases.reward_model_scores(run, exp)
+        if run.roles.ref is not None:
+            with timer("ref"):
+                phases.ref_log_probs(run, exp)
+        with timer("old_log_prob"):
+            m.update(phases.old_log_probs(run, exp))
+        if run.roles.critic is not None:
+            with timer("values"):
+                phases.values(run, exp)
+        with timer("adv"):
+            m.update(phases.token_rewards(run, exp))
+            phases.advantages(run, exp)
+        if run.roles.critic is not None:
+            with timer("update_critic"):
+                m.update(phases.update_critic(run, exp, step))
+        if step > cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                m.update(phases.update_actor(run, exp, step))
+            with timer("weight_sync"):
+                m.update(phases.sync_weights(run))
+    m.update(reward_metrics)
+    m.update(phases.step_metrics(run, exp))
+    m.update(timer.metrics())
+    tokens = sum(len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids))
+    m["perf/tokens_per_s"] = tokens / max(timer.seconds["step"], 1e-9)
+    m.setdefault("kl/coef", run.kl_ctrl.value)
+    return m

@@ -1,0 +1,285 @@
+"""The phases of one PPO step, each a function of the run's state (`Run`) and the step's experience.
+
+Every rank calls every phase (SPMD). A phase that communicates uses the process groups in `run.ps`; numbers that
+describe the whole step (reward, KL, whitening statistics, GRPO groups) are reduced over the data-parallel group,
+so a run's metrics and updates do not depend on how many data-parallel ranks it has.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo import algos
+from megappo.config.schema import MegappoConfig
+from megappo.models.compute import compute_log_probs, compute_values, train_step
+from megappo.parallel import ParallelState
+from megappo.platform.device import Platform
+from megappo.rewards.scorer import RewardScorer, ScoreItem
+from megappo.rollout.sampling import SamplingParams
+from megappo.trainer import settings
+from megappo.trainer.experience import (
+    Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
+)
+from megappo.trainer.roles import Roles, on_device
+from megappo.trainer.rollout import RolloutWorker
+
+
+@dataclass
+class Run:
+    """What every phase reads: the config, the process groups, the models and the services around them."""
+
+    cfg: MegappoConfig
+    ps: ParallelState
+    platform: Platform
+    roles: Roles
+    rollout: RolloutWorker
+    scorer: Optional[RewardScorer]  # rule rewards, on global rank 0 only
+    tokenizer: Any
+    pad_token_id: int
+    kl_ctrl: Any  # algos.FixedKLController | AdaptiveKLController
+    batching: settings.Batching
+    sampling: SamplingParams
+    actor_loss: Any  # LossFn
+    critic_loss: Any  # LossFn
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# data-parallel reductions
+# ------------------------------------------------------------------------------------------------------------------
+def dp_gather(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """Concatenate a [B, ...] tensor over the data-parallel ranks (every rank has the same B)."""
+    if ps.dp_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(ps.dp_size)]
+    dist.all_gather(parts, t.contiguous(), group=ps.dp_group)
+    return torch.cat(parts)
+
+
+def dp_sum(values: list[float], ps: ParallelState) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if ps.dp_size > 1:
+        dist.all_reduce(t, group=ps.dp_group)
+    return t.tolist()
+
+
+def dp_max(value: float, ps: ParallelState) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if ps.dp_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.dp_group)
+    return float(t)
+
+
+def masked_mean_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> float:
+    total, count = dp_sum([float((x * mask).sum()), float(mask.sum())], ps)
+    return total / max(count, 1.0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# rollout and rewards
+# ------------------------------------------------------------------------------------------------------------------
+def rollout(run: Run, prompts, params: SamplingParams) -> Samples:
+    return run.rollout.generate(prompts, params)
+
+
+def rule_scores(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str, float]]:
+    """Each sample's rule reward, scored once (global rank 0, in the scorer's workers) and sent to every rank."""
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        texts = run.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
+        items = [ScoreItem(ds, text, gt, extra) for ds, text, gt, extra in
+                 zip(samples.data_sources, texts, samples.ground_truths, samples.extra_infos)]
+        result = run.scorer.score(items)
+        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3])]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    scores, metrics, _errors = payload[0]
+    metrics.pop("reward/score_mean", None)  # reward/mean below is the same number over the step's samples
+    return scores, metrics
+
+
+def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -> Experience:
+    """This rank's samples, balanced by token workload over the data-parallel ranks."""
+    parts = balanced_partitions(workloads(samples), run.ps.dp_size) if run.cfg.trainer.balance_batch else \
+        [list(range(len(samples)))[i::run.ps.dp_size] for i in range(run.ps.dp_size)]
+    exp = build_experience(samples, parts[run.ps.dp_rank], run.pad_token_id)
+    if scores is not None:
+        exp.scores = torch.tensor([scores[i] for i in exp.indices], dtype=torch.float32)
+    return exp
+
+
+def reward_model_scores(run: Run, exp: Experience) -> None:
+    """The reward model's value at each response's last token is its score."""
+    from megappo.models.batch import ModelBatch
+
+    b = exp.batch
+    # One padding column after every response: the value "before" it is the value at the last real token.
+    rows = [b.input_ids[i, b.prompt_len - int(pl):b.prompt_len] for i, pl in enumerate(b.prompt_lengths())]
+    resp = [b.input_ids[i, b.prompt_len:b.prompt_len + int(n)].tolist() + [run.pad_token_id]
+            for i, n in enumerate(exp.response_lengths())]
+    padded = ModelBatch.from_token_lists([r.tolist() for r in rows], resp, run.pad_token_id)
+    with on_device(run.roles.reward, run.platform):
+        values = compute_values(run.roles.reward.chunks, padded, parallel_state=run.ps,
+                                micro=run.batching.reward_model)
+    exp.scores = values.gather(1, exp.response_lengths().long().unsqueeze(1)).squeeze(1).float()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# log-probs and values
+# ------------------------------------------------------------------------------------------------------------------
+def ref_log_probs(run: Run, exp: Experience) -> None:
+    with on_device(run.roles.ref, run.platform):
+        exp.train.ref_log_probs, _ = compute_log_probs(
+            run.roles.ref.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.ref_log_prob,
+            temperature=run.sampling.logprob_temperature)
+
+
+def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
+    exp.train.old_log_probs, _ = compute_log_probs(
+        run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
+        temperature=run.sampling.logprob_temperature)
+    diff = (exp.rollout_log_probs - exp.train.old_log_probs).abs() * exp.mask
+    return {"rollout/logprob_diff_mean": masked_mean_dp(diff, exp.mask, run.ps),
+            "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps)}
+
+
+def values(run: Run, exp: Experience) -> None:
+    exp.train.values = compute_values(run.roles.critic.chunks, exp.batch, parallel_state=run.ps,
+                                      micro=run.batching.values)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# rewards and advantages
+# ------------------------------------------------------------------------------------------------------------------
+def token_rewards(run: Run, exp: Experience) -> dict[str, float]:
+    """The score at each response's last token, minus kl_coef * KL(old || ref) per token when
+    algorithm.use_kl_in_reward; the KL controller is updated with the step's mean KL."""
+    alg, mask = run.cfg.algorithm, exp.mask
+    last = (exp.response_lengths() - 1).clamp(min=0).long().unsqueeze(1)
+    scores = torch.zeros_like(mask, dtype=torch.float32).scatter(1, last, exp.scores.unsqueeze(1)) * mask
+    metrics: dict[str, float] = {}
+    t = exp.train
+    if t.ref_log_probs is not None:
+        kind = alg.kl_penalty if alg.use_kl_in_reward else "kl"
+        kld = algos.kl_penalty(t.old_log_probs, t.ref_log_probs, kind) * mask
+        seq_kl = algos.masked_mean(kld, mask, dim=-1)
+        total, count = dp_sum([float(seq_kl[mask.any(-1)].sum()), float(mask.any(-1).sum())], run.ps)
+        metrics["kl/mean"] = total / max(count, 1.0)
+        if alg.use_kl_in_reward:
+            beta = run.kl_ctrl.value
+            scores = scores - beta * kld
+            metrics["kl/coef"] = beta
+            run.kl_ctrl.update(metrics["kl/mean"], n_steps=int(count))
+    exp.token_rewards = scores
+    return metrics
+
+
+def advantages(run: Run, exp: Experience) -> None:
+    alg, mask, t = run.cfg.algorithm, exp.mask, exp.train
+    if alg.adv_estimator == "gae":
+        adv, returns = algos.compute_gae(exp.token_rewards, t.values, mask, gamma=alg.gamma, lam=alg.lam)
+        t.returns = returns * mask
+        t.advantages = _whiten_dp(adv, mask, run.ps) * mask
+    else:  # grpo: the group of a prompt may be spread over data-parallel ranks
+        seq = exp.token_rewards.sum(-1)
+        all_seq, all_uid = dp_gather(seq, run.ps), dp_gather(exp.uids, run.ps)
+        adv = algos.compute_grpo_advantages(all_seq, all_uid, norm_by_std=alg.norm_adv_by_std_in_grpo)
+        mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
+        t.advantages = mine.unsqueeze(1) * mask
+        t.returns = t.advantages.clone()
+
+
+def _whiten_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """`algos.masked_whiten` with the statistics of the whole step (every data-parallel rank's tokens)."""
+    m = mask.to(x.dtype)
+    n, total = dp_sum([float(m.sum()), float((x * m).sum())], ps)
+    mean = total / max(n, 1.0)
+    (sq,) = dp_sum([float((((x - mean) * m) ** 2).sum())], ps)
+    if n < 2:
+        return x - mean
+    return (x - mean) * torch.rsqrt(torch.tensor(sq / (n - 1) + 1e-8, dtype=x.dtype))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# updates
+# ------------------------------------------------------------------------------------------------------------------
+def _train(run: Run, role, exp: Experience, loss_fn, micro, *, count: int, epochs: int, shuffle: bool, step: int,
+           prefix: str, lm: bool) -> dict[str, float]:
+    history: dict[str, list[float]] = defaultdict(list)
+    lr = 0.0
+    for epoch in range(epochs):
+        seed = run.batching.shuffle_seed * 1_000_003 + step * 1009 + epoch
+        for idx in mini_batches(exp.batch.batch_size, count, shuffle=shuffle, seed=seed):
+            m = train_step(role.chunks, role.optimizer, role.scheduler, exp.batch.select(idx), loss_fn,
+                           parallel_state=run.ps, micro=micro, calculate_entropy=lm,
+                           temperature=run.sampling.logprob_temperature if lm else 1.0, platform=run.platform)
+            for k, v in m.metrics.items():
+                history[f"{prefix}/{k}"].append(v)
+            history[f"{prefix}/grad_norm"].append(m.grad_norm)
+            history[f"{prefix}/update_skipped"].append(0.0 if m.update_successful else 1.0)
+            lr = m.lr
+    out = {k: sum(v) / len(v) for k, v in history.items()}
+    out[f"{prefix}/lr"] = lr
+    return out
+
+
+def update_critic(run: Run, exp: Experience, step: int) -> dict[str, float]:
+    b = run.batching
+    metrics = _train(run, run.roles.critic, exp, run.critic_loss, b.critic_train, count=b.critic_mini_batches,
+                     epochs=b.critic_epochs, shuffle=b.critic_shuffle, step=step, prefix="critic", lm=False)
+    t, mask = exp.train, exp.mask
+    ret, val = dp_gather(t.returns, run.ps), dp_gather(t.values, run.ps)
+    m = dp_gather(mask, run.ps).bool()
+    var_ret = ret[m].var(unbiased=False) if m.any() else torch.tensor(0.0)
+    var_res = (ret - val)[m].var(unbiased=False) if m.any() else torch.tensor(0.0)
+    metrics["critic/vf_explained_var"] = float(1.0 - var_res / (var_ret + 1e-8))
+    return metrics
+
+
+def update_actor(run: Run, exp: Experience, step: int) -> dict[str, float]:
+    b = run.batching
+    return _train(run, run.roles.actor, exp, run.actor_loss, b.actor_train, count=b.actor_mini_batches,
+                  epochs=b.actor_epochs, shuffle=b.actor_shuffle, step=step, prefix="actor", lm=True)
+
+
+def sync_weights(run: Run) -> dict[str, float]:
+    return run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# metrics and validation
+# ------------------------------------------------------------------------------------------------------------------
+def step_metrics(run: Run, exp: Experience) -> dict[str, float]:
+    """reward/*, response/*, advantage and return summaries of the whole step."""
+    scores = dp_gather(exp.scores, run.ps)
+    lengths = dp_gather(exp.response_lengths().float(), run.ps)
+    truncated = dp_gather(exp.truncated.float(), run.ps)
+    mask = exp.mask
+    return {
+        "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+        "response/clip_ratio": float(truncated.mean()),
+        "advantages/mean": masked_mean_dp(exp.train.advantages, mask, run.ps),
+        "returns/mean": masked_mean_dp(exp.train.returns, mask, run.ps),
+    }
+
+
+def validate(run: Run, val_batches) -> dict[str, float]:
+    """Generate with `rollout.val_kwargs` (greedy by default) on the validation prompts; mean score per source."""
+    params = settings.sampling(run.cfg, validate=True, seed=run.cfg.data.seed)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # score sum, length sum, count
+    for prompts in val_batches:
+        samples = run.rollout.generate(prompts, params)
+        scores, _ = rule_scores(run, samples)
+        for ds, s, r in zip(samples.data_sources, scores, samples.response_ids):
+            t = totals[ds]
+            t[0], t[1], t[2] = t[0] + s, t[1] + len(r), t[2] + 1
+    out = {}
+    for ds, (s, n_tokens, n) in sorted(totals.items()):
+        out[f"val/{ds}/reward_mean"] = s / n
+        out[f"val/{ds}/response_length_mean"] = n_tokens / n
+    return out

@@ -1,0 +1,126 @@
+"""The run's models: actor, reference, critic and reward model, built from Hugging Face checkpoints.
+
+Every role lives on every rank in the actor's parallel layout (the megatron layer holds one layout per process),
+starts from its HF checkpoint through the conversion code, and the trainable ones are wrapped in megatron's DDP with
+megatron's optimizer and LR schedule. On GPU the frozen reference is offloaded to host memory between uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torch import nn
+
+from megappo.config.schema import MegappoConfig, ModelConfig
+from megappo.convert.hf_to_mcore import load_hf_weights
+from megappo.models.builder import build_model, model_config_summary, offload_to_cpu, reload
+from megappo.models.hf_config import load_hf_config_dict
+from megappo.models.optim import build_optimizer, build_scheduler, wrap_ddp
+from megappo.parallel import ParallelState
+from megappo.platform.device import Platform
+from megappo.trainer import settings
+
+
+@dataclass
+class Role:
+    name: str  # actor | ref | critic | reward
+    chunks: list[nn.Module]  # this rank's model chunks (DDP-wrapped when trainable)
+    hf_dir: str  # the checkpoint it started from
+    optimizer: Any = None
+    scheduler: Any = None
+    offloaded: bool = field(default=False, repr=False)
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+
+@dataclass
+class Roles:
+    actor: Role
+    ref: Optional[Role]  # when use_kl_loss or use_kl_in_reward
+    critic: Optional[Role]  # when the advantage estimator needs values (gae)
+    reward: Optional[Role]  # when reward_model.enable
+    hf_config: dict  # the actor's HF config (weight sync and export name tensors by it)
+
+
+def optimizer_steps(cfg: MegappoConfig, total_training_steps: int, role: str) -> int:
+    """Optimizer steps a role takes over the run (the LR schedule's length)."""
+    b = settings.batching(cfg)
+    if role == "actor":
+        steps = max(total_training_steps - cfg.trainer.critic_warmup, 1)
+        return steps * b.actor_mini_batches * b.actor_epochs
+    return total_training_steps * b.critic_mini_batches * b.critic_epochs
+
+
+def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
+    """(the HF config with model.override_config applied, megatron TransformerConfig overrides)."""
+    hf = {**load_hf_config_dict(path), **model_cfg.override_config}
+    tc = {}
+    if model_cfg.enable_gradient_checkpointing:
+        tc = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return hf, tc
+
+
+def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> list[nn.Module]:
+    hf, tc = _architecture(model_cfg, path)
+    chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc)
+    load_hf_weights(chunks, path, ps)
+    return chunks
+
+
+def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
+               total_steps: int, seed: int) -> Role:
+    chunks = _build(name, path, model_cfg, ps, platform, seed)
+    opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
+    ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
+    optimizer = build_optimizer(ddp, opt, platform)
+    return Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt))
+
+
+def _frozen(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> Role:
+    role = Role(name, _build(name, path, model_cfg, ps, platform, seed), path)
+    if platform.is_cuda:
+        offload_to_cpu(role.chunks)
+        role.offloaded = True
+    return role
+
+
+def build_roles(cfg: MegappoConfig, ps: ParallelState, platform: Platform, total_steps: int) -> Roles:
+    arr, seed = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor.megatron.seed
+    path = arr.model.path
+    actor = _trainable("actor", path, arr.model, cfg, ps, platform, total_steps, seed)
+    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    ref = _frozen("ref", path, arr.model, ps, platform, seed) if uses_ref else None
+    critic = None
+    if cfg.critic.enable:
+        critic = _trainable("critic", cfg.critic.model.path, cfg.critic.model, cfg, ps, platform, total_steps,
+                            seed + 1)
+    reward = None
+    if cfg.reward_model.enable:
+        reward = _frozen("reward", cfg.reward_model.path, ModelConfig(), ps, platform, seed)
+    return Roles(actor, ref, critic, reward, _architecture(arr.model, path)[0])
+
+
+class on_device:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Bring an offloaded frozen role's weights to the device for one phase, and send them back after."""
+
+    def __init__(self, role: Role, platform: Platform):
+        self.role, self.platform = role, platform
+
+    def __enter__(self) -> Role:
+        if self.role.offloaded:
+            reload(self.role.chunks, self.platform.device)
+        return self.role
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.role.offloaded:
+            offload_to_cpu(self.role.chunks)
+
+
+def describe(roles: Roles, ps: ParallelState) -> list[str]:
+    out = []
+    for role in (roles.actor, roles.ref, roles.critic, roles.reward):
+        if role is not None:
+            out.append(model_config_summary(role.chunks, ps))
+    return out

@@ -1,0 +1,157 @@
+"""The rollout side of the trainer: which ranks hold an engine, generation over data-parallel ranks, weight sync.
+
+Each data-parallel replica of the actor (a model-parallel group) has one engine holder, its first rank. The holder
+generates for its replica's share of the prompts; the completions go to the replica's other ranks and then to
+every rank (`Samples`, token lists: small), so every rank sees the whole step. Engines:
+
+- `hf`: megappo's in-process engine (`HFEngine`), one per replica, on the same HF weights as the actor.
+- `sglang`: an SGLang server; the trainer starts one (global rank 0) unless `rollout.server_urls` names running
+  ones. Every replica's holder sends its requests there; global rank 0 streams the weights.
+
+Weight sync exports the actor with the conversion code (`iter_hf_weights`, collective over every rank) and loads
+the buckets into the engine(s) on the holders.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megappo.config.schema import MegappoConfig
+from megappo.convert.export import iter_hf_weights
+from megappo.data.dataset import PromptBatch
+from megappo.parallel import ParallelState
+from megappo.platform.device import Platform
+from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.trainer.experience import Samples
+
+
+def _broadcast_objects(objs: list, group: Any, src_group_rank: int = 0) -> list:
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(objs, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return objs
+
+
+def _dp_slice(n: int, ps: ParallelState) -> slice:
+    """This data-parallel rank's prompts: contiguous, the last ranks get fewer when `n` does not divide."""
+    per = -(-n // ps.dp_size)
+    return slice(min(n, ps.dp_rank * per), min(n, (ps.dp_rank + 1) * per))
+
+
+class RolloutWorker:
+    """Generates a step's responses and takes the actor's weights after each update."""
+
+    def __init__(self, cfg: MegappoConfig, ps: ParallelState, platform: Platform):
+        self.cfg, self.ps, self.platform = cfg, ps, platform
+        self.rollout = cfg.actor_rollout_ref.rollout
+        self.holder = dist.get_rank(ps.mp_group) == 0
+        self.server = None
+        self.engine: Any = None
+        self.bucket_bytes = 512 << 20
+        if self.rollout.name == "hf":
+            if self.holder:
+                from megappo.rollout import HFEngine
+
+                self.engine = HFEngine(cfg.actor_rollout_ref.model.path, dtype=platform.dtype, device=platform.device,
+                                       max_num_seqs=self.rollout.max_num_seqs, seed=cfg.data.seed)
+        else:
+            self._connect_sglang()
+        self.weight_version = 0
+
+    # -- SGLang ----------------------------------------------------------------------------------------------------
+    def _connect_sglang(self) -> None:
+        from megappo.rollout.sglang_engine import SGLangEngine
+        from megappo.rollout.sglang_server import SGLangServer
+
+        urls = list(self.rollout.server_urls)
+        if not urls:
+            if dist.get_rank() == 0:
+                self.server = SGLangServer(self.cfg.actor_rollout_ref.model.path,
+                                           python=self.rollout.server_python or sys.executable,
+                                           cuda=self.platform.is_cuda, **self._server_kwargs())
+                self.server.start()
+                urls = [self.server.url]
+            urls = _broadcast_objects([urls], dist.group.WORLD)[0]
+        if self.holder:
+            url = urls[self.ps.dp_rank % len(urls)]
+            self.engine = SGLangEngine(url, tp_size=self.rollout.tensor_model_parallel_size)
+            self.sync_engine = SGLangEngine(urls[0], tp_size=self.rollout.tensor_model_parallel_size) \
+                if dist.get_rank() == 0 else None
+
+    def _server_kwargs(self) -> dict:
+        """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
+        extra_args: a list of further launch_server flags)."""
+        dtype = self.rollout.dtype or str(self.platform.dtype).replace("torch.", "")
+        known = ("dtype", "max_total_tokens", "extra_args", "port")
+        unknown = sorted(set(self.rollout.engine_kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
+                             f"use {known} (pass other launch_server flags as extra_args: [--flag, value])")
+        return {"dtype": dtype, **self.rollout.engine_kwargs}
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def generate(self, prompts: PromptBatch, params: SamplingParams, *, first_uid: int = 0) -> Samples:
+        """The responses to every prompt of `prompts` (the global batch), identical on every rank."""
+        part = _dp_slice(len(prompts), self.ps)
+        local: list = [None]
+        if self.holder:
+            ids = [prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
+                   for b in range(part.start, part.stop)]
+            seed = None if params.seed is None else params.seed + 7919 * self.ps.dp_rank
+            local = [self.engine.generate(ids, _with_seed(params, seed)) if ids else []]
+        completions: list[list[Completion]] = _broadcast_objects(local, self.ps.mp_group)[0]
+        if self.ps.dp_size > 1:
+            gathered: list = [None] * self.ps.dp_size
+            dist.all_gather_object(gathered, completions, group=self.ps.dp_group)
+            completions = [group for part_groups in gathered for group in part_groups]
+        return Samples.from_completions(prompts, completions, first_uid=first_uid)
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def sync_weights(self, actor_chunks: Sequence[torch.nn.Module], hf_config: dict) -> dict[str, float]:
+        """Load the actor's current weights into the engine(s); collective over every rank."""
+        version = self.weight_version + 1
+        buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
+                                  dtype=self.platform.dtype)
+        nbytes = 0
+
+        def counted():
+            nonlocal nbytes
+            for bucket in buckets:
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield bucket
+
+        target = self.engine if self.rollout.name == "hf" else getattr(self, "sync_engine", None)
+        if self.holder and target is not None:
+            target.update_weights(counted(), version=version)
+        else:
+            for _ in counted():  # every rank takes part in the gathers that build each bucket
+                pass
+        if self.rollout.name != "hf" and self.holder and self.engine is not None:
+            self.engine.weight_version = version
+        self.weight_version = version
+        return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes)}
+
+    def close(self) -> None:
+        if self.rollout.name != "hf" and self.holder:
+            for engine in {id(e): e for e in (self.engine, getattr(self, "sync_engine", None)) if e}.values():
+                try:
+                    engine.close_weight_group()
+                except Exception:  # noqa: BLE001 - closing a group of a server that is going away
+                    pass
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.engine = None
+
+
+def _with_seed(params: SamplingParams, seed: Optional[int]) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+def step_seed(base: int, step: int) -> int:
+    """The sampling seed of a step: a resumed run samples exactly what the uninterrupted one did."""
+    return (base * 1_000_003 + step * 7_919) % (2**31 - 1)

@@ -1,0 +1,91 @@
+"""The one place the config tree's names become the plain settings the lower layers take.
+
+verl's config names and megappo.algos' keyword names differ (`clip_ratio_c` -> `clip_c`, `cliprange_value` ->
+`clip_range`, `loss_agg_mode` -> `agg_mode`, ...); the mapping is written here and nowhere else, so the compute
+layer and the math never see a config object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megappo.config.schema import MegappoConfig, MegatronConfig
+from megappo.models.compute import MicroBatching
+from megappo.models.losses import ActorLossSettings, CriticLossSettings
+from megappo.models.optim import OptimSettings
+from megappo.platform.layout import ParallelLayout
+from megappo.rollout.sampling import SamplingParams
+
+
+def layout_of(m: MegatronConfig) -> ParallelLayout:
+    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                          vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
+                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
+                          sequence_parallel=m.sequence_parallel)
+
+
+def actor_loss(cfg: MegappoConfig) -> ActorLossSettings:
+    a = cfg.actor_rollout_ref.actor
+    return ActorLossSettings(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
+                             agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+                             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
+
+
+def critic_loss(cfg: MegappoConfig) -> CriticLossSettings:
+    c = cfg.critic
+    return CriticLossSettings(clip_range=c.cliprange_value, agg_mode=c.loss_agg_mode)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a step's samples are cut: mini-batches per epoch and the micro-batching of each compute."""
+
+    actor_mini_batches: int  # optimizer steps per actor epoch
+    critic_mini_batches: int
+    actor_epochs: int
+    critic_epochs: int
+    actor_shuffle: bool
+    critic_shuffle: bool
+    shuffle_seed: int
+    actor_train: MicroBatching
+    critic_train: MicroBatching
+    old_log_prob: MicroBatching
+    ref_log_prob: MicroBatching
+    values: MicroBatching
+    reward_model: MicroBatching
+
+
+def batching(cfg: MegappoConfig) -> Batching:
+    arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
+    train = cfg.data.train_batch_size
+    return Batching(
+        actor_mini_batches=train // a.ppo_mini_batch_size,
+        critic_mini_batches=train // (c.ppo_mini_batch_size or a.ppo_mini_batch_size),
+        actor_epochs=a.ppo_epochs, critic_epochs=c.ppo_epochs or a.ppo_epochs,
+        actor_shuffle=a.shuffle, critic_shuffle=bool(c.shuffle),
+        shuffle_seed=a.data_loader_seed if a.data_loader_seed is not None else cfg.data.seed,
+        actor_train=MicroBatching(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
+        critic_train=MicroBatching(c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
+                                   c.ppo_max_token_len_per_gpu),
+        old_log_prob=MicroBatching(arr.rollout.log_prob_micro_batch_size_per_gpu,
+                                   bool(arr.rollout.log_prob_use_dynamic_bsz),
+                                   arr.rollout.log_prob_max_token_len_per_gpu),
+        ref_log_prob=MicroBatching(arr.ref.log_prob_micro_batch_size_per_gpu, bool(arr.ref.log_prob_use_dynamic_bsz),
+                                   arr.ref.log_prob_max_token_len_per_gpu),
+        values=MicroBatching(c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
+                             c.forward_max_token_len_per_gpu),
+        reward_model=MicroBatching(cfg.reward_model.micro_batch_size_per_gpu),
+    )
+
+
+def optim_settings(cfg: MegappoConfig, role: str, total_steps: int) -> OptimSettings:
+    """Optimizer and LR schedule of the actor or the critic; `total_steps` counts optimizer steps."""
+    if role == "actor":
+        optim, meg = cfg.actor_rollout_ref.actor.optim, cfg.actor_rollout_ref.actor.megatron
+    else:
+        optim, meg = cfg.critic.optim, cfg.critic.megatron
+    return OptimSettings.from_config(optim, total_steps, use_distributed_optimizer=meg.use_distributed_optimizer)
+
+
+def sampling(cfg: MegappoConfig, *, validate: bool = False, seed: Optional[int] = None) -> SamplingParams:
+    return SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout, validate=validate, seed=seed)
