@@ -142,6 +142,9 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
     if value_model:
         return ModelOutputs(values=output.gather(1, window).float())
     logits = output.gather(1, window.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: log-probs need a positive temperature; a greedy rollout's "
+                         "log-probs are under temperature 1 (use SamplingParams.logprob_temperature)")
     if temperature != 1.0:
         logits = logits / temperature
     logp, ent = vocab_parallel_log_probs_and_entropy(

@@ -51,3 +51,27 @@ def test_temperature_sharpens_and_flattens():
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_which_distribution_a_log_prob_is_under_is_decided_once():
+    # greedy (temperature 0, top_k 1, greedy=True): the untempered distribution; otherwise softmax(logits / T)
+    assert SamplingParams(max_new_tokens=1, temperature=0).logprob_temperature == 1.0
+    assert SamplingParams(max_new_tokens=1, temperature=0.5, top_k=1).logprob_temperature == 1.0
+    assert SamplingParams(max_new_tokens=1, temperature=0.5, greedy=True).logprob_temperature == 1.0
+    assert SamplingParams(max_new_tokens=1, temperature=0.5, top_k=4).logprob_temperature == 0.5
+    logits = torch.randn(3, 9, generator=torch.Generator().manual_seed(3))
+    for params in (SamplingParams(max_new_tokens=1, temperature=0.6), SamplingParams(max_new_tokens=1, greedy=True)):
+        tok, logp = sample_next(logits, params, torch.Generator().manual_seed(0))
+        want = torch.log_softmax(logits / params.logprob_temperature, -1).gather(-1, tok[:, None])[:, 0]
+        torch.testing.assert_close(logp, want)
+
+
+def test_sampling_params_from_the_rollout_config():
+    from megappo.config import load_config, resolve
+
+    cfg = resolve(load_config(None, ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.top_k=5",
+                                     "actor_rollout_ref.rollout.n=3", "data.max_response_length=12"]))
+    p = SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout, seed=4)
+    assert (p.temperature, p.top_k, p.n, p.max_new_tokens, p.seed, p.is_greedy) == (0.7, 5, 3, 12, 4, False)
+    v = SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout, validate=True)
+    assert v.is_greedy and v.n == 1 and v.logprob_temperature == 1.0

@@ -1,0 +1,86 @@
+"""The same PPO run on one rank and under torchrun: TP2xPP2 on 4 gloo ranks and DP2 on 2 ranks log the metrics of
+the one-rank run and end at the same weights (global token counts, whitening and KL over data-parallel ranks)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megappo.config import load_config
+from megappo.testing.dist import free_port
+from megappo.testing.prompts import read_metrics, tiny_run_overrides, write_prompt_parquet
+from megappo.trainer import fit
+
+pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
+RECIPE = "gsm8k/tiny_cpu"
+KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss", "critic/grad_norm", "kl/mean",
+        "reward/mean", "response/length_mean", "rollout/logprob_diff_mean")
+# greedy rollouts: the sampled tokens do not depend on which data-parallel rank generates them
+COMMON = ["actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+          "critic.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+          "critic.ppo_micro_batch_size_per_gpu=null"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, hf_model_dir):
+    d = tmp_path_factory.mktemp("layout_data")
+    return {"model": hf_model_dir("qwen2"), "train": write_prompt_parquet(str(d / "train.parquet"), 16)}
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    assert fit(load_config(RECIPE, tiny_run_overrides(str(out), data["model"], data["train"], steps=2,
+                                                      extra=COMMON))) == 0
+    return out
+
+
+def _torchrun(nproc: int, overrides: list[str], timeout: float = 300) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           "-m", "megappo.cli", "train", "--config", RECIPE, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of the run outlives the test
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out[-6000:]
+
+
+def _same_run(single_dir, other_dir, tol=1e-4):
+    from safetensors.torch import load_file
+
+    a, b = read_metrics(str(single_dir)), read_metrics(str(other_dir))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b):
+        for k in KEYS:
+            assert rb[k] == pytest.approx(ra[k], rel=tol, abs=1e-6), f"step {ra['step']} {k}"
+    wa = load_file(os.path.join(single_dir, "hf", "actor", "model-00001-of-00001.safetensors"))
+    wb = load_file(os.path.join(other_dir, "hf", "actor", "model-00001-of-00001.safetensors"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < tol
+
+
+def test_tp2_pp2_on_four_ranks_matches_one_rank(data, single, tmp_path):
+    layout = ["tensor_model_parallel_size=2", "pipeline_model_parallel_size=2"]
+    extra = [f"{role}.megatron.{kv}" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+             for kv in layout]
+    _torchrun(4, tiny_run_overrides(str(tmp_path), data["model"], data["train"], steps=2,
+                                    extra=[*COMMON, "trainer.n_gpus_per_node=4", *extra]))
+    _same_run(single, tmp_path)
+
+
+def test_dp2_matches_dp1(data, single, tmp_path):
+    _torchrun(2, tiny_run_overrides(str(tmp_path), data["model"], data["train"], steps=2,
+                                    extra=[*COMMON, "trainer.n_gpus_per_node=2"]))
+    _same_run(single, tmp_path)

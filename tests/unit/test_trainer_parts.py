@@ -1,0 +1,118 @@
+"""The trainer's pure parts: config -> settings mapping, experience assembly, workload balancing, loss closures."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megappo import algos
+from megappo.config import load_config, resolve
+from megappo.models.batch import ModelBatch, TrainInputs
+from megappo.models.compute import MicroBatchContext, ModelOutputs
+from megappo.models.losses import ActorLossSettings, CriticLossSettings, actor_loss_fn, critic_loss_fn
+from megappo.rollout.sampling import Completion
+from megappo.trainer import settings
+from megappo.trainer.experience import Samples, balanced_partitions, build_experience, mini_batches
+
+torch.set_num_threads(1)
+
+
+def test_config_names_map_onto_algos_names():
+    cfg = resolve(load_config(None, [
+        "actor_rollout_ref.actor.clip_ratio=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.clip_ratio_c=4.0", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k2",
+        "critic.cliprange_value=0.3", "actor_rollout_ref.actor.entropy_coeff=0.01"]))
+    a = settings.actor_loss(cfg)
+    assert (a.clip_low, a.clip_high, a.clip_c, a.agg_mode, a.kl_loss_type, a.entropy_coeff) == \
+        (0.2, 0.28, 4.0, "seq-mean-token-sum", "k2", 0.01)
+    c = settings.critic_loss(cfg)
+    assert (c.clip_range, c.agg_mode) == (0.3, "seq-mean-token-sum")  # critic follows the actor's agg mode
+    o = settings.optim_settings(cfg, "actor", total_steps=10)
+    assert (o.lr, o.total_steps, o.clip_grad) == (cfg.actor_rollout_ref.actor.optim.lr, 10, 1.0)
+
+
+def test_batching_counts_mini_batches_in_prompts():
+    cfg = resolve(load_config(None, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                     "actor_rollout_ref.actor.ppo_epochs=3"]))
+    b = settings.batching(cfg)
+    assert (b.actor_mini_batches, b.actor_epochs, b.critic_mini_batches, b.critic_epochs) == (4, 3, 4, 3)
+
+
+def _samples() -> Samples:
+    from megappo.data.dataset import PromptBatch
+
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompts = PromptBatch(ids, (ids > 0).long(), torch.zeros_like(ids), [[], []], ["a", "b"], ["1", "2"], [{}, {}],
+                          ["", ""], torch.tensor([3, 4]))
+    comps = [[Completion(0, [11, 12, 2], [-0.1, -0.2, -0.3], "stop"), Completion(0, [13], [-0.5], "length")],
+             [Completion(1, [14, 15], [-1.0, -2.0], "stop"), Completion(1, [16, 17, 18, 19], [-1.0] * 4, "length")]]
+    return Samples.from_completions(prompts, comps)
+
+
+def test_samples_and_experience_from_completions():
+    s = _samples()
+    assert s.prompt_ids == [[5, 6], [5, 6], [7, 8, 9, 10], [7, 8, 9, 10]]
+    assert s.uids == [0, 0, 1, 1] and s.truncated == [False, True, False, True]
+    exp = build_experience(s, [1, 2], pad_token_id=0)
+    assert exp.batch.input_ids.tolist() == [[0, 0, 5, 6, 13, 0], [7, 8, 9, 10, 14, 15]]
+    assert exp.mask.tolist() == [[1, 0], [1, 1]]
+    assert exp.rollout_log_probs.tolist() == [[-0.5, 0.0], [-1.0, -2.0]]
+    assert exp.uids.tolist() == [0, 1] and exp.data_sources == ["a", "b"]
+
+
+def test_balanced_partitions_are_equal_sized_and_even():
+    loads = [100, 1, 1, 1, 50, 50, 2, 3]
+    parts = balanced_partitions(loads, 2)
+    assert sorted(i for p in parts for i in p) == list(range(8)) and all(len(p) == 4 for p in parts)
+    sums = [sum(loads[i] for i in p) for p in parts]
+    assert max(sums) - min(sums) <= 52  # 100 alone on one side, both 50s on the other
+    assert balanced_partitions(loads, 1) == [list(range(8))]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        balanced_partitions(loads, 3)
+
+
+def test_mini_batches_cover_every_sample_once():
+    for shuffle in (False, True):
+        parts = mini_batches(12, 3, shuffle=shuffle, seed=5)
+        assert sorted(torch.cat(parts).tolist()) == list(range(12)) and all(len(p) == 4 for p in parts)
+    assert [p.tolist() for p in mini_batches(4, 2, shuffle=False, seed=0)] == [[0, 1], [2, 3]]
+
+
+def _ctx(batch, tokens, seqs):
+    return MicroBatchContext(batch, tokens, seqs, 0, 1)
+
+
+def test_actor_loss_closure_is_a_share_of_the_mini_batch_loss():
+    g = torch.Generator().manual_seed(0)
+    b, r = 4, 5
+    mask = torch.ones(b, r)
+    mask[0, 3:] = 0
+    logp, old, ref, adv = (torch.randn(b, r, generator=g) for _ in range(4))
+    batch = ModelBatch(torch.zeros(b, r + 2, dtype=torch.long), torch.ones(b, r + 2, dtype=torch.long),
+                       torch.zeros(b, r + 2, dtype=torch.long), mask,
+                       TrainInputs(old_log_probs=old, ref_log_probs=ref, advantages=adv))
+    s = ActorLossSettings(clip_c=3.0, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    ent = torch.rand(b, r, generator=g)
+    fn = actor_loss_fn(s)
+    whole, m = fn(ModelOutputs(log_probs=logp, entropy=ent), _ctx(batch, int(mask.sum()), b))
+    want_pg, _ = algos.policy_loss(logp, old, adv, mask, clip_c=3.0)
+    want = want_pg + 0.1 * algos.masked_mean(algos.kl_penalty(logp, ref, "low_var_kl"), mask) \
+        - 0.01 * algos.masked_mean(ent, mask)
+    torch.testing.assert_close(whole, want)
+    # two halves with the global counts add up to the whole, losses and metrics alike
+    n = int(mask.sum())
+    halves = [fn(ModelOutputs(log_probs=logp[i], entropy=ent[i]), _ctx(batch.select(i), n, b))
+              for i in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(halves[0][0] + halves[1][0], whole)
+    for k in m:
+        torch.testing.assert_close(halves[0][1][k] + halves[1][1][k], m[k])
+
+
+def test_critic_loss_closure():
+    values, old, ret = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.1, 0.0]]), torch.tensor([[1.0, 3.0]])
+    batch = ModelBatch(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long),
+                       torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2), TrainInputs(values=old, returns=ret))
+    loss, m = critic_loss_fn(CriticLossSettings(clip_range=0.5))(ModelOutputs(values=values), _ctx(batch, 2, 1))
+    # token 0 inside the clip range; token 1 clipped to 0.5, whose error (2.5^2) beats the unclipped (1^2)
+    assert m["vf_clipfrac"].item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(0.5 * (0.0 + 6.25) / 2)
