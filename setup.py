@@ -25,6 +25,7 @@ EXTRAS = {
     # GPU-only extras: never imported unless present.
     "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
     "sglang": ["sglang>=0.5.23"],
+    "bench": ["trl==1.12.0"],
 }
 
 setup(
@@ -34,6 +35,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megappo", "megappo.*"]),
+    # a small GSM8K sample (MIT, see its README) so the quick start needs no download
+    package_data={"megappo.data": ["samples/gsm8k/*.jsonl", "samples/gsm8k/LICENSE", "samples/gsm8k/README.md"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

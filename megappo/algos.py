@@ -446,7 +446,9 @@ def value_loss(
         vf_losses = vf_unclipped
         clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
     else:
-        v_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        # clamp v itself (not old + clamp(v - old)): inside the range v_clipped is v bit for bit, so vf_clipfrac
+        # counts only tokens the clip changed
+        v_clipped = torch.clamp(values, old_values - clip_range, old_values + clip_range)
         vf_clipped = (v_clipped - returns).square()
         vf_losses = torch.maximum(vf_unclipped, vf_clipped)
         clipfrac = masked_mean((vf_clipped > vf_unclipped).to(values.dtype), m)

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megappo.models.layout import ParallelLayout, check_layout
 from megappo.platform.device import Platform, seed_everything
+from megappo.platform.layout import ParallelLayout, check_layout
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup (an alias keeps the dataclass readable)
 

@@ -6,12 +6,16 @@
 #   4. Hugging Face -> megatron dist_checkpoint
 #   5. verify the megatron model against transformers at TP1, and at TP2 over 2 gloo ranks with torchrun
 #   6. megatron -> Hugging Face, and verify the exported directory against the megatron checkpoint
-# GSM8K comes from $GSM8K_DIR, else ../shared/data/gsm8k beside the checkout.
+# GSM8K comes from $GSM8K_DIR when it is set (jsonl or the Hugging Face layout), else from the 64 + 16 problem
+# sample in megappo/data/samples/gsm8k (its README says where the full set is).
 # Outputs go to $OUT (default outputs/quickstart).
 set -euo pipefail
+if [ -n "${GSM8K_DIR:-}" ] && [ "${GSM8K_DIR#/}" = "$GSM8K_DIR" ]; then
+  GSM8K_DIR=$PWD/$GSM8K_DIR  # relative to where the script was started, before the cd below
+fi
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/quickstart}
-GSM8K_DIR=${GSM8K_DIR:-../shared/data/gsm8k}
+GSM8K_DIR=${GSM8K_DIR:-megappo/data/samples/gsm8k}
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 step() { printf '\n== %s\n' "$*"; }
 
@@ -29,9 +33,9 @@ step "2/6 tiny Qwen2 (random weights, trained tokenizer)"
 python -m megappo.testing model --family qwen2 --out "$OUT/hf"
 
 step "3/6 validate the tiny PPO recipe against this data and model"
-megappo train --config recipes/gsm8k_tiny_cpu.yaml --dry-run \
+megappo train --config recipes/gsm8k/tiny_cpu.yaml --dry-run \
   actor_rollout_ref.model.path="$OUT/hf" data.train_files="$OUT/data/train.parquet" \
-  data.val_files="$OUT/data/test.parquet" trainer.default_local_dir="$OUT/ckpt" || [ $? -eq 2 ]
+  data.val_files="$OUT/data/test.parquet" trainer.default_local_dir="$OUT/ckpt"
 
 step "4/6 Hugging Face -> megatron"
 megappo convert hf-to-mcore --hf "$OUT/hf" --out "$OUT/mcore"

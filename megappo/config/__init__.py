@@ -1,10 +1,12 @@
 """megappo's configuration: one dataclass tree (schema), loaded from recipes and overrides, validated up front.
 
     from megappo.config import load_config, validate
-    cfg = load_config("recipes/gsm8k_tiny_cpu.yaml", ["algorithm.kl_ctrl.type=adaptive"])
+    cfg = load_config("gsm8k/tiny_cpu", ["algorithm.kl_ctrl.type=adaptive"])
     validate(cfg)
 
-Importing this package never imports torch or megatron.
+`validate` checks the configuration's own rules; `megappo.trainer.preflight` adds the checks that need the rest
+of megappo (parallel layouts, batch divisibility, the model's config.json, data schema, reward function).
+Importing this package never imports torch or megatron, nor any of megappo outside megappo.config.
 """
 from megappo.config.fields import ConfigError
 from megappo.config.loader import from_dict, load_config, resolve, to_dict, to_yaml

@@ -1,6 +1,6 @@
 """Building a `MegappoConfig`: defaults, then a YAML recipe, then dotted command-line overrides.
 
-    cfg = load_config("recipes/gsm8k_tiny_cpu.yaml", ["actor_rollout_ref.actor.use_kl_loss=true"])
+    cfg = load_config("recipes/gsm8k/tiny_cpu.yaml", ["actor_rollout_ref.actor.use_kl_loss=true"])
 
 Every problem in every source is collected and raised as one `ConfigError`: an unknown key names the closest
 valid key, a wrong value names the key and the expected type. `${a.b.c}` references to other keys are resolved
@@ -31,9 +31,14 @@ from megappo.config.fields import (
     iter_leaves,
     type_name,
 )
-from megappo.config.schema import MegappoConfig
+from megappo.config.schema import MegappoConfig, MegatronConfig
 
-# Where `--config NAME` looks when NAME is not a file: the repository's recipes/ folder.
+# the fields of `MegatronConfig` that make the parallel layout (shared by actor, reference and critic)
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
+               "sequence_parallel")
+
+# Where `--config NAME` looks when NAME is not a file: the repository's recipes/ folder and its subfolders.
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 _NULLS = {"null", "~", "None", "none"}
 # Short names megatron, slime and NeMo-RL users type for the megatron keys.
@@ -100,15 +105,34 @@ def to_yaml(cfg: MegappoConfig) -> str:
 
 
 def find_recipe(recipe: Union[str, Path]) -> Path:
+    """A YAML file: `recipe` itself when it is a file, else a recipe under recipes/ named by its path there with or
+    without `.yaml` (`gsm8k/tiny_cpu`, `recipes/gsm8k/tiny_cpu.yaml`), or by its bare name when only one recipe in
+    any subfolder has it (`tiny_cpu`)."""
     path = Path(recipe).expanduser()
     if path.is_file():
         return path
-    for candidate in (RECIPES_DIR / path.name, RECIPES_DIR / f"{path.name}.yaml"):
-        if not path.parent.parts and candidate.is_file():
-            return candidate
-    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) if RECIPES_DIR.is_dir() else []
-    hint = f"; bundled recipes: {', '.join(known)}" if known else ""
+    known = bundled_recipes()
+    if not path.is_absolute():
+        rel = Path(*path.parts[1:]) if path.parts[:1] == ("recipes",) and len(path.parts) > 1 else path
+        name = (rel.with_suffix("") if rel.suffix in (".yaml", ".yml") else rel).as_posix()
+        if name in known:
+            return known[name]
+        if not rel.parent.parts:  # a bare name: the one recipe of that name in any subfolder
+            same = sorted(k for k in known if k.rsplit("/", 1)[-1] == name)
+            if len(same) == 1:
+                return known[same[0]]
+            if same:
+                raise ConfigError([f"--config: '{recipe}' names several recipes ({', '.join(same)}); "
+                                   "pass one of these names"])
+    hint = f"; bundled recipes: {', '.join(sorted(known))}" if known else ""
     raise ConfigError([f"--config: recipe file '{recipe}' not found; pass a YAML path{hint}"])
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Every recipe under recipes/ (any depth), by its name for `--config`: the path there without `.yaml`."""
+    if not RECIPES_DIR.is_dir():
+        return {}
+    return {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in sorted(RECIPES_DIR.rglob("*.yaml"))}
 
 
 def read_recipe(path: Path) -> Mapping:
@@ -369,6 +393,14 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
         critic.shuffle = actor.shuffle
     if critic.loss_agg_mode is None:
         critic.loss_agg_mode = actor.loss_agg_mode
+
+    # While the megatron layer holds one parallel layout per process, the reference and the critic run in the
+    # actor's: a size left at its default follows the actor's, and validation refuses one set to another value.
+    defaults = MegatronConfig()
+    for role in (ref.megatron, critic.megatron):
+        for key in LAYOUT_KEYS:
+            if getattr(role, key) == getattr(defaults, key):
+                setattr(role, key, getattr(actor.megatron, key))
 
     t = cfg.trainer
     if t.default_local_dir is None:

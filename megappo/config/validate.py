@@ -1,55 +1,67 @@
-"""Cross-field rules, checked before any work starts: every problem is collected and raised as one ConfigError.
+"""The configuration's own rules: types and cross-field rules, every problem collected into one ConfigError.
 
-Each message names the key, what is wrong and the fix. Model dimensions come from `<model.path>/config.json`
-when it is there, so tensor/pipeline/expert sizes are checked against the real head, layer and expert counts.
+Each message names the key, what is wrong and the fix. These rules read nothing but the tree (and, with
+check_files, whether the named paths exist). The rules that need the rest of megappo (parallel layouts against
+the world size and the model's config.json, batch divisibility over data-parallel ranks, the Parquet schema, the
+custom reward function) are in `megappo.trainer.preflight`, which runs these first; `megappo train` calls it.
 """
 from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
-from megappo.config.loader import resolve
-from megappo.config.schema import MegappoConfig, MegatronConfig, OptimConfig
-from megappo.models.layout import LayoutError, ParallelLayout, check_layout
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_experts: Optional[int] = None  # 0 when config.json was read and names no experts
+from megappo.config.loader import LAYOUT_KEYS, resolve
+from megappo.config.schema import MegappoConfig, OptimConfig
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
-    """Raise ConfigError listing every problem in `cfg`.
+    """Raise ConfigError listing every violation of the configuration's own rules in `cfg`.
 
     world_size: ranks the run will have; None means `trainer.nnodes * trainer.n_gpus_per_node` (a real launch).
-    check_files: whether model, data and checkpoint paths must exist; by default only for a real launch
+    check_files: whether data, reward and checkpoint paths must exist; by default only for a real launch
     (world_size None), so a recipe can be checked on a machine that has none of its files.
+    Parallel layouts, batch divisibility and the model's config.json are checked by `megappo.trainer.preflight`.
     """
-    errors: list[str] = []
-    cfg = resolve(copy.deepcopy(cfg))  # a tree built in code may not have its derived defaults filled yet
-    for key, value, tp, _ in iter_leaves(cfg):
-        if not check_type(value, tp):
-            errors.append(f"{key}: expected {type_name(tp)}, got {value!r}")
-    if errors:  # the rules below assume well-typed values
+    errors = rule_errors(cfg, world_size, check_files=check_files)
+    if errors:
         raise ConfigError(errors)
+
+
+def plan(cfg: MegappoConfig, world_size: Optional[int] = None,
+         check_files: Optional[bool] = None) -> tuple[MegappoConfig, int, bool]:
+    """A resolved copy of `cfg` (the argument is not changed), the world size and whether to check files, with
+    the defaults `validate` documents."""
+    cfg = resolve(copy.deepcopy(cfg))  # a tree built in code may not have its derived defaults filled yet
     if check_files is None:
         check_files = world_size is None
     if world_size is None:
         world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    return cfg, world_size, check_files
+
+
+def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
+                check_files: Optional[bool] = None) -> list[str]:
+    """Every violation of the configuration's own rules, as messages (empty when there is none).
+
+    Wrong types raise ConfigError at once: the other rules assume well-typed values.
+    """
+    cfg, world_size, check_files = plan(cfg, world_size, check_files)
+    errors: list[str] = []
+    for key, value, tp, _ in iter_leaves(cfg):
+        if not check_type(value, tp):
+            errors.append(f"{key}: expected {type_name(tp)}, got {value!r}")
+    if errors:
+        raise ConfigError(errors)
 
     _check_trainer(cfg, errors)
     _check_algorithm(cfg, errors)
     _check_data(cfg, errors, check_files)
     _check_actor(cfg, errors)
+    _check_layouts(cfg, errors)
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
@@ -58,10 +70,13 @@ def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_file
     if world_size < 1:
         errors.append(f"world size {world_size}: needs at least one rank; set trainer.nnodes and "
                       "trainer.n_gpus_per_node to >= 1")
-    else:
-        _check_parallel_and_batches(cfg, world_size, errors, check_files)
-    if errors:
-        raise ConfigError(errors)
+    return errors
+
+
+def uses_synthetic_task(cfg: MegappoConfig) -> bool:
+    """Whether the trainer makes the model and the Parquet files itself (data.synthetic.name is set): then
+    actor_rollout_ref.model.path, data.train_files and data.val_files need not be set or exist."""
+    return cfg.data.synthetic.name is not None
 
 
 def _need(errors: list[str], ok: bool, key: str, problem: str, fix: str) -> None:
@@ -129,6 +144,9 @@ def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> Non
         _need(errors, value >= 1, f"data.{key}", f"must be >= 1, got {value}", "use a positive size")
     _need(errors, d.val_batch_size is None or d.val_batch_size >= 1, "data.val_batch_size",
           f"must be >= 1 or null, got {d.val_batch_size}", "use null for the whole validation set")
+    if uses_synthetic_task(cfg):
+        _check_synthetic(cfg, errors)
+        return  # the trainer writes the files and points data.train_files/val_files at them
     for key in ("train_files", "val_files"):
         files = getattr(d, key)
         files = [files] if isinstance(files, str) else list(files or [])
@@ -139,6 +157,29 @@ def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> Non
             for f in files:
                 _need(errors, Path(os.path.expanduser(f)).exists(), f"data.{key}", f"'{f}' does not exist",
                       "make it with `megappo data gsm8k --input DIR --out DIR` or point the key at your Parquet")
+
+
+def _check_synthetic(cfg: MegappoConfig, errors: list[str]) -> None:
+    syn, p, train = cfg.data.synthetic, "data.synthetic", cfg.data.train_batch_size
+    _need(errors, bool(syn.name), f"{p}.name", "is empty", f"name a task, or use {p}.name=null to read Parquet files")
+    _need(errors, syn.num_train_prompts >= train, f"{p}.num_train_prompts",
+          f"{syn.num_train_prompts} prompts do not fill one step of data.train_batch_size={train}",
+          f"set it to at least {train}, or lower data.train_batch_size")
+    _need(errors, syn.num_val_prompts >= 1, f"{p}.num_val_prompts", f"must be >= 1, got {syn.num_val_prompts}",
+          "use e.g. 64")
+    _need(errors, syn.warm_start_steps >= 0, f"{p}.warm_start_steps", f"must be >= 0, got {syn.warm_start_steps}",
+          "use 0 to start RL from the random model")
+
+
+def _check_layouts(cfg: MegappoConfig, errors: list[str]) -> None:
+    """The reference and the critic run in the actor's parallel layout (one layout per process)."""
+    actor = cfg.actor_rollout_ref.actor.megatron
+    for prefix, meg in (("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron),
+                        ("critic.megatron", cfg.critic.megatron)):
+        for key in LAYOUT_KEYS:
+            mine, theirs = getattr(meg, key), getattr(actor, key)
+            _need(errors, mine == theirs, f"{prefix}.{key}", f"is {mine} but the actor's is {theirs}: the reference "
+                  "and the critic run in the actor's parallel layout", f"set it to {theirs} or leave it out")
 
 
 def _check_actor(cfg: MegappoConfig, errors: list[str]) -> None:
@@ -190,8 +231,8 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
     total = d.max_prompt_length + d.max_response_length
     _need(errors, r.max_model_len is None or r.max_model_len >= total, f"{p}.max_model_len",
           f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
-    _need(errors, not (r.name == "sglang" and cfg.trainer.device == "cpu"), f"{p}.name",
-          "sglang needs a GPU but trainer.device=cpu", f"set {p}.name=hf for CPU runs")
+    _need(errors, r.name == "sglang" or not r.server_urls, f"{p}.server_urls",
+          f"names running SGLang servers but {p}.name={r.name}", f"set {p}.name=sglang, or drop the URLs")
     for key in (f"{p}.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
                 "reward_model.micro_batch_size_per_gpu"):
@@ -231,114 +272,6 @@ def _check_optim(prefix: str, o: OptimConfig, errors: list[str]) -> None:
           "use e.g. 0.0 or 0.1")
     _need(errors, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"{prefix}.betas",
           f"must be two numbers in [0, 1), got {o.betas}", "use [0.9, 0.999]")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# parallel layout and batch divisibility
-# ------------------------------------------------------------------------------------------------------------------
-def read_model_dims(path: Optional[str]) -> Optional[ModelDims]:
-    """Head, layer and expert counts from a Hugging Face config.json; None when there is none to read."""
-    if not path:
-        return None
-    file = Path(os.path.expanduser(path)) / "config.json"
-    if not file.is_file():
-        return None
-    try:
-        hf = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError([f"{file}: cannot read the model config ({e}); fix or replace the file"]) from None
-    hf = hf.get("text_config", hf)  # multimodal configs keep the language model's numbers under text_config
-    heads = hf.get("num_attention_heads")
-    experts = next((hf[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)), 0)
-    return ModelDims(num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-                     num_layers=hf.get("num_hidden_layers"), num_experts=experts)
-
-
-def _layout(m: MegatronConfig) -> ParallelLayout:
-    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                          sequence_parallel=m.sequence_parallel)
-
-
-def _check_model_path(key: str, path: Optional[str], errors: list[str], check_files: bool) -> None:
-    if not path:
-        errors.append(f"{key}: is not set; set {key}=DIR, a Hugging Face model directory (config.json + weights)")
-    elif check_files:
-        _need(errors, (Path(os.path.expanduser(path)) / "config.json").is_file(), key,
-              f"'{path}' has no config.json", "point it at a local Hugging Face model directory")
-
-
-def _check_parallel_and_batches(cfg: MegappoConfig, world: int, errors: list[str], check_files: bool) -> None:
-    arr, critic, data = cfg.actor_rollout_ref, cfg.critic, cfg.data
-    _check_model_path("actor_rollout_ref.model.path", arr.model.path, errors, check_files)
-    actor_dims = read_model_dims(arr.model.path) or ModelDims()
-    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    roles = [("actor_rollout_ref.actor", arr.actor.megatron, actor_dims)]
-    if uses_ref:
-        roles.append(("actor_rollout_ref.ref", arr.ref.megatron, actor_dims))
-    if critic.enable:
-        if critic.model.path != arr.model.path:
-            _check_model_path("critic.model.path", critic.model.path, errors, check_files)
-        roles.append(("critic", critic.megatron, read_model_dims(critic.model.path) or ModelDims()))
-    dp: dict[str, Optional[int]] = {}
-    for role, meg, dims in roles:
-        layout = _layout(meg)
-        try:
-            check_layout(layout, world, num_attention_heads=dims.num_attention_heads,
-                         num_key_value_heads=dims.num_key_value_heads, num_layers=dims.num_layers,
-                         num_experts=dims.num_experts, prefix=f"{role}.megatron")
-            dp[role] = layout.dp(world)
-        except LayoutError as e:
-            errors.append(str(e) if f"{role}.megatron" in str(e) else f"{role}.megatron: {e}")
-            dp[role] = None
-        _need(errors, meg.expert_tensor_parallel_size is None or meg.expert_tensor_parallel_size >= 1,
-              f"{role}.megatron.expert_tensor_parallel_size", "must be >= 1 or null", "use null to follow tp")
-
-    rtp, rp = arr.rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    if rtp >= 1:
-        _need(errors, world % rtp == 0, rp, f"{rtp} does not divide the world size {world}",
-              "use a divisor of trainer.nnodes * trainer.n_gpus_per_node")
-        heads = [(name, getattr(actor_dims, name)) for name in ("num_attention_heads", "num_key_value_heads")]
-        bad = [(name, count) for name, count in heads if count is not None and count % rtp]
-        if bad:  # one message: the kv-head count is the tighter bound and the fix covers both
-            divisors = [d for d in range(1, bad[-1][1] + 1) if all(c % d == 0 for _, c in heads if c)]
-            errors.append(f"{rp}: {rtp} does not divide the model's "
-                          f"{' and '.join(f'{n}={c}' for n, c in bad)}; use one of {', '.join(map(str, divisors))}")
-
-    n = arr.rollout.n
-    _check_batches("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu,
-                   arr.actor.use_dynamic_bsz, dp["actor_rollout_ref.actor"], data.train_batch_size, n, errors)
-    if critic.enable and critic.ppo_mini_batch_size is not None:
-        _check_batches("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
-                       bool(critic.use_dynamic_bsz), dp.get("critic"), data.train_batch_size, n, errors)
-
-
-def _check_batches(role: str, mini: int, micro: Optional[int], dynamic: bool, dp: Optional[int], train: int,
-                   n: int, errors: list[str]) -> None:
-    """verl's units: mini-batches count prompts (each brings rollout.n samples); micro-batches count samples."""
-    key = f"{role}.ppo_mini_batch_size"
-    if mini < 1:
-        errors.append(f"{key}: must be >= 1, got {mini}; use a divisor of data.train_batch_size={train}")
-        return
-    if train % mini:
-        divisors = [d for d in range(1, train + 1) if train % d == 0][-6:]
-        errors.append(
-            f"{key}: data.train_batch_size * rollout.n = {train}*{n} samples do not split into mini-batches of "
-            f"{key} * rollout.n = {mini}*{n}; use a divisor of data.train_batch_size={train} "
-            f"(e.g. {', '.join(map(str, divisors))})"
-        )
-        return
-    if dp is None:
-        return
-    if (mini * n) % dp:
-        errors.append(f"{key}: a mini-batch of {mini}*{n} (rollout.n) = {mini * n} samples does not split over "
-                      f"{dp} data-parallel ranks; make {key} * rollout.n a multiple of {dp}")
-        return
-    local = mini * n // dp
-    if micro and not dynamic and local % micro:
-        errors.append(f"{role}.ppo_micro_batch_size_per_gpu: {micro} does not divide the per-rank mini-batch of "
-                      f"{local} samples ({key} * rollout.n / dp = {mini}*{n}/{dp}); use a divisor of {local}")
 
 
 def _lookup(cfg: MegappoConfig, key: str):

@@ -122,7 +122,7 @@ def _run(fn, args) -> int:
     from megappo.convert.mapping import ConversionError
     from megappo.models.checkpoint import CheckpointError
     from megappo.models.hf_config import UnsupportedModelError
-    from megappo.models.layout import LayoutError
+    from megappo.platform.layout import LayoutError
 
     try:
         return fn(args)

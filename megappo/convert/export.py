@@ -23,6 +23,7 @@ from torch import nn
 
 from megappo.convert.hf_to_mcore import local_params, model_role
 from megappo.convert.mapping import ParamMap, merge_to_hf, model_spec_from_hf_config, param_maps
+from megappo.parallel import ParallelState
 
 Bucket = list[tuple[str, torch.Tensor]]  # (hf_name, full tensor) pairs
 
@@ -78,7 +79,7 @@ def _expert_index(canonical: str) -> int:
 
 
 @torch.no_grad()
-def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: Any, hf_config: Any, *,
+def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, *,
                     bucket_bytes: int = 512 << 20, role: Optional[str] = None,
                     dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
     """Yield buckets (lists of (hf_name, full tensor)) of about `bucket_bytes` covering the whole model.
@@ -145,6 +146,6 @@ def _fetch(pm: ParamMap, mine: dict, meta: _Meta, src_stage: int, num_local: int
     return _broadcast(t, meta, src_stage, ps.pp_group, device)
 
 
-def hf_state_dict(model_chunks: list[nn.Module], parallel_state: Any, hf_config: Any, **kw: Any) -> dict:
+def hf_state_dict(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, **kw: Any) -> dict:
     """All of `iter_hf_weights` in one dict (small models and tests only: it holds the whole model)."""
     return {name: t for bucket in iter_hf_weights(model_chunks, parallel_state, hf_config, **kw) for name, t in bucket}

@@ -25,6 +25,7 @@ from megappo.convert.mapping import (
     param_maps, shard_from_hf,
 )
 from megappo.models.builder import unwrap
+from megappo.parallel import ParallelState
 
 META_FILE = "megappo_convert.json"  # written next to a converted dist_checkpoint: role, layout, dtype, source
 # HF tensors that are not weights of the model (older checkpoints store rotary tables).
@@ -46,7 +47,8 @@ class LocalParam:
 _FROZEN_TWIN = {"actor": "ref", "critic": "reward"}
 
 
-def build_for_conversion(hf_dir_or_config: Any, role: str, parallel_state: Any, platform: Any) -> list[nn.Module]:
+def build_for_conversion(hf_dir_or_config: Any, role: str, parallel_state: ParallelState,
+                         platform: Any) -> list[nn.Module]:
     """This rank's model chunks of `role` with uninitialised weights (every one is loaded next), in eval mode."""
     from megappo.models.builder import build_model
 
@@ -62,7 +64,7 @@ def model_role(model_chunks: list[nn.Module]) -> str:
     return getattr(unwrap(model_chunks[0]), "megappo_role", "actor")
 
 
-def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state: Any,
+def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state: ParallelState,
                  maps: dict[str, ParamMap]) -> list[LocalParam]:
     """Every parameter of this rank's chunks, canonically named and checked against the mapping `maps`.
 
@@ -106,7 +108,7 @@ def _infer_role(model_chunks: list[nn.Module], ckpt: HFCheckpoint, role: Optiona
 
 
 @torch.no_grad()
-def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoint], parallel_state: Any, *,
+def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoint], parallel_state: ParallelState, *,
                     strict: bool = True, role: Optional[str] = None, world_group: Any = None,
                     progress: bool = False) -> dict[str, int]:
     """Copy a HF checkpoint into this rank's `model_chunks` (any TP/PP/VPP/EP layout); return {tensors, bytes}.
@@ -181,7 +183,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     """
     from megappo.convert.stream_save import save_streamed
     from megappo.models.checkpoint import FORMAT_VERSION, model_sharded_state_dict, write_marker
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
 

@@ -108,7 +108,7 @@ def _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, 
     from megappo.convert.export import iter_hf_weights
     from megappo.convert.hf_to_mcore import build_for_conversion
     from megappo.models.checkpoint import load_model_checkpoint
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
 

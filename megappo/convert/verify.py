@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:  # megappo modules load when a command runs
+    from megappo.parallel import ParallelState
 
 DEFAULT_ATOL = 1e-3  # float32 forward of the same weights: measured differences are ~1e-6
 
@@ -29,7 +32,7 @@ def verify_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0, avoi
 
 
 @torch.no_grad()
-def mcore_forward(model_chunks: list[nn.Module], parallel_state: Any, input_ids: torch.Tensor,
+def mcore_forward(model_chunks: list[nn.Module], parallel_state: ParallelState, input_ids: torch.Tensor,
                   vocab_size: Optional[int] = None) -> Optional[torch.Tensor]:
     """Forward `input_ids` [B, T] through megatron chunks (any TP/PP/VPP/EP layout); collective over the world.
 
@@ -107,7 +110,7 @@ def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1
     """
     from megappo.convert.hf_to_mcore import build_for_conversion
     from megappo.models.checkpoint import load_model_checkpoint, verify_checkpoint
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform, parse_dtype
 

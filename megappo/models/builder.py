@@ -27,6 +27,8 @@ Parameter names (local spec, this rank's shard; layer numbers are local to the p
 Layer spec: transformer-engine's when CUDA is used and TE imports, megatron's local spec otherwise (MoE and QK norm
 follow the TransformerConfig). With sequence parallelism the local spec's norms are replaced by
 `SequenceParallelTorchNorm` (megatron's torch norm refuses SP), which makes SP, and so MoE x TP training, run on CPU.
+The local spec's core attention is `megappo.models.attention.SDPAttention` (torch's fused SDPA kernels) instead of
+megatron's `DotProductAttention`; such a chunk has `.megappo_sdpa_attention` True and needs no causal mask passed.
 """
 from __future__ import annotations
 
@@ -37,10 +39,10 @@ import torch
 from torch import nn
 
 from megappo.models.hf_config import ModelSpecArgs, transformer_config_from_hf
-from megappo.models.layout import ParallelLayout
 from megappo.models.value_head import ValueHead
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
+from megappo.platform.layout import ParallelLayout
 
 ROLES = ("actor", "ref", "critic", "reward")
 
@@ -115,6 +117,13 @@ def _build_chunk(config, spec: ModelSpecArgs, role: str, parallel_state: Paralle
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         block_spec = _replace_module_class(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    from megappo.models.attention import SDPAttention
+
+    sdpa = not spec.use_transformer_engine and SDPAttention.supports(config)
+    if sdpa:  # torch's fused attention kernels instead of megatron's baddbmm + mask + softmax (models/attention.py)
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        block_spec = _replace_module_class(block_spec, DotProductAttention, SDPAttention)
     value_model = role in ("critic", "reward")
     model = GPTModel(
         config=config,
@@ -135,6 +144,7 @@ def _build_chunk(config, spec: ModelSpecArgs, role: str, parallel_state: Paralle
         pg_collection=parallel_state.pg_collection,
         vp_stage=vp_stage,
     )
+    model.megappo_sdpa_attention = sdpa  # its attention applies the causal mask itself: no mask needs passing
     if not spec.use_transformer_engine and config.params_dtype != torch.float32:
         # The local spec's torch norms ignore params_dtype (megatron casts them later in Float16Module, which
         # megappo does not use): give them the model dtype like every other parameter.
@@ -177,13 +187,13 @@ def build_model(
         hf_dir_or_config, layout, platform, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         **dict(config_overrides or {}),
     )
-    from megappo.models.layout import check_layout
+    from megappo.platform.layout import check_layout
 
     check_layout(
         layout, parallel_state.world_size, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_query_groups, num_layers=config.num_layers, num_experts=spec.num_experts,
     )
-    from megappo.models.layout import LayoutError
+    from megappo.platform.layout import LayoutError
 
     if layout.cp > 1 and not spec.use_transformer_engine:
         # megatron's local DotProductAttention asserts context_parallel_size == 1.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megappo.models.builder import unwrap
 from megappo.parallel import union_over_ranks
 
 MARKER_FILE = "megappo_checkpoint.json"
@@ -47,12 +48,6 @@ class LoadedCheckpoint:
     missing_keys: list = field(default_factory=list)  # only when strict=False
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
 def _metadata(dp_cp_group: Any) -> dict[str, Any]:
     md: dict[str, Any] = {
         # Optimizer state in the canonical per-parameter form, so it reshards across TP/PP/DP like the weights.
@@ -67,8 +62,8 @@ def _metadata(dp_cp_group: Any) -> dict[str, Any]:
 
 def _model_sharded_state_dict(model_chunks: list[nn.Module], metadata: dict) -> dict[str, Any]:
     if len(model_chunks) == 1:
-        return {"model": _unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": _unwrap(m).sharded_state_dict(metadata=metadata) for i, m in enumerate(model_chunks)}
+        return {"model": unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": unwrap(m).sharded_state_dict(metadata=metadata) for i, m in enumerate(model_chunks)}
 
 
 def _ensure_optimizer_state(optimizer: Any) -> None:
@@ -169,7 +164,7 @@ def _agree_on_tmp_dir(directory: str) -> str:
 
 
 def _describe_chunks(model_chunks: list[nn.Module]) -> dict[str, Any]:
-    m = _unwrap(model_chunks[0])
+    m = unwrap(model_chunks[0])
     cfg, spec = getattr(m, "megappo_config", None), getattr(m, "megappo_spec", None)
     info: dict[str, Any] = {"role": getattr(m, "megappo_role", None), "num_chunks": len(model_chunks)}
     if cfg is not None:
@@ -329,7 +324,7 @@ def load_model_checkpoint(
         )
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        _unwrap(chunk).load_state_dict(loaded[key], strict=not missing)
+        unwrap(chunk).load_state_dict(loaded[key], strict=not missing)
     if optimizer is not None:
         _load_optimizer_state(optimizer, loaded["optimizer"])
     return LoadedCheckpoint(directory, loaded.get("scheduler_state"), loaded.get("extra"), info, missing)

@@ -157,8 +157,9 @@ def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss
     mb = next(data_iterator)
     input_ids, position_ids = left_aligned(mb)
     spec = getattr(unwrap(model), "megappo_spec", None)
-    # transformer-engine builds the causal mask itself (and ignores one passed with a causal mask type)
-    mask = None if getattr(spec, "use_transformer_engine", False) else causal_mask(mb.seq_len, input_ids.device)
+    # transformer-engine and megappo's SDPAttention apply the causal mask themselves (TE ignores one passed)
+    internal = getattr(spec, "use_transformer_engine", False) or getattr(unwrap(model), "megappo_sdpa_attention", False)
+    mask = None if internal else causal_mask(mb.seq_len, input_ids.device)
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
     return output, partial(loss_func, mb)
 

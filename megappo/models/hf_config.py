@@ -26,8 +26,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from megappo.models.layout import ParallelLayout
 from megappo.platform.device import Platform
+from megappo.platform.layout import ParallelLayout
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 _MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")

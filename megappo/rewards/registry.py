@@ -83,6 +83,9 @@ def gsm8k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_i
     return gsm8k.compute_score(solution_str, ground_truth)
 
 
+import megappo.tasks.synthetic  # noqa: E402,F401  registers the built-in synthetic tasks' data_sources
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # user functions from a file
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from megappo.platform.device import detect_platform
 from megappo.trainer import checkpointing, settings
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.phases import Run
+from megappo.trainer.preflight import preflight
 from megappo.trainer.roles import build_roles
 from megappo.trainer.rollout import RolloutWorker
 
@@ -45,7 +46,12 @@ class TrainState:
 
 
 def _threads_per_rank() -> None:
-    # Ranks of one node share its cores; more threads than cores per rank measured 3-4x slower here.
+    """CPU threads per rank: MEGAPPO_CPU_THREADS, else OMP_NUM_THREADS (torchrun sets 1), else the node's cores
+    shared by its ranks. More threads than cores per rank measured 3-4x slower on a loaded 2-core machine."""
+    for var in ("MEGAPPO_CPU_THREADS", "OMP_NUM_THREADS"):
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
+            torch.set_num_threads(int(os.environ[var]))
+            return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
@@ -110,6 +116,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                        seed=cfg.actor_rollout_ref.actor.megatron.seed)
     local_dir = os.path.abspath(os.path.expanduser(t.default_local_dir))
     _synthetic(cfg, local_dir)
+    preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
     from transformers import AutoTokenizer
 
     tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path

@@ -56,7 +56,7 @@ def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_mode
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models.builder import build_model
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.testing.hf_models import make_hf_model

@@ -14,7 +14,7 @@ def cuda_state():
     """A world-1 NCCL process group and megatron's groups, torn down after the module."""
     import torch.distributed as dist
 
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.testing.dist import free_port

@@ -58,7 +58,7 @@ def _weights(model):
 def _layout_errors(hf_dir, moe_dir, platform):
     """Layouts that pass the size checks but that this build cannot run fail before any weight is allocated."""
     from megappo.models.builder import build_model
-    from megappo.models.layout import LayoutError, ParallelLayout
+    from megappo.platform.layout import LayoutError, ParallelLayout
     from megappo.parallel import init_parallel
 
     errors = {}
@@ -75,7 +75,7 @@ def _layout_errors(hf_dir, moe_dir, platform):
 
 def _save_job(rank, world_size, hf_dir, moe_dir, ckpt):
     from megappo.models.checkpoint import save_model_checkpoint
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
 
@@ -96,7 +96,7 @@ def _resume_and_failures_job(rank, world_size, hf_dir, ckpt, scratch):
 
     from megappo.models.builder import build_model
     from megappo.models.checkpoint import CheckpointError, load_model_checkpoint, save_model_checkpoint
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
 

@@ -32,7 +32,7 @@ def _loss(out, ctx):
 def _setup(hf_dir, layout_kw):
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models.builder import build_model
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform

@@ -78,7 +78,7 @@ def _run_layout(layout_kw, hf_dir, micro_kw, dist_opt, check_dynamic):
     from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values, train_step
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform

@@ -28,7 +28,7 @@ def _job(rank, world_size, hf_dir):
     from megappo.models.batch import ModelBatch
     from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
 

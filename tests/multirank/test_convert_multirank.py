@@ -33,7 +33,7 @@ def _check_export_matches(chunks, ps, hf_dir) -> int:
 def _job(rank, world_size, dense_dir, moe_dir, work):
     from megappo.convert.hf_to_mcore import build_for_conversion, hf_to_mcore, load_hf_weights
     from megappo.convert.verify import verify
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
 

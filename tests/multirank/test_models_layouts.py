@@ -66,7 +66,7 @@ def _forward(model_chunks, parallel_state):
 
 
 def _setup(layout_kw):
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
 

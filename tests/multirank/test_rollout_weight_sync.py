@@ -22,7 +22,7 @@ def _job(rank, world_size, actor_dir, stale_dir):
     from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.rollout import HFEngine, SamplingParams

@@ -433,6 +433,37 @@ def test_value_loss_hand_and_loop():
     assert loss.item() == pytest.approx(0.5 * sum(terms) / len(terms), rel=1e-12)
 
 
+def test_value_clipfrac_counts_only_clipped_tokens():
+    # float32 values much smaller than the old values they are compared with: old + (v - old) is not v bit for bit,
+    # so clipping as old + clamp(v - old, -c, c) made vf_clipped > vf_unclipped on tokens nothing clipped
+    gen = torch.Generator().manual_seed(11)
+    c = 0.5
+    v = torch.randn(8, 64, generator=gen) * 1e-3
+    old = v + (torch.rand(8, 64, generator=gen) * 2 - 1) * (0.9 * c)  # v strictly inside [old - c, old + c]
+    ret = torch.randn(8, 64, generator=gen)
+    mask = torch.ones(8, 64)
+    rounded = old + torch.clamp(v - old, -c, c)
+    assert ((rounded - ret).square() > (v - ret).square()).any()  # the case the old formula miscounted
+    loss, metrics = algos.value_loss(v, old, ret, mask, clip_range=c)
+    assert metrics["vf_clipfrac"].item() == 0.0
+    torch.testing.assert_close(loss, 0.5 * (v - ret).square().mean())
+
+    # every other token moves past old + c towards a return far above: the clipped term is the larger one there
+    old = torch.full((8, 64), 1000.1)
+    v = old + (torch.rand(8, 64, generator=gen) * 2 - 1) * (0.9 * c)
+    out = torch.arange(64) % 2 == 0
+    v2 = torch.where(out, old + 2 * c, v)
+    ret2 = torch.where(out, old + 10.0, ret)
+    loss2, metrics2 = algos.value_loss(v2, old, ret2, mask, clip_range=c)
+    assert metrics2["vf_clipfrac"].item() == 0.5
+    want = torch.where(out, (old + c - ret2).square(), (v2 - ret2).square())
+    torch.testing.assert_close(loss2, 0.5 * want.mean())
+    # a token past the range but moving away from its return keeps the unclipped (larger) term: not counted
+    v3 = torch.where(out, old - 2 * c, v)
+    _, metrics3 = algos.value_loss(v3, old, ret2, mask, clip_range=c)
+    assert metrics3["vf_clipfrac"].item() == 0.0
+
+
 def test_entropy_from_logits():
     V = 17
     assert algos.entropy_from_logits(torch.zeros(2, 3, V)).allclose(torch.full((2, 3), math.log(V)))

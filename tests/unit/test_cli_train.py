@@ -1,7 +1,6 @@
 """`megappo train` through the real console entry point (`megappo.cli.main`)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from megappo.cli import main
 
 
 def test_print_config_prints_the_resolved_tree(capsys):
-    rc = main(["train", "--config", "gsm8k_tiny_cpu", "--print-config",
+    rc = main(["train", "--config", "gsm8k/tiny_cpu", "--print-config",
                "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.kl_ctrl.type=adaptive"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -30,36 +29,66 @@ def test_unknown_key_exits_1_with_the_closest_key(capsys):
     assert rc == 1 and "did you mean 'actor_rollout_ref.actor.use_kl_loss'" in err
 
 
-def test_print_config_reports_rule_violations(capsys):
-    rc = main(["train", "--config", "gsm8k_tiny_cpu", "--print-config", "actor_rollout_ref.actor.clip_ratio_c=0.5"])
+def test_print_config_prints_nothing_for_an_invalid_config(capsys):
+    rc = main(["train", "--config", "gsm8k/tiny_cpu", "--print-config", "actor_rollout_ref.actor.clip_ratio_c=0.5"])
     captured = capsys.readouterr()
-    assert rc == 1 and "clip_ratio_c: must be > 1" in captured.err and "actor_rollout_ref:" in captured.out
+    assert rc == 1 and "clip_ratio_c: must be > 1" in captured.err and captured.out == ""
+    # layout problems too (preflight), but never the files: printing needs no model or data on this machine
+    rc = main(["train", "--config", "gsm8k/tiny_cpu", "--print-config",
+               "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "world size 1 is not divisible" in captured.err and captured.out == ""
+    assert main(["train", "--config", "gsm8k/tiny_cpu", "--print-config", "data.train_files=/nowhere.parquet"]) == 0
 
 
 @pytest.fixture
 def runnable(tmp_path):
-    """Overrides pointing the tiny recipe at files that exist (validation only checks presence and config.json)."""
+    """Overrides pointing the tiny recipe at a model config.json and Parquet files in verl's schema."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
                                                    "num_hidden_layers": 4}))
+    rows = pa.table({"data_source": ["openai/gsm8k"], "prompt": [[{"role": "user", "content": "1+1?"}]],
+                     "reward_model": [{"style": "rule", "ground_truth": "2"}]})
     for name in ("train.parquet", "test.parquet"):
-        (tmp_path / name).write_bytes(b"")
-    return ["--config", "gsm8k_tiny_cpu", f"actor_rollout_ref.model.path={model}",
+        pq.write_table(rows, tmp_path / name)
+    return ["--config", "gsm8k/tiny_cpu", f"actor_rollout_ref.model.path={model}",
             f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'test.parquet'}"]
 
 
-def test_dry_run_validates_files(runnable, capsys):
+def test_dry_run_validates_files(runnable, tmp_path, capsys):
     assert main(["train", "--dry-run", *runnable]) == 0
     assert "config OK" in capsys.readouterr().out
     assert main(["train", "--dry-run", *runnable, "data.train_files=/nonexistent.parquet"]) == 1
     assert "'/nonexistent.parquet' does not exist" in capsys.readouterr().err
+    (tmp_path / "blank.parquet").write_bytes(b"")
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    assert main(["train", "--dry-run", *runnable, f"data.val_files={tmp_path / 'blank.parquet'}",
+                 f"custom_reward_function.path={reward}"]) == 1
+    err = capsys.readouterr().err
+    assert "data.val_files: " in err and "the file is empty" in err
+    assert "custom_reward_function.name: " in err and "defines no 'compute_score'" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megappo.trainer") is not None, reason="the trainer exists now")
-def test_without_trainer_exits_2_with_a_clear_message(runnable, capsys):
-    assert main(["train", *runnable]) == 2
-    assert "lands in a later release" in capsys.readouterr().err
+def test_dry_run_of_a_synthetic_task_needs_no_files(capsys):
+    assert main(["train", "--dry-run", "--config", "gsm8k/tiny_cpu", "data.synthetic.name=digit_max",
+                 "data.synthetic.num_train_prompts=16", "data.train_files=/nowhere.parquet"]) == 0
+    assert "synthetic task digit_max" in capsys.readouterr().out
+
+
+def test_train_checks_before_it_starts_the_trainer(runnable, monkeypatch, capsys):
+    import megappo.trainer
+
+    calls = []
+    monkeypatch.setattr(megappo.trainer, "fit", lambda cfg: calls.append(cfg) or 0)
+    assert main(["train", *runnable, "data.train_files=/nonexistent.parquet"]) == 1 and not calls
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", *runnable]) == 0 and len(calls) == 1
+    assert calls[0].trainer.experiment_name == "gsm8k_tiny_cpu"
 
 
 def test_help_shows_override_examples(capsys):

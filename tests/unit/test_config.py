@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from megappo.config import ConfigError, MegappoConfig, from_dict, load_config, resolve, to_dict, to_yaml, validate
-from megappo.config.loader import RECIPES_DIR
+from megappo.config.loader import RECIPES_DIR, bundled_recipes, find_recipe
+from megappo.trainer.preflight import preflight
 
 MODEL = ["actor_rollout_ref.model.path=/models/m"]
 
@@ -60,7 +61,7 @@ ISSUE_DEFAULTS = {
     "trainer.nnodes": 1, "trainer.n_gpus_per_node": 8, "trainer.total_epochs": 30,
     "trainer.total_training_steps": None, "trainer.save_freq": -1, "trainer.test_freq": -1,
     "trainer.resume_mode": "auto", "trainer.resume_from_path": None,
-    "trainer.default_local_dir": "checkpoints/megappo_examples/gsm8k", "trainer.logger": ["console"],
+    "trainer.default_local_dir": "checkpoints/megappo_examples/gsm8k", "trainer.logger": ["console", "tensorboard"],
     "trainer.project_name": "megappo_examples", "trainer.experiment_name": "gsm8k", "trainer.max_ckpt_to_keep": None,
     # verl keys a user expects
     "actor_rollout_ref.rollout.do_sample": True, "actor_rollout_ref.rollout.prompt_length": 512,
@@ -232,10 +233,11 @@ def write_model(tmp_path: Path, **hf) -> str:
 
 def test_defaults_with_a_model_validate():
     validate(load_config(None, MODEL), world_size=8)
+    preflight(load_config(None, MODEL), world_size=8)
 
 
 def test_model_path_required():
-    assert "actor_rollout_ref.model.path: is not set" in errors_of(validate, load_config(), world_size=1)
+    assert "actor_rollout_ref.model.path: is not set" in errors_of(preflight, load_config(), world_size=1)
 
 
 def test_cross_field_rules_are_collected_with_keys_and_fixes():
@@ -244,7 +246,8 @@ def test_cross_field_rules_are_collected_with_keys_and_fixes():
         "trainer.resume_mode=resume_path", "trainer.total_epochs=0", "trainer.save_freq=0",
         "actor_rollout_ref.rollout.top_p=0",
     ])
-    msg = errors_of(validate, cfg, world_size=8)
+    msg = errors_of(preflight, cfg, world_size=8)
+    assert msg == errors_of(validate, cfg, world_size=8)  # all of them are the configuration's own rules
     for expected in ["actor_rollout_ref.actor.clip_ratio_c: must be > 1", "algorithm.gamma: must be in [0, 1]",
                      "algorithm.lam: must be in [0, 1]", "trainer.resume_from_path: is required when "
                      "trainer.resume_mode=resume_path", "trainer.total_epochs: must be >= 1",
@@ -255,11 +258,11 @@ def test_cross_field_rules_are_collected_with_keys_and_fixes():
 
 def test_parallel_sizes_against_world_size():
     cfg = load_config(None, [*MODEL, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
-    msg = errors_of(validate, cfg, world_size=8)
+    msg = errors_of(preflight, cfg, world_size=8)
     assert "actor_rollout_ref.actor.megatron" in msg and "world size 8 is not divisible" in msg
     cfg = load_config(None, [*MODEL, "trainer.nnodes=1", "trainer.n_gpus_per_node=6",
-                             "critic.megatron.pipeline_model_parallel_size=4"])
-    assert "world size 6" in errors_of(validate, cfg, check_files=False)  # world from trainer.nnodes * n_gpus
+                             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4"])
+    assert "world size 6" in errors_of(preflight, cfg, check_files=False)  # world from trainer.nnodes * n_gpus
 
 
 def test_parallel_sizes_against_model_config_json(tmp_path):
@@ -267,22 +270,36 @@ def test_parallel_sizes_against_model_config_json(tmp_path):
     base = [f"actor_rollout_ref.model.path={path}"]
     cases = [
         (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"], "does not divide num_attention_heads=14"),
-        (["critic.megatron.pipeline_model_parallel_size=2", "critic.megatron.virtual_pipeline_model_parallel_size=5"],
+        (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+          "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=5"],
          "num_hidden_layers=24 is not divisible by pp*vpp = 10"),
         (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"], "the model has no experts"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
          "4 does not divide the model's num_attention_heads=14 and num_key_value_heads=2; use one of 1, 2"),
     ]
     for overrides, expected in cases:
-        msg = errors_of(validate, load_config(None, base + overrides), world_size=8)
+        msg = errors_of(preflight, load_config(None, base + overrides), world_size=8)
         assert expected in msg, msg
-    validate(load_config(None, base + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-                                       "critic.megatron.pipeline_model_parallel_size=4"]), world_size=8)
+    preflight(load_config(None, base + ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4"]),
+              world_size=8)
+
+
+def test_reference_and_critic_take_the_actors_layout():
+    cfg = resolve(load_config(None, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                                     "actor_rollout_ref.actor.megatron.sequence_parallel=true"]))
+    for meg in (cfg.actor_rollout_ref.ref.megatron, cfg.critic.megatron):
+        assert (meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size, meg.sequence_parallel) == (2, 2, True)
+    msg = errors_of(validate, load_config(None, ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                                                 "critic.megatron.pipeline_model_parallel_size=4"]), world_size=8)
+    assert "critic.megatron.pipeline_model_parallel_size: is 4 but the actor's is 2" in msg, msg
+    assert "set it to 2 or leave it out" in msg
 
 
 def test_batch_sizes_divide_each_other():
     def msg(*overrides, world=8):
-        return errors_of(validate, load_config(None, [*MODEL, *overrides]), world_size=world)
+        return errors_of(preflight, load_config(None, [*MODEL, *overrides]), world_size=world)
 
     assert "use a divisor of data.train_batch_size=1024" in msg("actor_rollout_ref.actor.ppo_mini_batch_size=300")
     # 3 prompts x 1 sample per mini-batch over dp=8 ranks
@@ -293,10 +310,10 @@ def test_batch_sizes_divide_each_other():
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5")
     assert "critic.ppo_micro_batch_size_per_gpu: 5" in msg("critic.ppo_micro_batch_size_per_gpu=5")
     # dynamic batching makes the micro batch a token budget instead, which must hold one sample
-    validate(load_config(None, [*MODEL, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
-                                "critic.ppo_micro_batch_size_per_gpu=4",
-                                "actor_rollout_ref.actor.use_dynamic_bsz=true"]),
-             world_size=8)
+    preflight(load_config(None, [*MODEL, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+                                 "critic.ppo_micro_batch_size_per_gpu=4",
+                                 "actor_rollout_ref.actor.use_dynamic_bsz=true"]),
+              world_size=8)
     assert "cannot hold one sample" in msg("actor_rollout_ref.actor.use_dynamic_bsz=true",
                                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100")
 
@@ -307,7 +324,8 @@ def test_algorithm_and_backend_combinations():
 
     assert "set actor_rollout_ref.rollout.n to 2 or more" in msg("algorithm.adv_estimator=grpo")
     assert "algorithm.adv_estimator=gae needs a value function" in msg("critic.enable=false")
-    assert "sglang needs a GPU" in msg("actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu")
+    assert "names running SGLang servers but actor_rollout_ref.rollout.name=hf" in msg(
+        "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:30000]")
     assert "reward_model.path: is required" in msg("reward_model.enable=true")
     assert "data.max_response_length=64 instead" in msg("actor_rollout_ref.rollout.response_length=64")
 
@@ -316,7 +334,8 @@ def test_validate_accepts_an_unresolved_tree_built_in_code():
     cfg = MegappoConfig()
     cfg.actor_rollout_ref.model.path = "/models/m"
     validate(cfg, world_size=8)
-    assert cfg.actor_rollout_ref.actor.clip_ratio_low is None  # validate does not change its argument
+    preflight(cfg, world_size=8)
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low is None  # neither changes its argument
 
 
 def test_validate_checks_types_of_a_tree_built_in_code():
@@ -331,32 +350,219 @@ def test_validate_checks_types_of_a_tree_built_in_code():
 def test_files_checked_for_a_real_launch_only(tmp_path):
     cfg = load_config(None, [f"actor_rollout_ref.model.path={tmp_path / 'nope'}", "trainer.n_gpus_per_node=1",
                              f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null"])
-    validate(cfg, world_size=1)  # an explicit world size is a planning check: files need not exist
-    msg = errors_of(validate, cfg)
+    preflight(cfg, world_size=1)  # an explicit world size is a planning check: files need not exist
+    msg = errors_of(preflight, cfg)
     assert "has no config.json" in msg and "train.parquet' does not exist" in msg
+    assert "has no config.json" not in errors_of(validate, cfg)  # the model is preflight's to check
+
+
+def test_validate_keeps_to_the_configurations_own_rules():
+    # an impossible layout and an unset model are preflight's (they need megappo.platform and the model's files)
+    cfg = load_config(None, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
+    validate(cfg, world_size=8)
+    msg = errors_of(preflight, cfg, world_size=8)
+    assert "world size 8 is not divisible" in msg and "actor_rollout_ref.model.path: is not set" in msg
+
+
+def test_preflight_collects_rule_and_layout_problems_together():
+    cfg = load_config(None, [*MODEL, "algorithm.gamma=2",
+                             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"])
+    err = pytest.raises(ConfigError, preflight, cfg, world_size=8).value
+    assert len(err.errors) == 2 and "algorithm.gamma" in err.errors[0] and "not divisible" in err.errors[1]
+    cfg.algorithm.gamma = "x"  # wrong types stop the checks at once: the rules assume well-typed values
+    err = pytest.raises(ConfigError, preflight, cfg, world_size=8).value
+    assert err.errors == ["algorithm.gamma: expected a number, got 'x'"]
+
+
+def test_config_imports_nothing_of_megappo_outside_config():
+    import subprocess
+    import sys
+
+    code = ("import megappo.config, sys; print([m for m in sys.modules if m.startswith('megappo') "
+            "and not m.startswith('megappo.config') and m != 'megappo'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    # and the trainer's preflight (what --print-config and --dry-run run) loads neither torch nor pyarrow to start
+    code = ("import megappo.trainer.preflight, sys; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'pyarrow')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# data.synthetic: the trainer makes the model and the Parquet files
+# ------------------------------------------------------------------------------------------------------------------
+SYNTHETIC = ["data.synthetic.name=digit_max", "data.train_batch_size=8",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.synthetic.num_train_prompts=64",
+             "trainer.n_gpus_per_node=2"]
+
+
+def test_synthetic_task_needs_no_model_or_data_files(tmp_path):
+    cfg = load_config(None, [*SYNTHETIC, f"data.train_files={tmp_path / 'none.parquet'}", "data.val_files=null"])
+    assert cfg.actor_rollout_ref.model.path is None
+    validate(cfg)  # a real launch: files checked, yet none is needed
+    preflight(cfg)
+    preflight(load_config(None, [*SYNTHETIC, "data.train_files=[]"]))
+    # the layout is still checked against the world size (heads and layers are unknown until the model is made)
+    bad = load_config(None, [*SYNTHETIC, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
+    assert "world size 2 is not divisible" in errors_of(preflight, bad)
+    # without the task the same tree needs both
+    msg = errors_of(preflight, load_config(None, [*SYNTHETIC[1:], f"data.train_files={tmp_path / 'none.parquet'}"]))
+    assert "actor_rollout_ref.model.path: is not set" in msg and "none.parquet' does not exist" in msg
+
+
+def test_synthetic_task_sizes():
+    msg = errors_of(validate, load_config(None, [*SYNTHETIC, "data.synthetic.num_train_prompts=4",
+                                                 "data.synthetic.num_val_prompts=0",
+                                                 "data.synthetic.warm_start_steps=-1"]), world_size=2)
+    assert "data.synthetic.num_train_prompts: 4 prompts do not fill one step of data.train_batch_size=8" in msg
+    assert "data.synthetic.num_val_prompts: must be >= 1" in msg
+    assert "data.synthetic.warm_start_steps: must be >= 0" in msg
+    assert "(3 problems)" in msg
+    validate(load_config(None, [*SYNTHETIC, "data.synthetic.num_train_prompts=8",
+                                "data.synthetic.warm_start_steps=0"]), world_size=2)
+    assert "data.synthetic.name: is empty" in errors_of(validate, load_config(None, [*SYNTHETIC[1:],
+                                                                                   "data.synthetic.name=''"]))
+    msg = errors_of(preflight, load_config(None, [*SYNTHETIC[1:], "data.synthetic.name=digit_mx"]))
+    assert "data.synthetic.name: 'digit_mx' is not a built-in task; use one of digit_max" in msg
+    # off (the default): the sizes are not checked
+    validate(load_config(None, [*MODEL, "data.synthetic.num_train_prompts=0"]), world_size=8)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# preflight with files: Parquet schema and the custom reward function
+# ------------------------------------------------------------------------------------------------------------------
+def _runnable(tmp_path: Path, *overrides: str) -> MegappoConfig:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = pa.table({"data_source": ["openai/gsm8k"],
+                     "prompt": [[{"role": "user", "content": "1+1?"}]],
+                     "reward_model": [{"style": "rule", "ground_truth": "2"}]})
+    pq.write_table(good, tmp_path / "train.parquet")
+    pq.write_table(good, tmp_path / "test.parquet")
+    model = write_model(tmp_path, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    return load_config("gsm8k/tiny_cpu", [f"actor_rollout_ref.model.path={model}",
+                                          f"data.train_files={tmp_path / 'train.parquet'}",
+                                          f"data.val_files={tmp_path / 'test.parquet'}", *overrides])
+
+
+def test_preflight_reads_the_parquet_schema(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    preflight(_runnable(tmp_path))
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), tmp_path / "raw.parquet")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    msg = errors_of(preflight, _runnable(tmp_path, f"data.train_files=[{tmp_path / 'raw.parquet'}]",
+                                         f"data.val_files={tmp_path / 'empty.parquet'}"))
+    assert "data.train_files: " in msg and "raw.parquet, column 'prompt': missing column" in msg
+    assert "data.val_files: " in msg and "the file is empty" in msg and "Fix: " in msg
+    assert "(2 problems)" in msg
+    preflight(_runnable(tmp_path, f"data.train_files=[{tmp_path / 'raw.parquet'}]"), world_size=1)  # planning only
+
+
+def test_preflight_imports_the_custom_reward_function(tmp_path):
+    good = tmp_path / "reward.py"
+    good.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    preflight(_runnable(tmp_path, f"custom_reward_function.path={good}"))
+    msg = errors_of(preflight, _runnable(tmp_path, f"custom_reward_function.path={good}",
+                                         "custom_reward_function.name=score"))
+    assert "custom_reward_function.name: " in msg and "defines no 'score'" in msg and "compute_score" in msg
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    msg = errors_of(preflight, _runnable(tmp_path, f"custom_reward_function.path={broken}"))
+    assert "custom_reward_function.path: importing" in msg and "ModuleNotFoundError" in msg and "fix the file" in msg
+    missing = _runnable(tmp_path, f"custom_reward_function.path={tmp_path}/no.py")
+    assert "is not a file" in errors_of(preflight, missing)
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # recipes
 # ------------------------------------------------------------------------------------------------------------------
-RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+RECIPES = bundled_recipes()  # every recipe under recipes/, any depth, by its --config name
+# the real models' head, layer and expert counts (their config.json), so the GPU recipes' layouts are checked too
+MODEL_DIMS = {
+    "Qwen2.5-0.5B-Instruct": dict(num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24),
+    "Qwen2.5-7B-Instruct": dict(num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28),
+    "Qwen3-8B": dict(num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36),
+    "Qwen3-30B-A3B": dict(num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=128),
+}
 
 
-def test_the_three_recipes_exist():
-    assert {"gsm8k_tiny_cpu", "qwen2_5_0_5b_gsm8k", "qwen3_8b_gsm8k_tp2"} <= {p.stem for p in RECIPES}
+def test_the_recipes_exist():
+    assert {"gsm8k/tiny_cpu", "gsm8k/qwen2.5-0.5b_ppo", "gsm8k/qwen3-8b_ppo_tp2", "gsm8k/qwen2.5-7b_ppo_tp4pp2",
+            "gsm8k/qwen3-30b-a3b_grpo_ep8"} <= set(RECIPES)
+    assert not list(RECIPES_DIR.glob("*.yaml")), "recipes live in recipes/<task>/"
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
-def test_recipe_loads_and_validates(recipe):
-    cfg = load_config(str(recipe))
-    validate(cfg, world_size=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
-    assert load_config(recipe.stem) == cfg  # --config NAME finds the bundled recipe
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_loads_and_validates_at_its_world_size(name, tmp_path):
+    path = RECIPES[name]
+    text = path.read_text(encoding="utf-8")
+    assert text.startswith("#") and "Launch" in text and "Edit" in text, "a recipe starts with what/launch/edit"
+    cfg = load_config(str(path))
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    preflight(cfg, world, check_files=False)
+    assert load_config(name) == cfg  # --config NAME finds the bundled recipe
+    model = Path(cfg.actor_rollout_ref.model.path or "").name
+    if model in MODEL_DIMS:  # the layout against the real model's shape
+        real = write_model(tmp_path, **MODEL_DIMS[model])
+        preflight(load_config(str(path), [f"actor_rollout_ref.model.path={real}"]), world, check_files=False)
+
+
+def test_gpu_recipes_use_the_layouts_they_name():
+    def meg(name, role="actor_rollout_ref.actor"):
+        return get(load_config(name), f"{role}.megatron")
+
+    small = load_config("gsm8k/qwen2.5-0.5b_ppo")
+    a = small.actor_rollout_ref.actor
+    d = small.data
+    assert (d.train_batch_size, d.max_prompt_length, d.max_response_length) == (1024, 512, 512)
+    o = a.optim
+    assert (o.lr, o.lr_scheduler, o.lr_warmup_steps_ratio, o.clip_grad) == (1e-6, "cosine", 0.1, 1.0)
+    assert (a.clip_ratio, a.clip_ratio_c, a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu) == (0.2, 3.0, 256, 8)
+    assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 16384
+    alg = small.algorithm
+    assert (alg.gamma, alg.lam, alg.use_kl_in_reward) == (1.0, 0.95, True)
+    kl = alg.kl_ctrl
+    assert (kl.type, kl.kl_coef, kl.target_kl, kl.horizon) == ("adaptive", 0.001, 0.1, 10000)
+    r = small.actor_rollout_ref.rollout
+    assert (r.name, r.tensor_model_parallel_size, r.gpu_memory_utilization) == ("sglang", 2, 0.5)
+    assert (small.trainer.nnodes, small.trainer.n_gpus_per_node) == (1, 8)
+    assert small.actor_rollout_ref.model.path == "~/models/Qwen2.5-0.5B-Instruct"
+
+    name = "gsm8k/qwen2.5-7b_ppo_tp4pp2"
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        m = meg(name, role)
+        assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size) == (4, 2), role
+    cfg = load_config(name)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 8)
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 4
+
+    name = "gsm8k/qwen3-30b-a3b_grpo_ep8"
+    cfg = load_config(name)
+    assert meg(name).expert_model_parallel_size == meg(name, "actor_rollout_ref.ref").expert_model_parallel_size == 8
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.n == 5 and cfg.critic.enable is False
+    assert cfg.actor_rollout_ref.actor.use_kl_loss and cfg.actor_rollout_ref.actor.kl_loss_type == "low_var_kl"
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (4, 8)
+
+
+def test_recipe_names_find_subfolders(tmp_path):
+    tiny = RECIPES_DIR / "gsm8k" / "tiny_cpu.yaml"
+    for name in ("gsm8k/tiny_cpu", "gsm8k/tiny_cpu.yaml", "recipes/gsm8k/tiny_cpu.yaml", "tiny_cpu"):
+        assert find_recipe(name).resolve() == tiny, name
+    local = tmp_path / "mine.yaml"
+    local.write_text("trainer: {total_epochs: 2}\n")
+    assert find_recipe(str(local)) == local
+    msg = errors_of(find_recipe, "gsm8k/nope")
+    assert "recipe file 'gsm8k/nope' not found" in msg and "gsm8k/tiny_cpu" in msg
 
 
 def test_tiny_cpu_recipe_is_tiny():
-    cfg = load_config("gsm8k_tiny_cpu")
+    cfg = load_config("gsm8k/tiny_cpu")
     assert cfg.trainer.device == "cpu" and cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.actor_rollout_ref.rollout.response_length == 32 and cfg.trainer.total_training_steps == 2
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
     assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 1
-    assert load_config("gsm8k_tiny_cpu", ["data.train_files=/x.parquet"]).data.train_files == "/x.parquet"
+    assert load_config("gsm8k/tiny_cpu", ["data.train_files=/x.parquet"]).data.train_files == "/x.parquet"

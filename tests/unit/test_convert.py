@@ -126,7 +126,7 @@ def test_param_maps_name_every_saved_tensor_once(family, hf_model_dir):
 def test_conversion_and_model_config_read_the_same_architecture(family):
     """The conversion mapping and transformer_config_from_hf agree on every architecture fact, per family."""
     from megappo.models.hf_config import transformer_config_from_hf
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.platform import Platform
 
     cfg = tiny_hf_config(family).to_dict()

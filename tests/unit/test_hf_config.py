@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megappo.models.hf_config import UnsupportedModelError, pad_vocab_size, transformer_config_from_hf
-from megappo.models.layout import LayoutError, ParallelLayout
+from megappo.platform.layout import LayoutError, ParallelLayout
 from megappo.platform import Platform, detect_platform
 from megappo.testing import tiny_hf_config
 

@@ -87,6 +87,7 @@ def _dp_worker(rank, world_size):
     return len(plan), len(fixed)
 
 
+@pytest.mark.multirank  # two gloo ranks in subprocesses
 def test_micro_batch_count_is_equal_across_dp_ranks():
     counts = run_distributed(_dp_worker, 2, timeout=120)
     assert counts[0] == counts[1]

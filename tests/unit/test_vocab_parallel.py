@@ -84,6 +84,7 @@ def _tp2_worker(rank, world_size):
     return [[t.tolist() for t in full], [t.tolist() for t in padded]]
 
 
+@pytest.mark.multirank  # two gloo ranks in subprocesses
 def test_tp2_matches_full_vocab():
     logits, target, g_logp, g_ent = _inputs(2)
     results = run_distributed(_tp2_worker, 2, timeout=120)

@@ -26,7 +26,7 @@ def _rank(rank: int, world_size: int, tp: int, args: dict):
     from megappo.models.batch import ModelBatch, TrainInputs
     from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs, train_step
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform

@@ -36,7 +36,7 @@ def main() -> None:
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models.builder import build_model
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.layout import ParallelLayout
+    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.rollout import HFEngine, SamplingParams

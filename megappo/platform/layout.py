@@ -1,7 +1,7 @@
 """The parallel layout: sizes, derived data-parallel size, and validation before any model is built.
 
-Pure Python (no torch.distributed): the config validator and the process-group setup both call `check_layout`,
-so an impossible layout fails before any rank starts work, with a message that names the fix.
+Pure Python (no torch): the trainer's preflight (`megappo.trainer.preflight`) and the process-group setup both
+call `check_layout`, so an impossible layout fails before any rank starts work, with a message that names the fix.
 """
 from __future__ import annotations
 
