@@ -5,8 +5,9 @@ layers, 8 heads / 2 KV heads, ffn 1536, vocabulary 512), batch 16 x 92 tokens, f
 process. The same weights run with either core attention: the old one is put back by replacing every layer's
 `core_attention` with megatron's class and gets the explicit [1, 1, s, s] causal mask megappo used to pass; the new
 one gets no mask (as megappo's compute passes now). Repetitions alternate old / new so that load from other
-processes hits both alike. Printed: median and best ms of a forward (no grad, eval mode, as log-prob passes run)
-and of a forward + backward (train mode), for old and new, and the speedup of the medians.
+processes hits both alike. Printed: median and best ms, old and new, and the speedup of the medians, of one
+layer's core attention alone (forward, and forward + backward, on q/k/v of the model's shapes; 5x the repetitions)
+and of the whole model (forward: no grad, eval mode, as log-prob passes run; forward + backward: train mode).
 
     python tools/bench/bench_attention.py [--reps 10] [--hidden 512] [--layers 10] [--heads 8] [--kv-heads 2]
         [--ffn 1536] [--vocab 512] [--batch 16] [--seq 92] [--threads 1]
@@ -82,29 +83,49 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, position_ids=pos, attention_mask=mask).float().mean().backward()
 
+    # one layer's core attention alone, on q/k/v of this model's shapes ([s, b, heads, head_dim])
+    hd = cfg.hidden_size // args.heads
+    q = torch.randn(s, b, args.heads, hd, generator=g).to(plat.device)
+    k, v = (torch.randn(s, b, args.kv_heads, hd, generator=g).to(plat.device) for _ in range(2))
+
+    def core_fwd(core, mask):
+        with torch.no_grad():
+            core(q, k, v, mask)
+
+    def core_fwd_bwd(core, mask):
+        qi, ki, vi = (t.clone().requires_grad_(True) for t in (q, k, v))
+        core(qi, ki, vi, mask).sum().backward()
+
     variants = {"old": (old_cores, causal), "new": (new_cores, None)}
+    benches = [
+        ("core attention forward (1 layer)", lambda cores, mask: core_fwd(cores[0], mask)),
+        ("core attention forward+backward (1 layer)", lambda cores, mask: core_fwd_bwd(cores[0], mask)),
+        ("model forward", lambda cores, mask: fwd(mask)),
+        ("model forward+backward", lambda cores, mask: fwd_bwd(mask)),
+    ]
     results: dict[tuple[str, str], list[float]] = {}
-    for kind, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+    for kind, fn in benches:
+        reps = args.reps * 5 if kind.startswith("core") else args.reps
         for name, (cores, mask) in variants.items():  # warm-up
             use(cores)
-            fn(mask)
-        for _ in range(args.reps):
+            fn(cores, mask)
+        for _ in range(reps):
             for name, (cores, mask) in variants.items():
                 use(cores)
                 sync()
                 t0 = time.perf_counter()
-                fn(mask)
+                fn(cores, mask)
                 sync()
                 results.setdefault((kind, name), []).append((time.perf_counter() - t0) * 1e3)
 
     print(f"GPTModel {count_parameters([model]) / 1e6:.1f}M params: hidden {args.hidden} layers {args.layers} "
           f"heads {args.heads}/{args.kv_heads} ffn {args.ffn} vocab {args.vocab}; batch {b} x seq {s}, fp32, "
           f"{torch.get_num_threads()} thread(s), device {plat.device}, torch {torch.__version__}, {args.reps} reps")
-    for kind in ("forward", "forward+backward"):
+    for kind, _ in benches:
         old, new = results[(kind, "old")], results[(kind, "new")]
         mo, mn = statistics.median(old), statistics.median(new)
-        print(f"{kind:>17}: old (DotProductAttention) median {mo:8.1f} ms best {min(old):8.1f} ms | "
-              f"new (SDPAttention) median {mn:8.1f} ms best {min(new):8.1f} ms | speedup x{mo / mn:.2f}")
+        print(f"{kind:>41}: old (DotProductAttention) median {mo:7.1f} ms best {min(old):7.1f} ms | "
+              f"new (SDPAttention) median {mn:7.1f} ms best {min(new):7.1f} ms | speedup x{mo / mn:.2f}")
     destroy_parallel()
 
 
