@@ -17,14 +17,15 @@ def fit(cfg: MegappoConfig) -> int:
     try:
         run, state = setup(cfg)
         t = run.cfg.trainer
-        if state.step == 0 and t.val_before_train and state.val_loader is not None and run.scorer is not None:
+        # validation scores with the rule rewards (scored on rank 0, but every rank takes part)
+        validates = state.val_loader is not None and not run.cfg.reward_model.enable
+        if state.step == 0 and t.val_before_train and validates:
             state.logger.log(0, phases.validate(run, state.val_loader))
         batches = state.batches()
         for step in range(state.step + 1, state.total_steps + 1):
             metrics = train_step(run, next(batches), step)
             last = step == state.total_steps
-            if state.val_loader is not None and run.scorer is not None and (
-                    (t.test_freq > 0 and step % t.test_freq == 0) or (last and t.test_freq > 0)):
+            if validates and t.test_freq > 0 and (step % t.test_freq == 0 or last):
                 metrics.update(phases.validate(run, state.val_loader))
             state.step = step
             if t.save_freq > 0 and (step % t.save_freq == 0 or last):
