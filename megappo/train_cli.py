@@ -5,6 +5,7 @@ Registration imports only argparse: torch, megatron and the trainer load when th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EPILOG = """\
@@ -65,7 +66,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"megappo train: config OK ({t.nnodes} node(s) x {t.n_gpus_per_node} rank(s), {model}); "
               "--dry-run, not training")
         return 0
+    t = cfg.trainer
+    expected, started = t.nnodes * t.n_gpus_per_node, int(os.environ.get("WORLD_SIZE", "1"))
+    if started != expected:
+        print(f"megappo train: the config asks for {expected} ranks (trainer.nnodes={t.nnodes} x "
+              f"trainer.n_gpus_per_node={t.n_gpus_per_node}) but {started} were started; launch with "
+              f"`torchrun --nproc-per-node {t.n_gpus_per_node} -m megappo.cli train ...` on each node "
+              "(launch/torchrun.sh does it), or set trainer.n_gpus_per_node/nnodes to match", file=sys.stderr)
+        return 1
     from megappo import trainer
 
-    result = trainer.fit(cfg)
+    try:
+        result = trainer.fit(cfg)
+    except ConfigError as e:  # what only the running ranks can check (the actual world, generated files)
+        print(f"megappo train: {e}", file=sys.stderr)
+        return 1
     return result if isinstance(result, int) else 0

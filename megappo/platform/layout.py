@@ -27,6 +27,14 @@ class ParallelLayout:
         """Data-parallel size: world / (tp * pp * cp)."""
         return world_size // (self.tp * self.pp * self.cp)
 
+    @classmethod
+    def from_megatron_config(cls, m) -> "ParallelLayout":
+        """From a config tree's `*.megatron` group (verl's names: tensor_model_parallel_size, ...)."""
+        return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                   vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
+                   ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
+                   sequence_parallel=m.sequence_parallel)
+
 
 def _divisors_hint(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -16,6 +16,7 @@ from megappo.config.schema import MegappoConfig
 from megappo.models.losses import actor_loss_fn, critic_loss_fn
 from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
+from megappo.platform.layout import ParallelLayout
 from megappo.trainer import checkpointing, settings
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.phases import Run
@@ -111,7 +112,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
     platform = detect_platform(t.device, cfg.actor_rollout_ref.model.dtype)
     if not platform.is_cuda:
         _threads_per_rank()
-    ps = init_parallel(settings.layout_of(cfg.actor_rollout_ref.actor.megatron), platform,
+    ps = init_parallel(ParallelLayout.from_megatron_config(cfg.actor_rollout_ref.actor.megatron), platform,
                        seed=cfg.actor_rollout_ref.actor.megatron.seed)
     local_dir = os.path.abspath(os.path.expanduser(t.default_local_dir))
     _synthetic(cfg, local_dir)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Optional
 
 from megappo.config import ConfigError, MegappoConfig
-from megappo.config.schema import MegatronConfig
 from megappo.config.validate import plan, rule_errors, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
 
@@ -80,13 +79,6 @@ def read_model_dims(path: Optional[str]) -> Optional[ModelDims]:
                      num_layers=hf.get("num_hidden_layers"), num_experts=experts)
 
 
-def _layout(m: MegatronConfig) -> ParallelLayout:
-    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                          sequence_parallel=m.sequence_parallel)
-
-
 def _check_model_path(key: str, path: Optional[str], errors: list[str], check_files: bool) -> None:
     if not path:
         errors.append(f"{key}: is not set; set {key}=DIR, a Hugging Face model directory (config.json + weights)")
@@ -112,7 +104,7 @@ def _check_parallel_and_batches(cfg: MegappoConfig, world: int, errors: list[str
         roles.append(("critic", critic.megatron, read_model_dims(critic.model.path) or ModelDims()))
     dp: dict[str, Optional[int]] = {}
     for role, meg, dims in roles:
-        layout = _layout(meg)
+        layout = ParallelLayout.from_megatron_config(meg)
         try:
             check_layout(layout, world, num_attention_heads=dims.num_attention_heads,
                          num_key_value_heads=dims.num_key_value_heads, num_layers=dims.num_layers,

@@ -9,19 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megappo.config.schema import MegappoConfig, MegatronConfig
+from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
 from megappo.models.losses import ActorLossSettings, CriticLossSettings
 from megappo.models.optim import OptimSettings
-from megappo.platform.layout import ParallelLayout
 from megappo.rollout.sampling import SamplingParams
-
-
-def layout_of(m: MegatronConfig) -> ParallelLayout:
-    return ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                          vpp=m.virtual_pipeline_model_parallel_size, cp=m.context_parallel_size,
-                          ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size,
-                          sequence_parallel=m.sequence_parallel)
 
 
 def actor_loss(cfg: MegappoConfig) -> ActorLossSettings:

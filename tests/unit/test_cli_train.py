@@ -91,6 +91,18 @@ def test_train_checks_before_it_starts_the_trainer(runnable, monkeypatch, capsys
     assert calls[0].trainer.experiment_name == "gsm8k_tiny_cpu"
 
 
+def test_train_refuses_a_world_that_is_not_the_configs(runnable, monkeypatch, capsys):
+    import megappo.trainer
+
+    calls = []
+    monkeypatch.setattr(megappo.trainer, "fit", lambda cfg: calls.append(cfg) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    two = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
+    assert main(["train", *runnable, *two]) == 1 and not calls
+    err = capsys.readouterr().err
+    assert "asks for 2 ranks" in err and "but 1 were started" in err and "torchrun --nproc-per-node 2" in err
+
+
 def test_help_shows_override_examples(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--help"])
