@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -21,7 +22,7 @@ from megappo.trainer import checkpointing, settings
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.phases import Run
 from megappo.trainer.preflight import preflight
-from megappo.trainer.roles import build_roles
+from megappo.trainer.roles import build_roles, describe
 from megappo.trainer.rollout import RolloutWorker
 
 
@@ -142,6 +143,9 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         run.kl_ctrl.load_state_dict(saved["kl_ctrl"])
         run.rollout.weight_version = int(saved.get("weight_version", 0))
         run.rollout.sync_weights(roles.actor.chunks, roles.hf_config)  # the engine generates with what we resumed
+    if dist.get_rank() == 0:
+        print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
+              file=sys.stderr, flush=True)
     state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0, start_step=state.step)
     return run, state
 

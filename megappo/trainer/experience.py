@@ -7,7 +7,7 @@ phases fill in one after another (scores, reference and old log-probs, values, r
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -51,14 +51,6 @@ class Samples:
                 out.extra_infos.append(prompts.extra_infos[b])
         return out
 
-    @classmethod
-    def concat(cls, parts: Sequence["Samples"]) -> "Samples":
-        out = cls([], [], [], [], [], [], [], [])
-        for p in parts:
-            for name in out.__dataclass_fields__:
-                getattr(out, name).extend(getattr(p, name))
-        return out
-
 
 @dataclass
 class Experience:
@@ -72,7 +64,6 @@ class Experience:
     rollout_log_probs: torch.Tensor  # [B, R] the engine's log-probs (0 on padding)
     scores: Optional[torch.Tensor] = None  # [B] the sequence score (rule reward or reward model)
     token_rewards: Optional[torch.Tensor] = None  # [B, R] score at the last token, minus the KL penalty if any
-    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def train(self) -> TrainInputs:
