@@ -135,19 +135,31 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
               actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
               critic_loss=critic_loss_fn(settings.critic_loss(cfg)))
     state = TrainState(0, total, loader, val_loader, None, local_dir)  # type: ignore[arg-type]
-    resume = checkpointing.find_resume_dir(local_dir, t.resume_mode, t.resume_from_path)
-    if resume is not None:
-        saved = checkpointing.load(run, resume)
-        state.step = int(saved["step"])
-        loader.load_state_dict(saved["dataloader"])
-        run.kl_ctrl.load_state_dict(saved["kl_ctrl"])
-        run.rollout.weight_version = int(saved.get("weight_version", 0))
-        run.rollout.sync_weights(roles.actor.chunks, roles.hf_config)  # the engine generates with what we resumed
-    if dist.get_rank() == 0:
-        print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
-              file=sys.stderr, flush=True)
-    state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0, start_step=state.step)
+    try:
+        _resume(run, state)
+        if dist.get_rank() == 0:
+            print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
+                  file=sys.stderr, flush=True)
+        state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
+                                     start_step=state.step)
+    except BaseException:
+        teardown(run, state)  # the engine (an SGLang server) and reward workers are already running
+        raise
     return run, state
+
+
+def _resume(run: Run, state: TrainState) -> None:
+    """Continue from the checkpoint `trainer.resume_mode` picks, if any."""
+    t = run.cfg.trainer
+    resume = checkpointing.find_resume_dir(state.local_dir, t.resume_mode, t.resume_from_path)
+    if resume is None:
+        return
+    saved = checkpointing.load(run, resume)
+    state.step = int(saved["step"])
+    state.loader.load_state_dict(saved["dataloader"])
+    run.kl_ctrl.load_state_dict(saved["kl_ctrl"])
+    run.rollout.weight_version = int(saved.get("weight_version", 0))
+    run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)  # generate with the resumed weights
 
 
 def teardown(run: Optional[Run], state: Optional[TrainState]) -> None:

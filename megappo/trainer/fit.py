@@ -34,7 +34,7 @@ def fit(cfg: MegappoConfig) -> int:
         checkpointing.export_actor(run, os.path.join(state.local_dir, "hf", "actor"))
         return 0
     finally:
-        teardown(run, state)
+        teardown(run, state)  # after a failed setup (run None): the process groups
 
 
 def train_step(run: Run, prompts, step: int) -> dict[str, float]:

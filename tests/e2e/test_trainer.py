@@ -146,3 +146,15 @@ def test_rollout_and_trainer_log_probs_agree(data, tmp_path, sampling):
     rows = _run(data, tmp_path / "lp", extra=["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
                                                 "algorithm.use_kl_in_reward=false", *sampling])
     assert rows[0]["rollout/logprob_diff_mean"] <= 1e-3
+
+
+def test_a_finished_run_resumes_from_its_checkpoint(data, tmp_path):
+    """resume_mode=auto (the default) continues from the newest complete checkpoint: no step is run twice."""
+    out = tmp_path / "resume"
+    _run(data, out, steps=2, extra=["trainer.save_freq=1"])
+    rows = _run(data, out, steps=3, extra=["trainer.save_freq=1"])
+    assert [r["step"] for r in rows] == [1, 2, 3]  # appended: steps 1 and 2 from the first run, 3 from the second
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    # version 2 restored, 3 when the resumed weights went into the fresh engine, 4 after step 3's update
+    assert rows[2]["rollout/weight_version"] == 4
+    assert rows[2]["rollout/logprob_diff_mean"] <= 1e-3  # ...so it sampled from the weights the trainer resumed
