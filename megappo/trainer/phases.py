@@ -6,6 +6,7 @@ so a run's metrics and updates do not depend on how many data-parallel ranks it 
 """
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -93,10 +94,13 @@ def rule_scores(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict
         items = [ScoreItem(ds, text, gt, extra) for ds, text, gt, extra in
                  zip(samples.data_sources, texts, samples.ground_truths, samples.extra_infos)]
         result = run.scorer.score(items)
-        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3])]
+        if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
+            print(f"megappo train: the reward function failed on {result.num_failed} of {len(items)} samples "
+                  f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
+        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"))]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
-    scores, metrics, _errors = payload[0]
+    scores, metrics = payload[0]
     metrics.pop("reward/score_mean", None)  # reward/mean below is the same number over the step's samples
     return scores, metrics
 
