@@ -48,7 +48,8 @@ class RolloutWorker:
         self.rollout = cfg.actor_rollout_ref.rollout
         self.holder = dist.get_rank(ps.mp_group) == 0
         self.server = None
-        self.engine: Any = None
+        self.engine: Any = None  # this replica's engine (holders only)
+        self.sync_engine: Any = None  # sglang: the engine global rank 0 streams weights into
         self.bucket_bytes = 512 << 20
         if self.rollout.name == "hf":
             if self.holder:
@@ -122,7 +123,7 @@ class RolloutWorker:
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 yield bucket
 
-        target = self.engine if self.rollout.name == "hf" else getattr(self, "sync_engine", None)
+        target = self.engine if self.rollout.name == "hf" else self.sync_engine
         if self.holder and target is not None:
             target.update_weights(counted(), version=version)
         else:
@@ -135,7 +136,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         if self.rollout.name != "hf" and self.holder:
-            for engine in {id(e): e for e in (self.engine, getattr(self, "sync_engine", None)) if e}.values():
+            for engine in {id(e): e for e in (self.engine, self.sync_engine) if e}.values():
                 try:
                     engine.close_weight_group()
                 except Exception:  # noqa: BLE001 - closing a group of a server that is going away
