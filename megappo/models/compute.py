@@ -74,7 +74,7 @@ class StepMetrics:
     loss: float  # the mini-batch loss: sum of the closures' losses over micro-batches and data-parallel ranks
     grad_norm: float  # global gradient norm before clipping
     lr: float  # learning rate used by this step
-    update_successful: bool  # False when a bf16/fp16 overflow skipped the update
+    update_successful: bool  # False when a non-finite gradient (or an fp16 overflow) skipped the update
     num_micro_batches: int
     metrics: dict[str, float] = field(default_factory=dict)  # closure metrics: shares summed over micro-batches and DP
 
@@ -372,7 +372,7 @@ def train_step(
     """
     from megatron.core.distributed import finalize_model_grads
 
-    from megappo.models.optim import optimizer_step_context
+    from megappo.models.optim import finite_step, optimizer_step_context
 
     if not all(hasattr(c, "zero_grad_buffer") for c in model_chunks):
         raise TypeError("train_step needs megatron-DDP-wrapped chunks: wrap them with megappo.models.optim.wrap_ddp")
@@ -414,10 +414,10 @@ def train_step(
         results = _run_schedule(model_chunks, plan, loss_func, parallel_state=parallel_state, forward_only=False)
     lr = float(optimizer.param_groups[0]["lr"])
     with optimizer_step_context(platform):
-        update_successful, grad_norm, _ = optimizer.step()
+        update_successful, grad_norm = finite_step(optimizer)
     if scheduler is not None and update_successful:
         scheduler.step(1)
     loss, metrics = _reduce_metrics(results, parallel_state)
-    return StepMetrics(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=lr,
-                       update_successful=bool(update_successful), num_micro_batches=n, metrics=metrics)
+    return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, update_successful=update_successful,
+                       num_micro_batches=n, metrics=metrics)
 

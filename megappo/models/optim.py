@@ -12,6 +12,7 @@ Inputs are `OptimSettings` (plain numbers), so callers map their own config onto
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -20,7 +21,8 @@ from torch import nn
 
 from megappo.platform.device import Platform
 
-__all__ = ["OptimSettings", "wrap_ddp", "build_optimizer", "build_scheduler", "optimizer_step_context"]
+__all__ = ["OptimSettings", "wrap_ddp", "build_optimizer", "build_scheduler", "optimizer_step_context",
+           "finite_step"]
 
 
 @dataclass
@@ -158,3 +160,20 @@ def build_scheduler(optimizer: Any, settings: OptimSettings):
         use_checkpoint_opt_param_scheduler=True,
         override_opt_param_scheduler=False,
     )
+
+
+def finite_step(optimizer: Any) -> tuple[bool, float]:
+    """`optimizer.step()` that never applies a non-finite gradient: (update applied, global grad norm).
+
+    megatron's optimizer skips a step only when fp16's loss scaler finds an overflow; in fp32 and bf16 it applies NaN
+    or Inf gradients, which wrecks the weights for good. Here the global gradient norm (reduced over every rank that
+    holds gradients, so all ranks agree) is checked first, and a non-finite one skips the update on every rank.
+    Call inside `optimizer_step_context`.
+    """
+    if not getattr(optimizer.config, "fp16", False):  # fp16's scaler checks for itself (and unscales only once)
+        found_inf = optimizer.prepare_grads()
+        norm = float(optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(norm):
+            return False, norm
+    applied, norm, _ = optimizer.step()
+    return bool(applied), float(norm) if norm is not None else float("nan")
