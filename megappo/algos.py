@@ -13,7 +13,7 @@ Names and semantics follow verl's ``core_algos`` so recipes carry over: ``k1``/`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -70,19 +70,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return total / count.clamp_min(1).to(total.dtype)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    sum_across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Normalise ``x`` to unit variance (and zero mean if ``shift_mean``) using statistics of the masked entries.
 
     x, mask: any shape, same shape. The variance is the unbiased (n - 1) masked variance, with eps 1e-8 inside the
     square root. Every position, masked or not, gets the same affine map so a masked position that carries a
     neighbour's value (see ``compute_gae``) stays equal to it. With fewer than two set entries the variance is
     undefined and the scale is left at 1 (only the mean shift applies), so degenerate batches never blow up.
+
+    sum_across: when ``x`` is one shard of a larger batch (e.g. one data-parallel rank's), a function that sums a
+    tensor of partial sums over every shard (an all-reduce); the statistics are then those of the whole batch.
     """
     m = _as_bool(mask, x)
-    n = m.sum()
-    mean = masked_mean(x, m)
+    total = sum_across or (lambda t: t)
+    n, x_sum = total(torch.stack([m.sum().to(x.dtype), masked_sum(x, m)])).unbind()
+    mean = x_sum / n.clamp_min(1)
     centered = x - mean
-    var = masked_sum(centered * centered, m) / (n - 1).clamp_min(1).to(x.dtype)
+    var = total(masked_sum(centered * centered, m)) / (n - 1).clamp_min(1)
     scale = torch.where(n >= 2, torch.rsqrt(var + 1e-8), torch.ones_like(var))
     whitened = centered * scale
     return whitened if shift_mean else whitened + mean

@@ -52,7 +52,8 @@ class Run:
 # data-parallel reductions
 # ------------------------------------------------------------------------------------------------------------------
 def dp_gather(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """Concatenate a [B, ...] tensor over the data-parallel ranks (every rank has the same B)."""
+    """Concatenate a [B] tensor over the data-parallel ranks (every rank has the same B; per-token [B, R] tensors
+    differ in R between ranks: reduce their sums instead)."""
     if ps.dp_size == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(ps.dp_size)]
@@ -65,6 +66,16 @@ def dp_sum(values: list[float], ps: ParallelState) -> list[float]:
     if ps.dp_size > 1:
         dist.all_reduce(t, group=ps.dp_group)
     return t.tolist()
+
+
+def dp_sum_tensor(ps: ParallelState):
+    """A function summing a tensor over the data-parallel ranks (`algos.masked_whiten`'s `sum_across`)."""
+    def sum_across(t: torch.Tensor) -> torch.Tensor:
+        if ps.dp_size > 1:
+            t = t.clone()
+            dist.all_reduce(t, group=ps.dp_group)
+        return t
+    return sum_across
 
 
 def dp_max(value: float, ps: ParallelState) -> float:
@@ -186,7 +197,7 @@ def advantages(run: Run, exp: Experience) -> None:
     if alg.adv_estimator == "gae":
         adv, returns = algos.compute_gae(exp.token_rewards, t.values, mask, gamma=alg.gamma, lam=alg.lam)
         t.returns = returns * mask
-        t.advantages = _whiten_dp(adv, mask, run.ps) * mask
+        t.advantages = algos.masked_whiten(adv, mask, sum_across=dp_sum_tensor(run.ps)) * mask
     else:  # grpo: the group of a prompt may be spread over data-parallel ranks
         seq = exp.token_rewards.sum(-1)
         all_seq, all_uid = dp_gather(seq, run.ps), dp_gather(exp.uids, run.ps)
@@ -194,17 +205,6 @@ def advantages(run: Run, exp: Experience) -> None:
         mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
         t.advantages = mine.unsqueeze(1) * mask
         t.returns = t.advantages.clone()
-
-
-def _whiten_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """`algos.masked_whiten` with the statistics of the whole step (every data-parallel rank's tokens)."""
-    m = mask.to(x.dtype)
-    n, total = dp_sum([float(m.sum()), float((x * m).sum())], ps)
-    mean = total / max(n, 1.0)
-    (sq,) = dp_sum([float((((x - mean) * m) ** 2).sum())], ps)
-    if n < 2:
-        return x - mean
-    return (x - mean) * torch.rsqrt(torch.tensor(sq / (n - 1) + 1e-8, dtype=x.dtype))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -234,13 +234,20 @@ def update_critic(run: Run, exp: Experience, step: int) -> dict[str, float]:
     b = run.batching
     metrics = _train(run, run.roles.critic, exp, run.critic_loss, b.critic_train, count=b.critic_mini_batches,
                      epochs=b.critic_epochs, shuffle=b.critic_shuffle, step=step, prefix="critic", lm=False)
-    t, mask = exp.train, exp.mask
-    ret, val = dp_gather(t.returns, run.ps), dp_gather(t.values, run.ps)
-    m = dp_gather(mask, run.ps).bool()
-    var_ret = ret[m].var(unbiased=False) if m.any() else torch.tensor(0.0)
-    var_res = (ret - val)[m].var(unbiased=False) if m.any() else torch.tensor(0.0)
-    metrics["critic/vf_explained_var"] = float(1.0 - var_res / (var_ret + 1e-8))
+    metrics["critic/vf_explained_var"] = _explained_variance(exp.train.returns, exp.train.values, exp.mask, run.ps)
     return metrics
+
+
+def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> float:
+    """1 - Var(returns - values) / Var(returns) over the step's response tokens, from moments summed over the
+    data-parallel ranks (their [B, R] tensors differ in R, so they cannot be gathered)."""
+    m, res = mask.to(torch.float64), (returns - values).double()
+    ret = returns.double()
+    n, s1, s2, r1, r2 = dp_sum([float(m.sum()), float((ret * m).sum()), float((ret * ret * m).sum()),
+                                float((res * m).sum()), float((res * res * m).sum())], ps)
+    n = max(n, 1.0)
+    var_ret, var_res = s2 / n - (s1 / n) ** 2, r2 / n - (r1 / n) ** 2
+    return 1.0 - var_res / (var_ret + 1e-8)
 
 
 def update_actor(run: Run, exp: Experience, step: int) -> dict[str, float]:

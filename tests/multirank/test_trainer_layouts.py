@@ -38,9 +38,9 @@ def single(data, tmp_path_factory):
     return out
 
 
-def _torchrun(nproc: int, overrides: list[str], timeout: float = 300) -> None:
+def _torchrun(nproc: int, overrides: list[str], timeout: float = 300, recipe: str = RECIPE) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           "-m", "megappo.cli", "train", "--config", RECIPE, *overrides]
+           "-m", "megappo.cli", "train", "--config", recipe, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -84,3 +84,17 @@ def test_dp2_matches_dp1(data, single, tmp_path):
     _torchrun(2, tiny_run_overrides(str(tmp_path), data["model"], data["train"], steps=2,
                                     extra=[*COMMON, "trainer.n_gpus_per_node=2"]))
     _same_run(single, tmp_path)
+
+
+def test_dp2_with_responses_of_different_lengths_on_each_rank(tmp_path):
+    """Each rank's [B, R] tensors have their own R: the step's statistics must be reduced, not gathered."""
+    _torchrun(2, [f"trainer.default_local_dir={tmp_path}", "trainer.n_gpus_per_node=2",
+                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+                  "trainer.save_freq=-1", "data.synthetic.warm_start_steps=0", "data.synthetic.num_train_prompts=16",
+                  "data.synthetic.num_val_prompts=4", "data.train_batch_size=2",
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=2"], recipe="recipes/cpu/tiny_ppo.yaml")
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2]
+    # one sample per rank, and they differ in length (so the ranks' R differ)
+    assert rows[0]["response/length_max"] != rows[0]["response/length_mean"]
+    assert all(r["critic/vf_explained_var"] is not None for r in rows)
