@@ -90,8 +90,8 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, fo
                                                  bucket_bytes)
     else:
         items, rank0, t_load = iter_hf_weights_from_checkpoint(mcore_dir, spec, role, dtype=out_dtype), True, 0.0
-    summary = _write(items, mcore_dir, out_dir, rank0, force, max_shard_bytes, progress,
-                     output_config(hf_config, role, out_dtype))
+    summary = write_hf_dir(items, mcore_dir, out_dir, rank0, force, max_shard_bytes, progress,
+                           output_config(hf_config, role, out_dtype))
     summary.update(load_seconds=t_load, total_seconds=time.time() - t0)
     if rank0 and progress:
         print(f"mcore-to-hf: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB written in "
@@ -121,10 +121,11 @@ def _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, 
     return (item for bucket in buckets for item in bucket), ps.rank == 0, time.time() - t0
 
 
-def _write(items, mcore_dir: str, out_dir: str, rank0: bool, force: bool, max_shard_bytes: int, progress: bool,
-           config: dict) -> dict[str, Any]:
-    """Rank 0 streams `items` into a staging directory renamed to `out_dir` when complete; other ranks only
-    drive the (collective) iterator."""
+def write_hf_dir(items, side_files_from: str, out_dir: str, rank0: bool, force: bool, max_shard_bytes: int,
+                 progress: bool, config: dict) -> dict[str, Any]:
+    """Rank 0 streams `items` ((HF name, tensor) pairs) into a staging directory renamed to `out_dir` when complete,
+    with `config` as config.json and the tokenizer/generation files of `side_files_from`; other ranks only drive the
+    (collective) iterator. Also the trainer's final export of the actor."""
     if not rank0:
         for _ in items:
             pass
@@ -147,6 +148,6 @@ def _write(items, mcore_dir: str, out_dir: str, rank0: bool, force: bool, max_sh
             writer.abort()
             if bar is not None:
                 bar.close()
-        copy_side_files(mcore_dir, tmp, config=config)
+        copy_side_files(side_files_from, tmp, config=config)
     return dict(out=os.path.abspath(out_dir), tensors=writer.num_tensors, bytes=writer.total_bytes,
                 seconds=time.time() - t0)

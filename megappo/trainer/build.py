@@ -141,7 +141,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
             print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
                   file=sys.stderr, flush=True)
         state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
-                                     start_step=state.step)
+                                     start_step=state.step, run_name=(t.project_name, t.experiment_name))
     except BaseException:
         teardown(run, state)  # the engine (an SGLang server) and reward workers are already running
         raise

@@ -15,8 +15,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megappo.convert.export import iter_hf_weights
-from megappo.convert.hf_io import ShardedSafetensorsWriter, StagingDir, copy_side_files
-from megappo.convert.mcore_to_hf import output_config
+from megappo.convert.mcore_to_hf import output_config, write_hf_dir
 from megappo.models.checkpoint import CheckpointError, load_model_checkpoint, save_model_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -99,19 +98,7 @@ def export_actor(run: Any, out_dir: str) -> str:
     roles = run.roles
     items = (item for bucket in iter_hf_weights(roles.actor.chunks, run.ps, roles.hf_config,
                                                 dtype=run.platform.dtype) for item in bucket)
-    if dist.get_rank() != 0:
-        for _ in items:
-            pass
-    else:
-        with StagingDir(out_dir, force=True) as tmp:
-            writer = ShardedSafetensorsWriter(tmp, 4 << 30)
-            try:
-                for name, tensor in items:
-                    writer.add(name, tensor)
-                writer.close()
-            finally:
-                writer.abort()
-            copy_side_files(roles.actor.hf_dir, tmp, config=output_config(roles.hf_config, "actor",
-                                                                           run.platform.dtype))
+    write_hf_dir(items, roles.actor.hf_dir, out_dir, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
+                 progress=False, config=output_config(roles.hf_config, "actor", run.platform.dtype))
     dist.barrier()
     return out_dir

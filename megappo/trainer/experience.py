@@ -34,8 +34,7 @@ class Samples:
         return len(self.response_ids)
 
     @classmethod
-    def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]],
-                         first_uid: int = 0) -> "Samples":
+    def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]]) -> "Samples":
         """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
         out = cls([], [], [], [], [], [], [], [])
         for b, group in enumerate(completions):
@@ -45,7 +44,7 @@ class Samples:
                 out.response_ids.append(list(c.output_ids))
                 out.rollout_log_probs.append(list(c.log_probs))
                 out.truncated.append(c.finish_reason == "length")
-                out.uids.append(first_uid + b)
+                out.uids.append(b)
                 out.data_sources.append(prompts.data_sources[b])
                 out.ground_truths.append(prompts.ground_truths[b])
                 out.extra_infos.append(prompts.extra_infos[b])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from megappo.config.schema import MegappoConfig
 from megappo.trainer import checkpointing, phases
@@ -9,7 +10,6 @@ from megappo.trainer.build import setup, teardown
 from megappo.trainer.metrics import Timer
 from megappo.trainer.phases import Run
 from megappo.trainer.rollout import step_seed
-from megappo.trainer.settings import sampling
 
 
 def fit(cfg: MegappoConfig) -> int:
@@ -42,7 +42,7 @@ def train_step(run: Run, prompts, step: int) -> dict[str, float]:
     cfg, timer, m = run.cfg, Timer(), {}
     with timer("step"):
         with timer("rollout"):
-            samples = phases.rollout(run, prompts, sampling(cfg, seed=step_seed(cfg.data.seed, step)))
+            samples = phases.rollout(run, prompts, replace(run.sampling, seed=step_seed(cfg.data.seed, step)))
         with timer("reward"):
             scores, reward_metrics = (None, {}) if cfg.reward_model.enable else phases.rule_scores(run, samples)
         exp = phases.make_experience(run, samples, scores)

@@ -37,12 +37,14 @@ class Timer:
 
 
 class MetricsLogger:
-    def __init__(self, out_dir: str, sinks: list[str], total_steps: int, *, enabled: bool, start_step: int = 0):
+    def __init__(self, out_dir: str, sinks: list[str], total_steps: int, *, enabled: bool, start_step: int = 0,
+                 run_name: tuple[str, str] = ("megappo", "run")):
         self.enabled = enabled
         self.sinks = set(sinks)
         self.jsonl = None
         self.tb = None
         self.bar = None
+        self.wandb = None  # a wandb run
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
@@ -54,7 +56,7 @@ class MetricsLogger:
         if "wandb" in self.sinks:
             import wandb  # validated to be installed when asked for
 
-            self.wandb = wandb
+            self.wandb = wandb.init(project=run_name[0], name=run_name[1], dir=out_dir, resume="allow")
         if "console" in self.sinks:
             from tqdm import tqdm
 
@@ -71,7 +73,7 @@ class MetricsLogger:
             for k, v in clean.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
-        if "wandb" in self.sinks:
+        if self.wandb is not None:
             self.wandb.log(clean, step=step)
         if "console" in self.sinks:
             self._console(step, clean)
@@ -87,6 +89,8 @@ class MetricsLogger:
         print(f"step {step}: {line}{' ' + val if val else ''}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:

@@ -30,10 +30,6 @@ class Role:
     scheduler: Any = None
     offloaded: bool = field(default=False, repr=False)
 
-    @property
-    def trainable(self) -> bool:
-        return self.optimizer is not None
-
 
 @dataclass
 class Roles:

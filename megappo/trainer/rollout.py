@@ -14,7 +14,8 @@ the buckets into the engine(s) on the holders.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,7 +94,7 @@ class RolloutWorker:
         return {"dtype": dtype, **self.rollout.engine_kwargs}
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: PromptBatch, params: SamplingParams, *, first_uid: int = 0) -> Samples:
+    def generate(self, prompts: PromptBatch, params: SamplingParams) -> Samples:
         """The responses to every prompt of `prompts` (the global batch), identical on every rank."""
         part = _dp_slice(len(prompts), self.ps)
         local: list = [None]
@@ -101,13 +102,13 @@ class RolloutWorker:
             ids = [prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
                    for b in range(part.start, part.stop)]
             seed = None if params.seed is None else params.seed + 7919 * self.ps.dp_rank
-            local = [self.engine.generate(ids, _with_seed(params, seed)) if ids else []]
+            local = [self.engine.generate(ids, replace(params, seed=seed)) if ids else []]
         completions: list[list[Completion]] = _broadcast_objects(local, self.ps.mp_group)[0]
         if self.ps.dp_size > 1:
             gathered: list = [None] * self.ps.dp_size
             dist.all_gather_object(gathered, completions, group=self.ps.dp_group)
             completions = [group for part_groups in gathered for group in part_groups]
-        return Samples.from_completions(prompts, completions, first_uid=first_uid)
+        return Samples.from_completions(prompts, completions)
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def sync_weights(self, actor_chunks: Sequence[torch.nn.Module], hf_config: dict) -> dict[str, float]:
@@ -145,12 +146,6 @@ class RolloutWorker:
             self.server.stop()
             self.server = None
         self.engine = None
-
-
-def _with_seed(params: SamplingParams, seed: Optional[int]) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
 
 
 def step_seed(base: int, step: int) -> int:
