@@ -20,6 +20,13 @@ overrides are dotted key=value pairs, as in verl (values are YAML: true/false, n
 options go before the overrides. --config takes a YAML path or the name of a recipe under recipes/
 (e.g. gsm8k/tiny_cpu for recipes/gsm8k/tiny_cpu.yaml).
 Every key and default: megappo/config/schema.py documents each one; --print-config shows a resolved tree.
+
+exit status (also in <default_local_dir>/run_status.json, which outlives torchrun's own status):
+  0   finished
+  1   error (configuration, data, a failed checkpoint save: the message names the fix)
+  3   stopped on purpose: the KL guard ran out of retries, or the reward function keeps failing
+  75  preempted by SIGTERM/SIGUSR1 or trainer.save_before_deadline: a checkpoint was saved; run the same
+      command again (resume_mode=auto) to continue. Batch scripts requeue on it.
 """
 
 
@@ -75,10 +82,19 @@ def run(args: argparse.Namespace) -> int:
               "(launch/torchrun.sh does it), or set trainer.n_gpus_per_node/nnodes to match", file=sys.stderr)
         return 1
     from megappo import trainer
+    from megappo.models.checkpoint import CheckpointError
+    from megappo.trainer.guard import EXIT_STOPPED, RunStopped
 
     try:
         result = trainer.fit(cfg)
     except ConfigError as e:  # what only the running ranks can check (the actual world, generated files)
         print(f"megappo train: {e}", file=sys.stderr)
         return 1
+    except CheckpointError as e:  # a failed save (disk full) or an unusable checkpoint to resume from
+        print(f"megappo train: {e}", file=sys.stderr)
+        return 1
+    except RunStopped as e:  # the KL guard or the reward watch ended the run on purpose
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megappo train: {e}", file=sys.stderr)
+        return EXIT_STOPPED
     return result if isinstance(result, int) else 0

@@ -242,6 +242,10 @@ class RewardModelConfig:
     timeout_s: float = 30.0  # per-sample limit; past it the sample gets failure_score
     failure_score: float = 0.0  # score of a sample whose reward function raised or timed out
     ray_address: Optional[str] = None  # ray backend: "auto" joins a running cluster; None starts a local one
+    # Stop the run (naming the reward function) when more than this fraction of a step's samples fail to score
+    # for max_failure_steps steps in a row, instead of training on failure_score. 1.0: never stop.
+    max_failure_fraction: float = 0.5
+    max_failure_steps: int = 3
 
 
 @dataclass
@@ -254,14 +258,23 @@ class CustomRewardFunctionConfig:
 # trainer
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
-class KLGuardConfig:
-    """Stops a run whose policy runs away from the reference, before it burns more compute or overwrites good
-    checkpoints. The trainer measures the step's mean per-token KL(actor || ref) over response tokens."""
+class GuardConfig:
+    """The tuning guide's rules for a run whose policy moves too far in one step, automated (megappo/trainer/guard.py).
 
-    enable: bool = True  # only acts when a reference model is in use (use_kl_loss or use_kl_in_reward)
-    max_kl: float = 1.0  # mean per-token KL (nats) above which a step counts as diverged
-    patience: int = 3  # consecutive diverged steps before the action is taken
-    action: Literal["stop", "rollback"] = "stop"  # rollback: reload the last checkpoint and go on
+    A step whose `kl_metric` passes `kl_threshold`, or whose actor loss or gradient norm is NaN/Inf, is undone: the
+    last good checkpoint is restored (so rollback needs trainer.save_freq > 0; the guard then also saves step 0), the
+    actor's learning rate is multiplied by lr_factor, the KL coefficient by kl_coef_factor and the clip ratio by
+    clip_ratio_factor, and the step is tried again. After max_retries rollbacks without getting past the step, the
+    run stops with its last good checkpoint. Without checkpoints a tripped step stops the run."""
+
+    enable: bool = True
+    kl_threshold: float = 0.2  # a step whose kl_metric passes this is rolled back
+    kl_metric: str = "actor/ppo_kl"  # the step's metric compared with kl_threshold (e.g. kl/mean: KL to the reference)
+    epoch_kl_stop: Optional[float] = None  # skip a step's remaining PPO epochs once an epoch's actor/ppo_kl passes it
+    max_retries: int = 3  # rollbacks in a row (without passing the tripped step) before the run stops
+    lr_factor: float = 0.5  # actor learning rate multiplier per rollback
+    kl_coef_factor: float = 5.0  # kl_coef (in reward) / kl_loss_coef (as loss) multiplier per rollback: 0.001 -> 0.005
+    clip_ratio_factor: float = 0.5  # clip_ratio (low and high) multiplier per rollback: 0.2 -> 0.1
 
 
 @dataclass
@@ -285,7 +298,11 @@ class TrainerConfig:
     # metrics.jsonl in default_local_dir is always written; these are the other sinks
     logger: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console", "tensorboard"])
     balance_batch: bool = True  # reorder samples so data-parallel ranks get similar token counts
-    kl_guard: KLGuardConfig = field(default_factory=KLGuardConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    # Save and stop (exit status 75, "requeue me") before this wall-clock time: ISO 8601 ("2026-12-04T06:00",
+    # local time unless it has an offset), seconds since the epoch, or "slurm" for the job's end time
+    # (SLURM_JOB_END_TIME). SIGTERM/SIGUSR1 do the same at once.
+    save_before_deadline: Optional[str] = None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -109,10 +109,26 @@ def _check_trainer(cfg: MegappoConfig, errors: list[str]) -> None:
           "includes wandb but the wandb package is not installed", "pip install wandb, or drop it from the list")
     _need(errors, bool(t.project_name) and bool(t.experiment_name), "trainer.project_name/experiment_name",
           "must not be empty", "name the run")
-    g = t.kl_guard
-    _need(errors, g.max_kl > 0, "trainer.kl_guard.max_kl", f"must be > 0, got {g.max_kl}",
-          "use e.g. 1.0, or trainer.kl_guard.enable=false")
-    _need(errors, g.patience >= 1, "trainer.kl_guard.patience", f"must be >= 1, got {g.patience}", "use e.g. 3")
+    g = t.guard
+    for key in ("kl_threshold", "lr_factor", "kl_coef_factor", "clip_ratio_factor"):
+        _need(errors, getattr(g, key) > 0, f"trainer.guard.{key}", f"must be > 0, got {getattr(g, key)}",
+              f"use the default {getattr(type(g)(), key)}, or trainer.guard.enable=false")
+    _need(errors, g.epoch_kl_stop is None or g.epoch_kl_stop > 0, "trainer.guard.epoch_kl_stop",
+          f"must be > 0 or null, got {g.epoch_kl_stop}", "use e.g. 0.05, or null to run every PPO epoch")
+    _need(errors, g.max_retries >= 0, "trainer.guard.max_retries", f"must be >= 0, got {g.max_retries}",
+          "use e.g. 3 (0: stop at the first tripped step)")
+    if t.save_before_deadline is not None:
+        from megappo.config.deadline import parse_deadline
+
+        try:
+            parse_deadline(t.save_before_deadline, environ={"SLURM_JOB_END_TIME": "0"})
+        except ValueError as e:
+            errors.append(f"trainer.save_before_deadline: {e}")
+    rm = cfg.reward_model
+    _need(errors, 0.0 <= rm.max_failure_fraction <= 1.0, "reward_model.max_failure_fraction",
+          f"must be in [0, 1], got {rm.max_failure_fraction}", "use e.g. 0.5 (1.0: never stop)")
+    _need(errors, rm.max_failure_steps >= 1, "reward_model.max_failure_steps",
+          f"must be >= 1, got {rm.max_failure_steps}", "use e.g. 3")
 
 
 def _check_algorithm(cfg: MegappoConfig, errors: list[str]) -> None:

@@ -5,12 +5,20 @@ Registration only builds argparse parsers (no torch/megatron import); handlers i
 One process handles any model that fits in memory (tp = pp = ep = 1). For larger layouts launch every rank with
 torchrun, e.g. `torchrun --nproc-per-node 4 -m megappo.cli convert hf-to-mcore --hf DIR --out DIR --tp 2 --pp 2`;
 each rank then reads / holds only its shards.
+
+Bad input exits with status 2 and one message naming the file or flag and the fix, checked in this order before
+any rank starts work: flags (--dtype, sizes, layout sizes), paths (an output that is, contains or lies inside an
+input is refused; --force replaces only a directory megappo wrote), whether the layout fits the model (naming
+--tp/--pp/--ep), and only then whether the launch has enough ranks (the torchrun hint). When several ranks run, a
+rank that fails prints its error and ends its process at once, so the ranks waiting for it in a collective fail
+within seconds instead of hanging.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 
 _EPILOG = """\
 multi-rank: torchrun --nproc-per-node N -m megappo.cli convert SUBCOMMAND ... --tp T --pp P --ep E
@@ -20,6 +28,8 @@ examples:
   megappo convert verify --hf Qwen2.5-0.5B --mcore ckpt/qwen-mcore
   megappo convert mcore-to-hf --mcore ckpt/step_100/actor --out export/actor-hf --dtype bf16
 """
+_FORCE_HELP = ("replace an existing --out that megappo wrote, or an empty one, once the new output is complete "
+               "(never an input, nor a directory holding other files)")
 
 
 def _layout_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +65,7 @@ def register(subparsers) -> None:
     h.add_argument("--role", default="actor", choices=["actor", "ref", "critic", "reward"],
                    help="actor/ref: causal LM; critic: causal LM body + fresh value head; reward: sequence-"
                         "classification checkpoint, score.weight -> value head (default actor)")
-    h.add_argument("--force", action="store_true", help="overwrite an existing --out (replaced once complete)")
+    h.add_argument("--force", action="store_true", help=_FORCE_HELP)
     h.add_argument("--bucket-size", default="512MB",
                    help="weights produced and written at a time per rank, e.g. 512MB, 2GB; peak memory is about twice "
                         "this plus the largest tensor (default 512MB)")
@@ -73,7 +83,7 @@ def register(subparsers) -> None:
     m.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     m.add_argument("--dtype", default=None, help="dtype of the written tensors (default: the checkpoint's)")
     m.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
-    m.add_argument("--force", action="store_true", help="overwrite an existing --out (replaced once complete)")
+    m.add_argument("--force", action="store_true", help=_FORCE_HELP)
     m.add_argument("--from-model", action="store_true",
                    help="build and load the megatron model (at --tp/--pp/--ep, torchrun for several ranks) and export "
                         "it through the trainer's weight-sync path, instead of streaming tensors out of the "
@@ -94,13 +104,79 @@ def register(subparsers) -> None:
     v.add_argument("--dtype", default="float32", help="compute dtype of both models (default float32)")
     v.add_argument("--batch", type=int, default=2, help="sequences in the test batch (default 2)")
     v.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run Python code shipped with the --hf model (its config's auto_map); off by "
+                        "default: only transformers' own model classes load")
     _layout_args(v)
     v.set_defaults(func=_verify)
+
+
+_FLAGS = {
+    "convert.tensor_model_parallel_size": "--tp", "convert.pipeline_model_parallel_size": "--pp",
+    "convert.virtual_pipeline_model_parallel_size": "--vpp", "convert.expert_model_parallel_size": "--ep",
+    "convert.context_parallel_size": "context parallelism (not used by conversion)",
+    "trainer.nnodes * trainer.n_gpus_per_node": "torchrun's --nnodes x --nproc-per-node",
+}
 
 
 def _needed_world(args) -> int:
     etp = args.etp or args.tp
     return args.tp * args.pp * max(1, -(-args.ep * etp // args.tp))
+
+
+def _check_args(args) -> None:
+    """Flags that need no file: dtype names, sizes, layout sizes, verify's numbers; then the paths."""
+    from megappo.convert.hf_io import check_output_dir
+    from megappo.convert.mapping import ConversionError
+    from megappo.convert.mcore_to_hf import parse_size
+    from megappo.platform import parse_dtype
+
+    if getattr(args, "dtype", None) is not None:
+        try:
+            parse_dtype(args.dtype)
+        except ValueError as e:
+            raise ConversionError(f"--dtype {args.dtype!r}: {e}") from None
+    for flag in ("bucket_size", "max_shard_size"):
+        if getattr(args, flag, None) is not None:
+            parse_size(getattr(args, flag), "--" + flag.replace("_", "-"))
+    for flag in ("tp", "pp", "ep", "etp", "vpp", "batch", "seq_len"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ConversionError(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+    if getattr(args, "atol", 0.0) < 0:
+        raise ConversionError(f"--atol {args.atol}: must be >= 0")
+    if args.convert_command == "hf-to-mcore":
+        check_output_dir(args.out, {"--hf": args.hf}, args.force)
+    elif args.convert_command == "mcore-to-hf":
+        check_output_dir(args.out, {"--mcore": args.mcore}, args.force)
+    elif args.convert_command == "verify":
+        from megappo.convert.verify import require_local_hf_dir
+
+        require_local_hf_dir(args.hf)
+
+
+def _check_layout_fits(args) -> None:
+    """LayoutError naming --tp/--pp/--ep when the layout cannot hold the model (heads, layers, experts), so that is
+    said before the torchrun hint; a missing input is left to the conversion, which names it."""
+    from megappo.convert.hf_io import read_json_object
+    from megappo.convert.mapping import model_spec_from_hf_config
+    from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
+
+    src = args.hf if args.convert_command == "hf-to-mcore" else args.mcore
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.isfile(cfg_path):
+        return
+    spec = model_spec_from_hf_config(read_json_object(cfg_path, "the model's Hugging Face config.json"), cfg_path)
+    world = max(_needed_world(args), int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        check_layout(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp), world,
+                     num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                     num_layers=spec.num_layers, num_experts=spec.num_experts, prefix="convert")
+    except LayoutError as e:
+        msg = str(e)
+        for key, flag in _FLAGS.items():
+            msg = msg.replace(key, flag)
+        raise LayoutError(f"{msg} ({cfg_path})") from None
 
 
 def _prelude(args) -> None:
@@ -118,19 +194,80 @@ def _prelude(args) -> None:
         torch.set_num_threads(int(os.environ.get("MEGAPPO_CPU_THREADS", "1")))
 
 
+def _lost_peer(e: BaseException) -> bool:
+    """Whether `e` says a collective failed because another rank went away (gloo/NCCL connection errors)."""
+    import torch.distributed as dist
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, getattr(dist, "DistBackendError", ())) or any(
+                s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "NCCL communicator was aborted")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _run(fn, args) -> int:
+    """Check the inputs, run `fn(args)`; a known error exits 2 with its message (no traceback).
+
+    Several ranks (WORLD_SIZE > 1): a failing rank prints its error and leaves with os._exit, skipping every
+    collective (teardown included) that would wait for ranks that are still working or failed too; its closed
+    connections then fail the collectives the other ranks wait in, and they leave the same way.
+    """
     from megappo.convert.mapping import ConversionError
     from megappo.models.checkpoint import CheckpointError
     from megappo.models.hf_config import UnsupportedModelError
     from megappo.platform.layout import LayoutError
 
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
-        return fn(args)
+        _check_args(args)
+        _check_layout_fits(args)
+        _prelude(args)
+        rc = fn(args)
     except (ConversionError, CheckpointError, UnsupportedModelError, LayoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
+        return _fail(f"error: {e}", 2, multi)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if multi and _lost_peer(e):
+            return _fail(f"error: another rank stopped while this one waited for it ({str(e).splitlines()[0][:200]}); "
+                         f"that rank's error says why", 1, multi)
+        if multi:
+            traceback.print_exc()
+            return _fail(f"error: {type(e).__name__}: {e}", 1, multi)
         _teardown()
+        raise
+    _teardown()
+    return rc
+
+
+def _fail(message: str, code: int, multi: bool) -> int:
+    if multi:
+        message = f"[rank {os.environ.get('RANK', '?')}] {message}"
+    print(message, file=sys.stderr, flush=True)
+    if multi:
+        sys.stdout.flush()
+        _end_children()
+        os._exit(code)
+    _teardown()
+    return code
+
+
+def _end_children() -> None:
+    """Kill this process's own helpers (dist_checkpointing's writer workers, multiprocessing's resource tracker):
+    os._exit leaves them running, holding the launcher's pipes open and the rank alive to it."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=5)
 
 
 def _teardown() -> None:
@@ -143,31 +280,34 @@ def _teardown() -> None:
 
 
 def _hf_to_mcore(args) -> int:
-    _prelude(args)
-    from megappo.convert.hf_to_mcore import hf_to_mcore
-    from megappo.convert.mcore_to_hf import parse_size
+    def go(a) -> int:
+        from megappo.convert.hf_to_mcore import hf_to_mcore
+        from megappo.convert.mcore_to_hf import parse_size
 
-    return _run(lambda a: (hf_to_mcore(a.hf, a.out, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, dtype=a.dtype,
-                                       role=a.role, force=a.force,
-                                       bucket_bytes=parse_size(a.bucket_size)), 0)[1], args)
+        hf_to_mcore(a.hf, a.out, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, dtype=a.dtype, role=a.role,
+                    force=a.force, bucket_bytes=parse_size(a.bucket_size, "--bucket-size"))
+        return 0
+
+    return _run(go, args)
 
 
 def _mcore_to_hf(args) -> int:
-    _prelude(args)
-    from megappo.convert.mcore_to_hf import mcore_to_hf, parse_size
+    def go(a) -> int:
+        from megappo.convert.mcore_to_hf import mcore_to_hf, parse_size
 
-    return _run(lambda a: (mcore_to_hf(a.mcore, a.out, dtype=a.dtype, force=a.force, from_model=a.from_model,
-                                       tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp,
-                                       max_shard_bytes=parse_size(a.max_shard_size)), 0)[1], args)
+        mcore_to_hf(a.mcore, a.out, dtype=a.dtype, force=a.force, from_model=a.from_model, tp=a.tp, pp=a.pp, ep=a.ep,
+                    etp=a.etp, max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))
+        return 0
+
+    return _run(go, args)
 
 
 def _verify(args) -> int:
-    _prelude(args)
-    from megappo.convert.verify import verify
-
     def go(a) -> int:
+        from megappo.convert.verify import verify
+
         r = verify(a.hf, a.mcore, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, atol=a.atol, batch=a.batch,
-                   seq_len=a.seq_len, dtype=a.dtype)
+                   seq_len=a.seq_len, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -49,10 +49,11 @@ class DistCheckpointReader:
     """
 
     def __init__(self, path: str):
-        from torch.distributed.checkpoint import FileSystemReader
+        from megappo.models.safe_pickle import safe_filesystem_reader
 
         self.path = path
-        self._reader = FileSystemReader(path)
+        # torch re-reads `.metadata` on every dcp.load: each read goes through the allow-list unpickler
+        self._reader = safe_filesystem_reader(path)
         self.metadata = self._reader.read_metadata()
         self._tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 

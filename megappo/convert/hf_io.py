@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import struct
-import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
@@ -21,6 +21,10 @@ from megappo.convert.mapping import ConversionError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# written into every HF directory megappo exports: with `--force` a conversion replaces only directories holding it
+# (or megatron's megappo_checkpoint.json), never a directory someone else's files live in
+EXPORT_MARKER = "megappo_export.json"
+CHECKPOINT_MARKER = "megappo_checkpoint.json"  # = megappo.models.checkpoint.MARKER_FILE (no megatron import here)
 # Files copied next to a converted checkpoint so that a run (or transformers/SGLang) can start from it.
 SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -83,13 +87,10 @@ class HFCheckpoint:
             raise ConversionError(f"{path}: no such directory; pass a Hugging Face model directory")
         if not os.path.exists(cfg_path):
             raise ConversionError(f"{cfg_path}: missing; a Hugging Face model directory needs its config.json")
-        with open(cfg_path) as f:
-            config = json.load(f)
-        ckpt = cls(path=path, config=config)
+        ckpt = cls(path=path, config=read_json_object(cfg_path, "the model's config.json"))
         index = os.path.join(path, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            weight_map = _weight_map(index)
             shard_files = sorted(set(weight_map.values()))
         elif os.path.exists(os.path.join(path, SINGLE_FILE)):
             weight_map, shard_files = {}, [SINGLE_FILE]
@@ -144,6 +145,122 @@ class HFCheckpoint:
         """Nothing stays open between reads; kept so callers can release a checkpoint explicitly."""
 
 
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in `path`; ConversionError naming the file (and `what` it should be) when it is unreadable,
+    not JSON, or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON ({e}); it should be {what}: restore it from the original "
+                              f"model (re-download or re-export)") from None
+    except OSError as e:
+        raise ConversionError(f"{path}: cannot be read ({e.strerror}); it should be {what}") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(value).__name__}, not an object; it should be {what}: "
+                              f"restore it from the original model")
+    return value
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    weight_map = read_json_object(index, "a safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConversionError(
+            f"{index}: has no \"weight_map\" object (tensor name -> shard file); restore the index from the original "
+            f"model, or delete it when the directory holds a single {SINGLE_FILE}"
+        )
+    return weight_map
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(path))
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path != parent and os.path.commonpath([path, parent]) == parent
+
+
+def check_output_dir(out: str, inputs: dict[str, str], force: bool, out_flag: str = "--out") -> str:
+    """Refuse an output that would destroy an input or someone else's files; return its absolute path.
+
+    inputs: {flag: path} of what the conversion reads. Refused (ConversionError): an output that is, contains or
+    lies inside an input (symlinks resolved); an existing output without `force`; with `force`, an existing output
+    that megappo did not write (no `megappo_checkpoint.json` / `megappo_export.json`), unless it is empty.
+    """
+    real_out = _real(out)
+    for flag, path in inputs.items():
+        real_in = _real(path)
+        if real_out == real_in:
+            how = "is"
+        elif _inside(real_in, real_out):
+            how = "contains"
+        elif _inside(real_out, real_in):
+            how = "lies inside"
+        else:
+            continue
+        raise ConversionError(
+            f"{out_flag} {out} {how} the input {flag} {path} ({real_in}); writing there would "
+            f"{'destroy' if how != 'lies inside' else 'write into'} the input: choose an {out_flag} outside it"
+        )
+    if not os.path.lexists(out):
+        return os.path.abspath(out)
+    if not force:
+        raise ConversionError(f"{os.path.abspath(out)}: already exists; pass --force to overwrite it (only a "
+                              f"directory megappo wrote, or an empty one, is overwritten)")
+    if not os.path.isdir(out) or os.path.islink(out):
+        raise ConversionError(f"{os.path.abspath(out)}: exists and is not a directory; --force replaces only a "
+                              f"directory megappo wrote: remove it yourself or choose another {out_flag}")
+    if os.listdir(out) and not any(os.path.isfile(os.path.join(out, m)) for m in (CHECKPOINT_MARKER, EXPORT_MARKER)):
+        raise ConversionError(
+            f"{os.path.abspath(out)}: exists and was not written by megappo (it holds neither {CHECKPOINT_MARKER} nor "
+            f"{EXPORT_MARKER}); --force replaces only megappo's outputs and empty directories, so nothing was "
+            f"deleted: remove it yourself or choose another {out_flag}"
+        )
+    return os.path.abspath(out)
+
+
+def unique_staging_dir(out: str) -> str:
+    """`<out>.tmp-<random>`: next to `out` (one rename publishes it), never shared by two conversions."""
+    return f"{os.path.abspath(out)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+# what torch's zip writer (torch.save inside torch.distributed.checkpoint) raises instead of the OSError underneath
+_TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "file write failed")
+
+
+def write_error(e: BaseException, out: str) -> Optional[ConversionError]:
+    """A ConversionError naming the file and the fix when `e` is (or wraps, as torch's checkpoint writer does) an
+    OSError: writing `out` (or its staging folder), or reading another file; None otherwise."""
+    if isinstance(e, ConversionError):
+        return None  # already says what failed
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            where = f" ({x.filename})" if x.filename else ""
+            if x.filename and not os.path.abspath(str(x.filename)).startswith(os.path.abspath(out)):
+                return ConversionError(f"{x.filename}: {x.strerror or x}; check that it is readable (nothing was "
+                                       f"published to {out})")
+            return ConversionError(
+                f"writing {out} failed: {x.strerror or x}{where}; nothing was published (the partial output was "
+                f"removed): free space on its filesystem, check it is writable, or choose another --out"
+            )
+        if isinstance(x, RuntimeError) and any(m in str(x) for m in _TORCH_WRITE_FAILURES):
+            return ConversionError(
+                f"writing {out} failed: torch's file writer stopped ({str(x).strip().splitlines()[0][:160]}); nothing "
+                f"was published (the partial output was removed): free space on its filesystem, check its file-size "
+                f"limit (ulimit -f) and that it is writable, or choose another --out"
+            )
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):  # rank -> (exception, traceback summary)
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, None if x.__suppress_context__ else x.__context__]
+    return None
+
+
 def copy_side_files(src: str, dst: str, config: Optional[dict] = None) -> list[str]:
     """Copy config/tokenizer/generation-config files from `src` to `dst`; `config` replaces config.json."""
     copied = []
@@ -167,7 +284,7 @@ class StagingDir:
         self.out = os.path.abspath(out)
         if os.path.exists(self.out) and not force:
             raise ConversionError(f"{self.out}: already exists; pass --force to overwrite it")
-        self.tmp = f"{self.out}.tmp-{os.getpid()}-{int(time.time())}"
+        self.tmp = unique_staging_dir(self.out)
 
     def __enter__(self) -> str:
         os.makedirs(os.path.dirname(self.out) or ".", exist_ok=True)
@@ -178,7 +295,11 @@ class StagingDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        replace_dir(self.tmp, self.out)
+        try:
+            replace_dir(self.tmp, self.out)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
 
 def replace_dir(src: str, dst: str) -> None:

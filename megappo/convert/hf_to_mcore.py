@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megappo.convert.hf_io import HFCheckpoint, copy_side_files, replace_dir
+from megappo.convert.hf_io import (
+    HFCheckpoint, check_output_dir, copy_side_files, replace_dir, unique_staging_dir, write_error,
+)
 from megappo.convert.mapping import (
     VALUE_HEAD, ConversionError, ModelSpec, ParamMap, canonical_name, expected_hf_shapes, model_spec_from_hf_config,
     param_maps, shard_from_hf,
@@ -188,6 +190,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     from megappo.platform import detect_platform
 
     t0 = time.time()
+    out = check_output_dir(out_dir, {"--hf": hf_dir}, force)  # before anything is read or built
     ckpt = HFCheckpoint.open(hf_dir)  # validates config, index and every shard before any rank builds anything
     spec = model_spec_from_hf_config(ckpt.config, os.path.join(hf_dir, "config.json"))
     if role == "reward" and "score.weight" not in ckpt.files:
@@ -198,9 +201,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
                        num_key_value_heads=spec.num_kv_heads, num_layers=spec.num_layers,
                        num_experts=spec.num_experts or None)
     rank0 = ps.rank == 0
-    out = os.path.abspath(out_dir)
-    if os.path.exists(out) and not force:
-        raise ConversionError(f"{out}: already exists; pass --force to overwrite it")
+    multi = dist.get_world_size() > 1
     # Built on the meta device: no weight exists until its bucket is written (see stream_save); megatron's random
     # init is skipped. The critic's fresh value head is real (ValueHead initialises it on the CPU).
     with torch.device("meta"):
@@ -226,13 +227,16 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
 
         bar = tqdm(total=len(by_id), desc="hf-to-mcore", unit=" tensors")
     t_save = time.time()
-    # save_streamed writes into an empty folder; the side files join it before one rename publishes `out`.
-    tmp = f"{out}.tmp-convert"
+    # save_streamed writes into an empty folder; the side files join it before one rename publishes `out`. The
+    # folder's name is rank 0's, unique to this run: concurrent conversions never share one.
+    tmp = [unique_staging_dir(out)]
+    if multi:
+        dist.broadcast_object_list(tmp, src=0)
+    tmp = tmp[0]
     try:
         if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        if dist.get_world_size() > 1:
+        if multi:
             dist.barrier()
         stats = save_streamed(model_sharded_state_dict(chunks), tmp, materialise, bucket_bytes=bucket_bytes,
                               content_metadata={"megappo_format": FORMAT_VERSION},
@@ -248,11 +252,17 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump(meta, f, indent=2)
             replace_dir(tmp, out)
-    finally:
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        if rank0 and os.path.exists(tmp):
+        if multi:
+            dist.barrier()  # no rank returns before `out` is published
+    except BaseException as e:  # torch's CheckpointException is no Exception; Ctrl-C cleans up too
+        # No barrier on this path: the other ranks may have failed too, or wait in a collective this rank left; the
+        # command line ends every rank (see cli._run). Rank 0 owns the staging folder and removes it.
+        if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
+        err = write_error(e, out) if not isinstance(e, KeyboardInterrupt) else None
+        if err is not None:
+            raise err from e
+        raise
     ckpt.close()
     total = torch.tensor([stats["bytes"]], dtype=torch.float64, device=platform.device)  # NCCL: on the GPU
     if dist.get_world_size() > 1:

@@ -12,6 +12,7 @@ that is renamed to the output when complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Optional
@@ -19,7 +20,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megappo.convert.hf_io import ShardedSafetensorsWriter, StagingDir, copy_side_files
+from megappo.convert.hf_io import (
+    EXPORT_MARKER, ShardedSafetensorsWriter, StagingDir, check_output_dir, copy_side_files, read_json_object,
+    write_error,
+)
 from megappo.convert.mapping import ConversionError
 
 SEQ_CLS_ARCH = {
@@ -44,15 +48,21 @@ def output_config(config: dict, role: str, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '1.5GiB', '1024' -> bytes."""
-    t = text.strip().upper()
+def parse_size(text: str, flag: str = "size") -> int:
+    """'5GB', '500MB', '1.5GiB', '1024' -> bytes; ConversionError naming `flag` for anything else (or <= 0)."""
+    t = str(text).strip().upper()
     units = [("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3),
              ("B", 1)]
-    for suffix, mult in units:
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(float(t))
+    mult = next((m for suffix, m in units if t.endswith(suffix)), 1)
+    number = next((t[: -len(suffix)] for suffix, _ in units if t.endswith(suffix)), t)
+    try:
+        value = float(number) * mult
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 1:
+        raise ConversionError(f"{flag} {text!r}: not a positive size; give a number of bytes with an optional unit, "
+                              f"e.g. 512MB, 2GB, 1.5GiB")
+    return int(value)
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, force: bool = False,
@@ -72,17 +82,15 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, fo
     from megappo.platform import parse_dtype
 
     t0 = time.time()
-    info = verify_checkpoint(mcore_dir)  # names a missing or truncated file before anything is read
+    check_output_dir(out_dir, {"--mcore": mcore_dir}, force)  # before any loading; StagingDir checks again
+    info = verify_checkpoint(mcore_dir)  # names a missing or truncated file (or foreign code) before any read
     cfg_path = os.path.join(mcore_dir, "config.json")
     if not os.path.exists(cfg_path):
         raise ConversionError(f"{cfg_path}: missing; megappo writes the HF config next to the checkpoint "
                               f"(convert hf-to-mcore does); copy the model's config.json there")
-    with open(cfg_path) as f:
-        hf_config = json.load(f)
+    hf_config = read_json_object(cfg_path, "the model's Hugging Face config.json")
     role = info.get("role") or "actor"
     spec = model_spec_from_hf_config(hf_config, cfg_path)
-    if os.path.exists(out_dir) and not force:  # before any loading; StagingDir checks again when it starts
-        raise ConversionError(f"{os.path.abspath(out_dir)}: already exists; pass --force to overwrite it")
     saved = checkpoint_dtype(mcore_dir) or torch.float32
     out_dtype = parse_dtype(dtype) if dtype else saved
     if from_model:
@@ -124,8 +132,10 @@ def _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, 
 def write_hf_dir(items, side_files_from: str, out_dir: str, rank0: bool, force: bool, max_shard_bytes: int,
                  progress: bool, config: dict) -> dict[str, Any]:
     """Rank 0 streams `items` ((HF name, tensor) pairs) into a staging directory renamed to `out_dir` when complete,
-    with `config` as config.json and the tokenizer/generation files of `side_files_from`; other ranks only drive the
-    (collective) iterator. Also the trainer's final export of the actor."""
+    with `config` as config.json, the tokenizer/generation files of `side_files_from` and megappo's `EXPORT_MARKER`
+    (which lets a later `--force` replace it); other ranks only drive the (collective) iterator. Also the trainer's
+    final export of the actor. A write error (disk full, ...) raises ConversionError naming `out_dir`, and leaves
+    no staging directory behind."""
     if not rank0:
         for _ in items:
             pass
@@ -136,18 +146,27 @@ def write_hf_dir(items, side_files_from: str, out_dir: str, rank0: bool, force: 
         from tqdm import tqdm
 
         bar = tqdm(desc="mcore-to-hf", unit=" tensors")
-    with StagingDir(out_dir, force=force) as tmp:
-        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
-        try:
-            for name, tensor in items:
-                writer.add(name, tensor)
+    try:
+        with StagingDir(out_dir, force=force) as tmp:
+            writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+            try:
+                for name, tensor in items:
+                    writer.add(name, tensor)
+                    if bar is not None:
+                        bar.update(1)
+                writer.close()
+            finally:
+                writer.abort()
                 if bar is not None:
-                    bar.update(1)
-            writer.close()
-        finally:
-            writer.abort()
-            if bar is not None:
-                bar.close()
-        copy_side_files(side_files_from, tmp, config=config)
+                    bar.close()
+            copy_side_files(side_files_from, tmp, config=config)
+            with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+                json.dump({"written_by": "megappo", "source": os.path.abspath(side_files_from),
+                           "written_at": time.time()}, f, indent=1)
+    except BaseException as e:  # torch's CheckpointException is no Exception
+        err = write_error(e, os.path.abspath(out_dir)) if not isinstance(e, KeyboardInterrupt) else None
+        if err is not None:
+            raise err from e
+        raise
     return dict(out=os.path.abspath(out_dir), tensors=writer.num_tensors, bytes=writer.total_bytes,
                 seconds=time.time() - t0)

@@ -198,12 +198,13 @@ def merge_bucket_checkpoints(directory: str, bucket_dirs: list[str]) -> None:
     Data files move up under a bucket prefix; `.metadata` entries are re-pointed and their chunks concatenated;
     megatron's `metadata.json` and `common.pt` come from the first bucket (the only one with common state).
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megappo.models.safe_pickle import load_dcp_metadata
 
     merged = None
     for k, sub in enumerate(bucket_dirs):
-        md = FileSystemReader(sub).read_metadata()
+        md = load_dcp_metadata(os.path.join(sub, ".metadata"))
         prefix = f"b{k:05d}"
         for name in os.listdir(sub):
             if name.endswith(".distcp"):

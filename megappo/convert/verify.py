@@ -7,7 +7,6 @@ float32 by default so the comparison measures the conversion, not the storage pr
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -86,25 +85,52 @@ def mcore_forward(model_chunks: list[nn.Module], parallel_state: ParallelState, 
     return out.cpu()
 
 
+def require_local_hf_dir(hf_dir: str, flag: str = "--hf") -> None:
+    """ConversionError unless `hf_dir` is a local directory with a config.json: verify never downloads (a hub id
+    would make transformers fetch and possibly run code from the network)."""
+    from megappo.convert.mapping import ConversionError
+
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(
+            f"{flag} {hf_dir}: no such local directory; verify reads a local Hugging Face model directory and never "
+            f"downloads. For a hub model, download it first (e.g. `huggingface-cli download {hf_dir} --local-dir "
+            f"DIR`) and pass {flag} DIR"
+        )
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ConversionError(f"{flag} {hf_dir}: has no config.json; pass a Hugging Face model directory")
+
+
 @torch.no_grad()
-def hf_forward(hf_dir: str, input_ids: torch.Tensor, value: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """HF logits [B, T, V] (causal LM) or per-token values [B, T] (`score` over the last hidden states)."""
+def hf_forward(hf_dir: str, input_ids: torch.Tensor, value: bool, dtype: torch.dtype = torch.float32, *,
+               trust_remote_code: bool = False) -> torch.Tensor:
+    """HF logits [B, T, V] (causal LM) or per-token values [B, T] (`score` over the last hidden states).
+
+    Local files only; code shipped with the model (config `auto_map`) runs only with trust_remote_code=True."""
     import transformers
 
+    from megappo.convert.mapping import ConversionError
+
+    require_local_hf_dir(hf_dir)
+    kw = dict(dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=True)
+    auto = transformers.AutoModelForSequenceClassification if value else transformers.AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(hf_dir, **kw)
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ConversionError(f"--hf {hf_dir}: its config.json asks to run Python shipped with the model (auto_map); "
+                              f"pass --trust-remote-code if you trust that code") from e
+    model.eval()
     if value:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=dtype)
-        model.eval()
         hidden = model.model(input_ids=input_ids).last_hidden_state
         return model.score(hidden).squeeze(-1).float()
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    model.eval()
     return model(input_ids=input_ids).logits.float()
 
 
 def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
            vpp: Optional[int] = None, atol: float = DEFAULT_ATOL, batch: int = 2, seq_len: int = 16,
-           dtype: str = "float32", seed: int = 0) -> dict[str, Any]:
-    """Build the megatron model at the given layout from `mcore_dir` and compare with `hf_dir`.
+           dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Build the megatron model at the given layout from `mcore_dir` and compare with `hf_dir` (a local directory).
 
     Collective (every rank of the launch). Returns {max_abs_diff, atol, ok, shape}; rank 0 ran the HF model.
     """
@@ -114,10 +140,12 @@ def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform, parse_dtype
 
+    from megappo.convert.hf_io import read_json_object
+
+    require_local_hf_dir(hf_dir)
     info = verify_checkpoint(mcore_dir)
     role = info.get("role") or "actor"
-    with open(os.path.join(mcore_dir, "config.json")) as f:
-        mcfg = json.load(f)
+    mcfg = read_json_object(os.path.join(mcore_dir, "config.json"), "the model's Hugging Face config.json")
     platform = detect_platform(dtype=dtype)
     layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
     ps = init_parallel(layout, platform)
@@ -129,7 +157,7 @@ def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1
     result: dict[str, Any] = dict(atol=atol, shape=tuple(ours.shape), role=role)
     diff = torch.zeros(1, device=platform.device)  # broadcast below: on the GPU for NCCL
     if ps.rank == 0:
-        theirs = hf_forward(hf_dir, ids, is_value, parse_dtype(dtype))
+        theirs = hf_forward(hf_dir, ids, is_value, parse_dtype(dtype), trust_remote_code=trust_remote_code)
         if theirs.shape != ours.shape:
             raise RuntimeError(f"output shapes differ: HF {tuple(theirs.shape)} vs megatron {tuple(ours.shape)}")
         diff = (theirs - ours).abs().max().reshape(1).to(platform.device)

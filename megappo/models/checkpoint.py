@@ -4,7 +4,8 @@ Layout-independent: every tensor is saved under its global name and shape, so a 
 at TP1 (or any layout whose padded vocabulary agrees). Atomic: all ranks write into `<dir>.tmp-<id>`; after a
 barrier rank 0 writes `megappo_checkpoint.json` and renames the folder to `<dir>`, so `<dir>` either holds a
 complete checkpoint or does not exist. Before loading, every file the torch_dist metadata references is checked to
-exist with the recorded size, so a truncated copy fails naming the file.
+exist with the recorded size, so a truncated copy fails naming the file, and every pickle in it is checked against an
+allow-list (`megappo.models.safe_pickle`), so a checkpoint from elsewhere cannot run code when it is loaded.
 
 Layout of the state dict: `{"model": ...}` (or `"model0"`, `"model1"`... one per virtual pipeline chunk), optional
 `"optimizer"`, and plain Python `"scheduler_state"` / `"extra"` saved once by rank 0.
@@ -241,8 +242,11 @@ def model_sharded_state_dict(model_chunks: list[nn.Module], dp_cp_group: Any = N
 
 
 def verify_checkpoint(directory: str) -> dict[str, Any]:
-    """Check `directory` is a complete megappo checkpoint; return its info. Raises CheckpointError naming the
-    missing or truncated file."""
+    """Check `directory` is a complete megappo checkpoint that holds no foreign code; return its info.
+
+    Raises CheckpointError naming the missing or truncated file, or a pickle (`.metadata`, `common.pt`, an object
+    in a `.distcp` file) that references anything but checkpoint metadata, tensors and plain containers: every load
+    goes through here before torch or megatron unpickle those files (see `megappo.models.safe_pickle`)."""
     directory = os.path.abspath(directory)
     if not os.path.isdir(directory):
         parent, name = os.path.dirname(directory), os.path.basename(directory)
@@ -257,27 +261,78 @@ def verify_checkpoint(directory: str) -> dict[str, Any]:
             info = json.load(f)
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{marker} is corrupt ({e})") from e
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{marker} is corrupt (a JSON {type(info).__name__}, not an object)")
     for required in ("metadata.json", ".metadata", "common.pt"):
         if not os.path.isfile(os.path.join(directory, required)):
             raise CheckpointError(f"{os.path.join(directory, required)} is missing: the checkpoint is incomplete")
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        meta = FileSystemReader(directory).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is reported with its path
-        raise CheckpointError(f"{os.path.join(directory, '.metadata')} is unreadable ({e})") from e
+    meta = _read_metadata_safely(directory)
     needed: dict[str, int] = {}
     for storage in (meta.storage_data or {}).values():
         end = storage.offset + storage.length
         needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), end)
     for rel, end in sorted(needed.items()):
         path = os.path.join(directory, rel)
+        if os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+            raise CheckpointError(f"{os.path.join(directory, '.metadata')} points outside the checkpoint ({rel!r}); "
+                                  f"refusing to read it")
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
         size = os.path.getsize(path)
         if size < end:
             raise CheckpointError(f"{path} is truncated: {size} bytes, the metadata needs {end}")
+    _check_pickled_objects(directory, meta)
     return info
+
+
+def _refused(path: str, why: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: refused to load: {why}. megappo unpickles only torch checkpoint metadata, tensors and plain "
+        f"containers, so a file that names other code was not written by megappo/megatron (or was altered); "
+        f"re-create the checkpoint from a trusted source"
+    )
+
+
+def _read_metadata_safely(directory: str) -> Any:
+    """The torch_dist `.metadata` read through the allow-list unpickler, before torch or megatron unpickle it."""
+    from megappo.models.safe_pickle import UnsafePickleError, load_dcp_metadata
+
+    path = os.path.join(directory, ".metadata")
+    try:
+        return load_dcp_metadata(path)
+    except UnsafePickleError as e:
+        raise _refused(path, e) from None
+    except OSError as e:
+        raise CheckpointError(f"{path} is unreadable ({e})") from e
+
+
+def _check_pickled_objects(directory: str, meta: Any) -> None:
+    """`common.pt` and every byte item in the `.distcp` files (ShardedObjects, which torch's load planner reads with
+    `weights_only=False`) must load with torch's weights-only allow-list."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megappo.models.safe_pickle import UnsafePickleError, check_torch_pickle
+
+    common = os.path.join(directory, "common.pt")
+    try:
+        check_torch_pickle(common)
+    except UnsafePickleError as e:
+        raise _refused(common, e) from None
+    byte_keys = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, storage in (meta.storage_data or {}).items():
+        if index.fqn not in byte_keys:
+            continue
+        path = os.path.join(directory, storage.relative_path)
+        if getattr(storage, "transform_descriptors", None):
+            raise _refused(path, ValueError(f"object {index.fqn!r} is stored transformed "
+                                            f"({storage.transform_descriptors}), which megappo never writes"))
+        with open(path, "rb") as f:
+            f.seek(storage.offset)
+            data = f.read(storage.length)
+        try:
+            check_torch_pickle(data)
+        except UnsafePickleError as e:
+            raise _refused(f"{path} (object {index.fqn!r})", e) from None
 
 
 def load_model_checkpoint(

@@ -163,6 +163,22 @@ def read_hf_architecture(
             path = os.fspath(hf_config_or_dir)
             source = os.path.join(path, "config.json") if os.path.isdir(path) else path
     cfg = load_hf_config_dict(hf_config_or_dir)
+    if not isinstance(cfg, Mapping):
+        raise UnsupportedModelError(f"{source}: holds a JSON {type(cfg).__name__}, not an object; restore the "
+                                    f"model's config.json")
+    try:
+        return _architecture(cfg, source)
+    except UnsupportedModelError:
+        raise
+    except KeyError as e:
+        raise UnsupportedModelError(f"{source}: has no {e.args[0]!r}, which a {cfg.get('model_type')!r} config "
+                                    f"needs; restore the model's config.json") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise UnsupportedModelError(f"{source}: a field has an unusable value ({type(e).__name__}: {e}); restore "
+                                    f"the model's config.json") from None
+
+
+def _architecture(cfg: Mapping[str, Any], source: str) -> HFArchitecture:
     family = cfg.get("model_type", "")
     if family not in SUPPORTED_FAMILIES:
         archs = cfg.get("architectures") or ["?"]

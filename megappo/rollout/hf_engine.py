@@ -35,11 +35,13 @@ class HFEngine:
     """Generate from a HF causal LM in this process; update its weights in place.
 
     model_path: a Hugging Face directory. dtype: the compute dtype (fp32 on CPU). max_num_seqs: sequences per forward
-    batch. seed: the engine's sampling stream (a request's own `seed` overrides it).
+    batch. seed: the engine's sampling stream (a request's own `seed` overrides it). trust_remote_code: let
+    transformers run Python code shipped with the model (config `auto_map`); off, only its own classes load.
     """
 
     def __init__(self, model_path: str, *, dtype: torch.dtype = torch.float32,
-                 device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, seed: int = 0):
+                 device: Union[str, torch.device] = "cpu", max_num_seqs: int = 64, seed: int = 0,
+                 trust_remote_code: bool = False):
         import transformers
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -47,7 +49,8 @@ class HFEngine:
                                     f"directory (megappo convert mcore-to-hf writes one)")
         self.device = torch.device(device)
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_path, **{dtype_kw: dtype})
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code, local_files_only=True, **{dtype_kw: dtype})
         self.model.to(self.device).eval()
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = next(iter(sorted(self.eos_ids)), 0)  # any id: padded positions are masked

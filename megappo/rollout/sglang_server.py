@@ -40,12 +40,15 @@ class SGLangServer:
     """One `python -m sglang.launch_server` process; a context manager that stops it (and its children)."""
 
     def __init__(self, model_path: str, *, python: str = "python", port: Optional[int] = None, cuda: bool = False,
-                 dtype: str = "float32", max_total_tokens: int = 4096, extra_args: Sequence[str] = ()):
+                 dtype: str = "float32", max_total_tokens: int = 4096, extra_args: Sequence[str] = (),
+                 trust_remote_code: bool = False):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [python, "-m", "sglang.launch_server", "--model-path", os.path.abspath(model_path),
                     "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port),
                     "--max-total-tokens", str(max_total_tokens), "--disable-overlap-schedule", *extra_args]
+        if trust_remote_code:  # SGLang runs code shipped with the model only when asked (model.trust_remote_code)
+            self.cmd.append("--trust-remote-code")
         self.env = dict(os.environ)
         if not cuda:
             self.cmd += ["--device", "cpu", "--attention-backend", "torch_native"]

@@ -390,7 +390,7 @@ def _write_tokenizer_and_config(task: SyntheticTask, model_dir: str):
     os.makedirs(model_dir, exist_ok=True)
     tokenizer.save_pretrained(model_dir)
     config.save_pretrained(model_dir)
-    loaded = transformers.AutoTokenizer.from_pretrained(model_dir)
+    loaded = transformers.AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)  # our own files
     prompt = task.prompt(0)
     if loaded.eos_token_id != tokenizer.eos_token_id or loaded(prompt)["input_ids"] != tokenizer(prompt)["input_ids"]:
         raise RuntimeError(f"the synthetic task's tokenizer does not survive a save and load with transformers "

@@ -19,6 +19,7 @@ from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
 from megappo.platform.layout import ParallelLayout
 from megappo.trainer import checkpointing, settings
+from megappo.trainer.guard import KLGuard
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.phases import Run
 from megappo.trainer.preflight import preflight
@@ -36,6 +37,7 @@ class TrainState:
     val_loader: Optional[Any]
     logger: MetricsLogger
     local_dir: str
+    resumed: bool = False  # started from a checkpoint (of this or an earlier process)
 
     def batches(self) -> Iterator[Any]:
         """The training batches from the saved position on, epoch after epoch."""
@@ -44,7 +46,7 @@ class TrainState:
 
     def state_dict(self, run: Run) -> dict:
         return {"dataloader": self.loader.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
-                "weight_version": run.rollout.weight_version}
+                "guard": run.guard.state_dict(), "weight_version": run.rollout.weight_version}
 
 
 def _threads_per_rank() -> None:
@@ -133,7 +135,10 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                                                 horizon=kl.horizon),
               batching=settings.batching(cfg), sampling=settings.sampling(cfg),
               actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
-              critic_loss=critic_loss_fn(settings.critic_loss(cfg)))
+              critic_loss=critic_loss_fn(settings.critic_loss(cfg)),
+              guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
+    run.guard.remember_base(run)
+    run.guard.apply(run)
     state = TrainState(0, total, loader, val_loader, None, local_dir)  # type: ignore[arg-type]
     try:
         _resume(run, state)
@@ -141,7 +146,8 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
             print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
                   file=sys.stderr, flush=True)
         state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
-                                     start_step=state.step, run_name=(t.project_name, t.experiment_name))
+                                     start_step=state.step, resumed=state.resumed,
+                                     run_name=(t.project_name, t.experiment_name))
     except BaseException:
         teardown(run, state)  # the engine (an SGLang server) and reward workers are already running
         raise
@@ -149,17 +155,47 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
 
 
 def _resume(run: Run, state: TrainState) -> None:
-    """Continue from the checkpoint `trainer.resume_mode` picks, if any."""
+    """Continue from the checkpoint `trainer.resume_mode` picks, if any, after removing unfinished saves."""
     t = run.cfg.trainer
+    if dist.get_rank() == 0:
+        checkpointing.remove_stale(state.local_dir)
+    dist.barrier()
     resume = checkpointing.find_resume_dir(state.local_dir, t.resume_mode, t.resume_from_path)
-    if resume is None:
-        return
-    saved = checkpointing.load(run, resume)
+    if resume is not None:
+        restore(run, state, resume)
+        state.resumed = True
+
+
+def restore(run: Run, state: TrainState, directory: str, *, rollback: bool = False) -> None:
+    """Return the run to a checkpoint: weights, optimizers, schedulers, RNG, data position, KL controller and the
+    rollout engine's weights. A resume also takes the guard's state from it; a rollback keeps the guard's newer
+    scales (that is the point of rolling back)."""
+    saved = checkpointing.load(run, directory)
     state.step = int(saved["step"])
     state.loader.load_state_dict(saved["dataloader"])
     run.kl_ctrl.load_state_dict(saved["kl_ctrl"])
-    run.rollout.weight_version = int(saved.get("weight_version", 0))
-    run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)  # generate with the resumed weights
+    saved_guard = saved.get("guard") or {}
+    if not rollback:
+        run.guard.load_state_dict(saved_guard)
+    run.guard.apply(run, scale_of_restored_kl=float(saved_guard.get("kl_scale", 1.0)))
+    # the engine gets the restored weights under their own version number (not a new one), so a resumed run's
+    # rollout/weight_version is the uninterrupted run's
+    run.rollout.weight_version = int(saved.get("weight_version", 0)) - 1
+    run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)
+
+
+def rollback(run: Run, state: TrainState, step: int, reason: str) -> None:
+    """Undo a step the guard refused: back to the last good checkpoint, with the guard's scales one notch further
+    (or RunStopped when the retries are used up). Collective."""
+    last = checkpointing.latest_step(state.local_dir)
+    last_dir = checkpointing.step_dir(state.local_dir, last) if last is not None else None
+    run.guard.plan_rollback(step, reason, last_dir)
+    s = run.guard.state
+    if dist.get_rank() == 0:
+        print(f"megappo train: the KL guard rolled step {step} back to {last_dir} ({reason}); retry "
+              f"{s.retries}/{run.guard.cfg.max_retries} with lr x{s.lr_scale:.3g}, kl_coef x{s.kl_scale:.3g}, "
+              f"clip_ratio x{s.clip_scale:.3g}", file=sys.stderr, flush=True)
+    restore(run, state, last_dir, rollback=True)
 
 
 def teardown(run: Optional[Run], state: Optional[TrainState]) -> None:

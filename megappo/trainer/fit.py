@@ -6,34 +6,65 @@ from dataclasses import replace
 
 from megappo.config.schema import MegappoConfig
 from megappo.trainer import checkpointing, phases
-from megappo.trainer.build import setup, teardown
+from megappo.trainer.build import rollback, setup, teardown
+from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
 from megappo.trainer.phases import Run
+from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest, write_status
 from megappo.trainer.rollout import step_seed
 
 
 def fit(cfg: MegappoConfig) -> int:
-    run = state = None
+    """Train; returns 0 when done, EXIT_REQUEUE when stopped by a signal or the deadline (after saving).
+    Raises RunStopped when the KL guard or the reward watch ends the run."""
+    run = state = stop = None
     try:
         run, state = setup(cfg)
         t = run.cfg.trainer
+        stop = StopRequest(t.save_before_deadline)
+        stop.install()  # after setup: ray.init and server launchers install handlers of their own
         # validation scores with the rule rewards (scored on rank 0, but every rank takes part)
         validates = state.val_loader is not None and not run.cfg.reward_model.enable
-        if state.step == 0 and t.val_before_train and validates:
+        if not state.resumed and t.val_before_train and validates:
             state.logger.log(0, phases.validate(run, state.val_loader))
+        if not state.resumed and run.guard.cfg.enable and t.save_freq > 0:
+            checkpointing.save(run, state.local_dir, 0, state.state_dict(run), None)  # what a rollback returns to
         batches = state.batches()
-        for step in range(state.step + 1, state.total_steps + 1):
-            metrics = train_step(run, next(batches), step)
+        while state.step < state.total_steps:
+            step = state.step + 1
+            timer = Timer()
+            with timer("step"):
+                metrics = train_step(run, next(batches), step)
+            if reason := phases.guard_verdict(run, metrics, step):
+                state.logger.log(step, {**metrics, "guard/rolled_back": 1.0})
+                rollback(run, state, step, reason)
+                batches = state.batches()
+                continue
             last = step == state.total_steps
             if validates and t.test_freq > 0 and (step % t.test_freq == 0 or last):
                 metrics.update(phases.validate(run, state.val_loader))
             state.step = step
-            if t.save_freq > 0 and (step % t.save_freq == 0 or last):
-                checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
-            state.logger.log(step, metrics)
+            state.logger.log(step, metrics)  # before the save: a resumed run keeps the rows up to its checkpoint
+            saved = t.save_freq > 0 and (step % t.save_freq == 0 or last)
+            with timer("save"):
+                if saved:
+                    checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
+            stop.timed(timer.seconds["step"], timer.seconds["save"])
+            if not last and (why := stop.reason()):
+                if not saved:
+                    checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
+                write_status(state.local_dir, "preempted", step, reason=why)
+                return EXIT_REQUEUE
         checkpointing.export_actor(run, os.path.join(state.local_dir, "hf", "actor"))
+        write_status(state.local_dir, "finished", state.step)
         return 0
+    except RunStopped as e:
+        if state is not None:
+            write_status(state.local_dir, "stopped", state.step, reason=str(e))
+        raise
     finally:
+        if stop is not None:
+            stop.uninstall()
         teardown(run, state)  # after a failed setup (run None): the process groups
 
 
@@ -74,4 +105,5 @@ def train_step(run: Run, prompts, step: int) -> dict[str, float]:
     tokens = sum(len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids))
     m["perf/tokens_per_s"] = tokens / max(timer.seconds["step"], 1e-9)
     m.setdefault("kl/coef", run.kl_ctrl.value)
+    m.update(run.guard.metrics())
     return m

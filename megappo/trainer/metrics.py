@@ -38,7 +38,10 @@ class Timer:
 
 class MetricsLogger:
     def __init__(self, out_dir: str, sinks: list[str], total_steps: int, *, enabled: bool, start_step: int = 0,
-                 run_name: tuple[str, str] = ("megappo", "run")):
+                 resumed: bool = False, run_name: tuple[str, str] = ("megappo", "run")):
+        """A resumed run (`resumed`, from the checkpoint of `start_step`) keeps the rows up to that step and drops
+        what the interrupted process logged after it, which this run logs again; a fresh run starts empty. So the
+        files of a run that was killed and resumed hold what an uninterrupted run's hold."""
         self.enabled = enabled
         self.sinks = set(sinks)
         self.jsonl = None
@@ -48,11 +51,15 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(out_dir, "metrics.jsonl")
+        _keep_rows(path, start_step if resumed else None)
+        self.jsonl = open(path, "a", encoding="utf-8")
         if "tensorboard" in self.sinks:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            # purge_step: TensorBoard hides the earlier process's events from this step on
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"),
+                                    purge_step=start_step + 1 if resumed else 0)
         if "wandb" in self.sinks:
             import wandb  # validated to be installed when asked for
 
@@ -97,6 +104,28 @@ class MetricsLogger:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def _keep_rows(path: str, last_step: Optional[int]) -> None:
+    """Rewrite metrics.jsonl (atomically) with only its rows up to `last_step` (None: none)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    if last_step is not None:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a process killed while writing it
+                    continue
+                if row.get("step", 0) <= last_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _json_number(v: float) -> Optional[float]:

@@ -25,6 +25,7 @@ from megappo.trainer import settings
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
 )
+from megappo.trainer.guard import RunStopped
 from megappo.trainer.roles import Roles, on_device
 from megappo.trainer.rollout import RolloutWorker
 
@@ -44,8 +45,10 @@ class Run:
     kl_ctrl: Any  # algos.FixedKLController | AdaptiveKLController
     batching: settings.Batching
     sampling: SamplingParams
-    actor_loss: Any  # LossFn
+    actor_loss: Any  # LossFn (the guard rebuilds it with its scaled clip ratio and KL coefficient)
     critic_loss: Any  # LossFn
+    guard: Any = None  # guard.KLGuard
+    reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -97,8 +100,11 @@ def rollout(run: Run, prompts, params: SamplingParams) -> Samples:
     return run.rollout.generate(prompts, params)
 
 
-def rule_scores(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str, float]]:
-    """Each sample's rule reward, scored once (global rank 0, in the scorer's workers) and sent to every rank."""
+def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Optional[list[float]], dict[str, float]]:
+    """Each sample's rule reward, scored once (global rank 0, in the scorer's workers) and sent to every rank.
+
+    `watch`: count the step against reward_model.max_failure_fraction/max_failure_steps, and stop the run
+    (RunStopped, on every rank) when the reward function keeps failing instead of training on failure_score."""
     payload: list = [None]
     if dist.get_rank() == 0:
         texts = run.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
@@ -108,12 +114,29 @@ def rule_scores(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict
         if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
             print(f"megappo train: the reward function failed on {result.num_failed} of {len(items)} samples "
                   f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
-        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"))]
+        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3])]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
-    scores, metrics = payload[0]
+    scores, metrics, errors = payload[0]
     metrics.pop("reward/score_mean", None)  # reward/mean below is the same number over the step's samples
+    if watch:
+        _watch_reward_failures(run, metrics["reward/num_failed"] / max(len(scores), 1), errors, samples)
     return scores, metrics
+
+
+def _watch_reward_failures(run: Run, fraction: float, errors: list[str], samples: Samples) -> None:
+    rm = run.cfg.reward_model
+    run.reward_failing_steps = run.reward_failing_steps + 1 if fraction > rm.max_failure_fraction else 0
+    if run.reward_failing_steps >= rm.max_failure_steps:
+        crf = run.cfg.custom_reward_function
+        fn = f"{crf.path}:{crf.name}" if crf.path else \
+            f"the built-in reward for data_source {sorted(set(samples.data_sources))}"
+        raise RunStopped(
+            f"the reward function ({fn}) failed on more than reward_model.max_failure_fraction="
+            f"{rm.max_failure_fraction} of the samples for {run.reward_failing_steps} steps in a row (last step: "
+            f"{fraction:.0%}), so the run stopped instead of training on reward_model.failure_score. Errors: "
+            + "; ".join(errors or ["(none reported)"]) + ". Fix the function (or raise reward_model.timeout_s if "
+            "they timed out) and start the same command again to resume")
 
 
 def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -> Experience:
@@ -211,11 +234,14 @@ def advantages(run: Run, exp: Experience) -> None:
 # updates
 # ------------------------------------------------------------------------------------------------------------------
 def _train(run: Run, role, exp: Experience, loss_fn, micro, *, count: int, epochs: int, shuffle: bool, step: int,
-           prefix: str, lm: bool) -> dict[str, float]:
+           prefix: str, lm: bool, kl_stop: Optional[float] = None) -> dict[str, float]:
+    """`epochs` passes of `count` optimizer steps over the experience; with `kl_stop`, the remaining epochs are
+    skipped once an epoch's mean ppo_kl passes it (the metric is identical on every rank, so all stop together)."""
     history: dict[str, list[float]] = defaultdict(list)
-    lr = 0.0
+    lr, skipped = 0.0, 0
     for epoch in range(epochs):
         seed = run.batching.shuffle_seed * 1_000_003 + step * 1009 + epoch
+        epoch_kl = []
         for idx in mini_batches(exp.batch.batch_size, count, shuffle=shuffle, seed=seed):
             m = train_step(role.chunks, role.optimizer, role.scheduler, exp.batch.select(idx), loss_fn,
                            parallel_state=run.ps, micro=micro, calculate_entropy=lm,
@@ -224,9 +250,15 @@ def _train(run: Run, role, exp: Experience, loss_fn, micro, *, count: int, epoch
                 history[f"{prefix}/{k}"].append(v)
             history[f"{prefix}/grad_norm"].append(m.grad_norm)
             history[f"{prefix}/update_skipped"].append(0.0 if m.update_successful else 1.0)
+            epoch_kl.append(m.metrics.get("ppo_kl", 0.0))
             lr = m.lr
+        if kl_stop is not None and epoch + 1 < epochs and sum(epoch_kl) / len(epoch_kl) > kl_stop:
+            skipped = epochs - epoch - 1
+            break
     out = {k: sum(v) / len(v) for k, v in history.items()}
     out[f"{prefix}/lr"] = lr
+    if kl_stop is not None:
+        out["guard/epochs_skipped"] = float(skipped)
     return out
 
 
@@ -253,7 +285,20 @@ def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch
 def update_actor(run: Run, exp: Experience, step: int) -> dict[str, float]:
     b = run.batching
     return _train(run, run.roles.actor, exp, run.actor_loss, b.actor_train, count=b.actor_mini_batches,
-                  epochs=b.actor_epochs, shuffle=b.actor_shuffle, step=step, prefix="actor", lm=True)
+                  epochs=b.actor_epochs, shuffle=b.actor_shuffle, step=step, prefix="actor", lm=True,
+                  kl_stop=run.guard.epoch_kl_stop if run.guard is not None else None)
+
+
+def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[str]:
+    """The KL guard's reason to undo this step (None: keep it), agreed by every rank: the metrics are reduced to
+    the same numbers everywhere, but a rank that disagreed would leave the others in a collective."""
+    reason = run.guard.check(metrics, step)
+    if dist.get_world_size() > 1:
+        flag = torch.tensor([1 if reason else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and reason is None:
+            reason = "another rank's metrics tripped the guard"
+    return reason
 
 
 def sync_weights(run: Run) -> dict[str, float]:
@@ -285,7 +330,7 @@ def validate(run: Run, val_batches) -> dict[str, float]:
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # score sum, length sum, count
     for prompts in val_batches:
         samples = run.rollout.generate(prompts, params)
-        scores, _ = rule_scores(run, samples)
+        scores, _ = rule_scores(run, samples, watch=False)
         for ds, s, r in zip(samples.data_sources, scores, samples.response_ids):
             t = totals[ds]
             t[0], t[1], t[2] = t[0] + s, t[1] + len(r), t[2] + 1

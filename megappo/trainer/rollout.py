@@ -57,7 +57,8 @@ class RolloutWorker:
                 from megappo.rollout import HFEngine
 
                 self.engine = HFEngine(cfg.actor_rollout_ref.model.path, dtype=platform.dtype, device=platform.device,
-                                       max_num_seqs=self.rollout.max_num_seqs, seed=cfg.data.seed)
+                                       max_num_seqs=self.rollout.max_num_seqs, seed=cfg.data.seed,
+                                       trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
         else:
             self._connect_sglang()
         self.weight_version = 0
@@ -91,7 +92,8 @@ class RolloutWorker:
         if unknown:
             raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
                              f"use {known} (pass other launch_server flags as extra_args: [--flag, value])")
-        return {"dtype": dtype, **self.rollout.engine_kwargs}
+        return {"dtype": dtype, "trust_remote_code": self.cfg.actor_rollout_ref.model.trust_remote_code,
+                **self.rollout.engine_kwargs}
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Samples:

@@ -75,8 +75,9 @@ ISSUE_DEFAULTS = {
     "reward_model.timeout_s": 30.0, "reward_model.failure_score": 0.0, "reward_model.ray_address": None,
     "actor_rollout_ref.model.dtype": None, "actor_rollout_ref.model.trust_remote_code": False,
     "actor_rollout_ref.model.enable_gradient_checkpointing": False,
-    "trainer.device": "auto", "trainer.kl_guard.enable": True, "trainer.kl_guard.max_kl": 1.0,
-    "trainer.kl_guard.patience": 3, "trainer.kl_guard.action": "stop",
+    "trainer.device": "auto", "trainer.guard.enable": True, "trainer.guard.kl_threshold": 0.2,
+    "trainer.guard.epoch_kl_stop": None, "trainer.save_before_deadline": None,
+    "reward_model.max_failure_fraction": 0.5, "reward_model.max_failure_steps": 3,
 }
 MEGATRON_DEFAULTS = {
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
@@ -164,10 +165,10 @@ def test_unknown_key_names_the_closest_key_on_cli():
 
 def test_unknown_key_in_recipe_names_file_and_closest_key(tmp_path):
     recipe = tmp_path / "bad.yaml"
-    recipe.write_text("trainer:\n  kl_gaurd:\n    max_kl: 2\n")
+    recipe.write_text("trainer:\n  gaurd:\n    kl_threshold: 2\n")
     msg = errors_of(load_config, str(recipe), [])
-    assert "unknown key 'trainer.kl_gaurd'" in msg and str(recipe) in msg
-    assert "did you mean 'trainer.kl_guard'" in msg
+    assert "unknown key 'trainer.gaurd'" in msg and str(recipe) in msg
+    assert "did you mean 'trainer.guard'" in msg
 
 
 def test_unknown_key_without_close_match_lists_the_valid_ones():

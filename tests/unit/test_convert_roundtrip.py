@@ -142,14 +142,18 @@ def test_bad_inputs_fail_naming_file_and_tensor_and_leave_nothing(hf_model_dir, 
     assert main(["convert", "hf-to-mcore", "--hf", str(d), "--out", str(out)]) == 2
     assert not out.exists() and not _leftovers(tmp_path)
 
-    # an existing output is kept without --force and replaced with it
+    # an existing output is kept without --force; with it, only an empty directory or megappo's own is replaced
     good = hf_model_dir("llama")
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ConversionError, match="already exists; pass --force"):
         hf_to_mcore(good, str(out), progress=False)
     assert (out / "keep.txt").exists()
-    assert main(["convert", "hf-to-mcore", "--hf", good, "--out", str(out), "--force"]) == 0
+    assert main(["convert", "hf-to-mcore", "--hf", good, "--out", str(out), "--force"]) == 2  # not megappo's
+    assert (out / "keep.txt").exists()
+    os.remove(out / "keep.txt")
+    assert main(["convert", "hf-to-mcore", "--hf", good, "--out", str(out), "--force"]) == 0  # empty
+    assert main(["convert", "hf-to-mcore", "--hf", good, "--out", str(out), "--force"]) == 0  # megappo's
     assert not (out / "keep.txt").exists() and (out / "megappo_checkpoint.json").exists()
     # mcore-to-hf: refuses an existing output, and names a truncated dist_checkpoint file
     hf_out = tmp_path / "hf_out"

@@ -1,0 +1,88 @@
+"""Stopping in time: SIGTERM/SIGUSR1 (what Slurm sends before preemption or the time limit) and
+`trainer.save_before_deadline`.
+
+The first signal asks the run to stop after the step in progress: fit then saves a checkpoint, stops its rollout
+servers and reward workers, writes `<default_local_dir>/run_status.json` with `"status": "preempted"`, and exits
+with EXIT_REQUEUE (75, sysexits' EX_TEMPFAIL: "try again later"), which a batch script requeues on. Under torchrun
+the workers' status is reported as torchrun's own failure (1), so launch scripts read run_status.json instead. A
+second signal stops at once (the last checkpoint stays valid: saves are atomic).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megappo.config import ConfigError
+from megappo.config.deadline import parse_deadline
+
+EXIT_REQUEUE = 75
+STATUS_FILE = "run_status.json"
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """Whether the run should save and stop now: a signal arrived, or the deadline is closer than a step and a save."""
+
+    def __init__(self, deadline: Optional[str]):
+        try:
+            self.deadline = parse_deadline(deadline) if deadline else None
+        except ValueError as e:  # "slurm" outside a Slurm job
+            raise ConfigError(f"trainer.save_before_deadline: {e}") from None
+        self.signal: Optional[str] = None
+        self._previous: dict[int, object] = {}
+        self._step_s = 0.0  # the longest step so far
+        self._save_s = 0.0  # the longest save so far
+
+    def install(self) -> None:
+        """Install the handlers; call after anything that installs its own (ray.init, SGLang's launcher)."""
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:  # asked twice: stop now
+            raise SystemExit(128 + signum)
+        self.signal = name
+        print(f"megappo train: {name} received: saving a checkpoint after this step and stopping (send it again "
+              "to stop at once)", file=sys.stderr, flush=True)
+
+    def timed(self, step_s: float = 0.0, save_s: float = 0.0) -> None:
+        self._step_s, self._save_s = max(self._step_s, step_s), max(self._save_s, save_s)
+
+    def reason(self) -> Optional[str]:
+        """Why to stop now, agreed by every rank (collective): a signal reached any rank, or the next step and a
+        save would end past the deadline."""
+        why = 0
+        if self.signal is not None:
+            why = 2
+        elif self.deadline is not None and time.time() + 1.5 * (self._step_s + self._save_s) > self.deadline:
+            why = 1
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([why], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            why = int(t.item())
+        return {0: None, 1: "trainer.save_before_deadline is near", 2: f"{self.signal or 'a signal'} received"}[why]
+
+
+def write_status(local_dir: str, status: str, step: int, **extra) -> None:
+    """`<local_dir>/run_status.json`: how the run ended (finished, preempted, stopped) and at which step; rank 0."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(local_dir, exist_ok=True)
+    path = os.path.join(local_dir, STATUS_FILE)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"status": status, "step": step, "time": time.time(), **extra}, f)
+    os.replace(tmp, path)

@@ -1,0 +1,137 @@
+"""The KL guard and the reward watch in real runs of a tiny model: an injected NaN or KL spike is rolled back and
+the run recovers and finishes; a spike that keeps coming stops the run with its last good checkpoint; the epoch
+early stop skips PPO epochs; a reward function that keeps failing stops the run and is named.
+
+Faults are injected around the real update phase (phases.update_actor): a NaN loss, or a learning rate 10000x the
+configured one for that update."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megappo.config import load_config
+from megappo.testing.prompts import read_metrics, tiny_run_overrides, write_prompt_parquet
+from megappo.trainer import fit, phases
+from megappo.trainer.guard import RunStopped
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, hf_model_dir):
+    d = tmp_path_factory.mktemp("guard_data")
+    return {"model": hf_model_dir("qwen2"), "train": write_prompt_parquet(str(d / "train.parquet"), 32)}
+
+
+def _cfg(data, out, steps, extra=()):
+    return load_config("gsm8k/tiny_cpu", tiny_run_overrides(str(out), data["model"], data["train"], steps=steps,
+                                                            extra=["trainer.save_freq=2", *extra]))
+
+
+def _inject(monkeypatch, fault: str, at_step: int, times: int = 1) -> list[int]:
+    """Make the first `times` actor updates of step `at_step` faulty; returns the steps of all actor updates."""
+    real = phases.update_actor
+    seen: list[int] = []
+
+    def update_actor(run, exp, step):
+        seen.append(step)
+        if step != at_step or seen.count(step) > times:
+            return real(run, exp, step)
+        if fault == "nan":
+            good = run.actor_loss
+
+            def nan_loss(out, ctx):
+                loss, metrics = good(out, ctx)
+                return loss * float("nan"), metrics
+            run.actor_loss = nan_loss
+            try:
+                return real(run, exp, step)
+            finally:
+                run.actor_loss = good
+        groups = run.roles.actor.optimizer.param_groups  # "spike": this update at 10000x the learning rate
+        saved = [(g["max_lr"], g["min_lr"]) for g in groups]
+        for g in groups:
+            g["max_lr"], g["min_lr"] = g["max_lr"] * 10000, g["min_lr"] * 10000
+        run.roles.actor.scheduler.step(0)
+        try:
+            return real(run, exp, step)
+        finally:
+            for g, (hi, lo) in zip(groups, saved):
+                g["max_lr"], g["min_lr"] = hi, lo
+            run.roles.actor.scheduler.step(0)
+
+    monkeypatch.setattr(phases, "update_actor", update_actor)
+    return seen
+
+
+@pytest.mark.parametrize("fault", ["nan", "kl_spike"])
+def test_a_bad_step_is_rolled_back_and_the_run_recovers(data, tmp_path, monkeypatch, fault):
+    seen = _inject(monkeypatch, fault, at_step=3)
+    out = tmp_path / fault
+    assert fit(_cfg(data, out, steps=4)) == 0
+    rows = read_metrics(str(out))
+    # step 3 tripped and was undone: back to the step-2 checkpoint, steps 3 and 4 then ran with the scaled settings
+    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]
+    assert seen == [1, 2, 3, 3, 4]
+    tripped, retried = rows[2], rows[3]
+    assert tripped["guard/rolled_back"] == 1.0 and "guard/rolled_back" not in retried
+    if fault == "nan":
+        assert tripped["actor/update_skipped"] > 0  # the NaN gradient never reached the weights
+    else:
+        assert tripped["actor/ppo_kl"] > 0.2 >= retried["actor/ppo_kl"]
+    assert retried["guard/rollbacks"] == 1.0 and retried["guard/lr_scale"] == 0.5
+    assert retried["actor/lr"] == pytest.approx(0.5 * rows[1]["actor/lr"])
+    assert retried["guard/kl_coef_scale"] == 5.0 and retried["kl/coef"] == pytest.approx(5 * rows[1]["kl/coef"])
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows[3:])
+    state = json.loads((out / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())
+    assert state["guard"]["rollbacks"] == 1 and state["guard"]["clip_scale"] == 0.5  # survives a resume
+
+
+def test_a_spike_that_keeps_coming_stops_the_run_at_its_last_good_checkpoint(data, tmp_path, monkeypatch):
+    seen = _inject(monkeypatch, "nan", at_step=3, times=99)
+    out = tmp_path / "stops"
+    with pytest.raises(RunStopped) as e:
+        fit(_cfg(data, out, steps=4, extra=["trainer.guard.max_retries=2"]))
+    assert seen == [1, 2, 3, 3, 3]  # the first try and two retries
+    msg = str(e.value)
+    assert "after 2 rollbacks" in msg and str(out / "checkpoints" / "global_step_2") in msg
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "stopped" and status["step"] == 2
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def test_without_checkpoints_a_tripped_step_stops_the_run(data, tmp_path, monkeypatch):
+    _inject(monkeypatch, "nan", at_step=1)
+    with pytest.raises(RunStopped, match="no checkpoint to roll back to: set trainer.save_freq"):
+        fit(_cfg(data, tmp_path / "nock", steps=2, extra=["trainer.save_freq=-1"]))
+
+
+def test_guard_off_keeps_training_through_a_nan(data, tmp_path, monkeypatch):
+    _inject(monkeypatch, "nan", at_step=1)
+    out = tmp_path / "off"
+    assert fit(_cfg(data, out, steps=2, extra=["trainer.guard.enable=false"])) == 0
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["actor/update_skipped"] > 0
+
+
+def test_epoch_kl_stop_skips_the_remaining_epochs(data, tmp_path):
+    out = tmp_path / "epochs"
+    assert fit(_cfg(data, out, steps=1, extra=["actor_rollout_ref.actor.ppo_epochs=3",
+                                                "trainer.guard.epoch_kl_stop=1e-12"])) == 0
+    row = read_metrics(str(out))[0]
+    assert row["guard/epochs_skipped"] == 2.0  # the first epoch's second mini-batch is already off-policy
+
+
+def test_a_reward_function_that_keeps_failing_stops_the_run(data, tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    raise ValueError('no answer parser for this format')\n")
+    out = tmp_path / "reward"
+    with pytest.raises(RunStopped) as e:
+        fit(_cfg(data, out, steps=5, extra=[f"custom_reward_function.path={bad}",
+                                            "reward_model.max_failure_steps=2"]))
+    msg = str(e.value)
+    assert f"{bad}:compute_score" in msg and "2 steps in a row" in msg and "no answer parser" in msg
+    assert [r["step"] for r in read_metrics(str(out))] == [1]  # the second failing step was not trained on
