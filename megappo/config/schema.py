@@ -159,6 +159,26 @@ class RolloutConfig:
     # sglang: URLs of running servers (http://host:port); empty: the trainer starts one server per node
     server_urls: list[str] = field(default_factory=list)
     server_python: Optional[str] = None  # sglang: the python that has SGLang installed; None: this one
+    # sglang: the address a started server binds and is reached at; multi-node: this node's cluster address
+    server_host: str = "127.0.0.1"
+    api_key: Optional[str] = None  # sglang: the servers' API key; None: a random one per started server
+    server_start_timeout_s: float = 600.0  # sglang: longest wait for a started server (cold start, model load)
+    request_timeout_s: float = 600.0  # sglang: HTTP timeout of one generation request
+    sync_timeout_s: float = 60.0  # sglang: timeout of a weight-control call and of the weight group's collectives
+    # sglang, distributed sync: the address the trainer's rendezvous store listens on (only there); None:
+    # server_host (127.0.0.1 for local servers). Multi-node: an address of this node that the servers reach.
+    weight_sync_master_address: Optional[str] = None
+    # How the actor's weights reach the engine after each update. auto: in-process for hf, distributed for sglang.
+    # distributed: one broadcast per bucket over a group of the trainer and every server's ranks (NCCL on GPU, gloo
+    # on CPU); tensor: colocated servers take the tensors by handle (CUDA IPC; shared memory on CPU); disk: a
+    # Hugging Face directory in weight_sync_dir that the servers reload (the directory must be visible to them).
+    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    weight_sync_bucket_mb: int = 512  # tensors exported and sent at a time; the trainer's extra memory per sync
+    weight_sync_dir: Optional[str] = None  # disk: where the export goes; None: <trainer.default_local_dir>/weight_sync
+    # After every sync, compare each server's log-probs of fixed tokens with the trainer's and stop the run on a
+    # mismatch larger than verify_sync_atol (None: 1e-3 in float32, 5e-2 in 16-bit dtypes). Costs one forward.
+    verify_sync: bool = False
+    verify_sync_atol: Optional[float] = None
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 

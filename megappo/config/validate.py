@@ -249,6 +249,15 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
           f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
     _need(errors, r.name == "sglang" or not r.server_urls, f"{p}.server_urls",
           f"names running SGLang servers but {p}.name={r.name}", f"set {p}.name=sglang, or drop the URLs")
+    _need(errors, r.name == "sglang" or r.weight_sync in ("auto", "tensor"), f"{p}.weight_sync",
+          f"is {r.weight_sync} but the in-process hf engine takes the weights in memory",
+          f"use {p}.weight_sync=auto, or {p}.name=sglang")
+    for key in ("server_start_timeout_s", "request_timeout_s", "sync_timeout_s"):
+        _need(errors, getattr(r, key) > 0, f"{p}.{key}", f"must be > 0, got {getattr(r, key)}", "use seconds, e.g. 60")
+    _need(errors, r.weight_sync_bucket_mb >= 1, f"{p}.weight_sync_bucket_mb",
+          f"must be >= 1, got {r.weight_sync_bucket_mb}", "use e.g. 512")
+    _need(errors, r.verify_sync_atol is None or r.verify_sync_atol > 0, f"{p}.verify_sync_atol",
+          f"must be > 0 or null, got {r.verify_sync_atol}", "use null for the dtype's default")
     for key in (f"{p}.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
                 "reward_model.micro_batch_size_per_gpu"):

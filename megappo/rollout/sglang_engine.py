@@ -18,18 +18,19 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.sglang_server import free_port, http_json
+from megappo.rollout.sglang_server import free_port, http_json, register_api_key
 
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def _post_in_background(url: str, payload: Any, timeout: float) -> tuple[threading.Thread, dict]:
+def _post_in_background(url: str, payload: Any, timeout: float,
+                        api_key: Optional[str] = None) -> tuple[threading.Thread, dict]:
     """POST while this thread takes part in the collective the request waits for."""
     result: dict = {}
 
     def run() -> None:
         try:
-            result["answer"] = http_json(url, payload, timeout=timeout)
+            result["answer"] = http_json(url, payload, timeout=timeout, api_key=api_key)
         except Exception as e:  # noqa: BLE001 - re-raised by the caller after the collective
             result["error"] = e
 
@@ -53,9 +54,16 @@ def _joined(thread: threading.Thread, result: dict, what: str) -> Any:
 
 
 class SGLangEngine:
-    def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1):
+    def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1, api_key: Optional[str] = None,
+                 sync_timeout: float = 60):
         self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.timeout = timeout  # a generation request (long batches take long)
+        # weight-control calls and the weight group's rendezvous and collectives: a dead peer fails the sync in
+        # seconds, not in `timeout`
+        self.sync_timeout = sync_timeout
+        self.api_key = api_key
+        if api_key:  # every request to this server carries it (generate included); None keeps a started server's
+            register_api_key(self.url, api_key)
         self.tp_size = tp_size  # the server's tensor-parallel ranks (each joins the weight group)
         self.weight_version = 0
         self._group: Any = None
@@ -81,48 +89,63 @@ class SGLangEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        grouped: list[list[Completion]] = [[] for _ in prompts]
+        for c in self.generate_rows([prompts[i] for i in rows], rows, list(range(len(rows))), params):
+            grouped[c.prompt_index].append(c)
+        return grouped
+
+    def generate_rows(self, input_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
+                      seed_rows: Sequence[int], params: SamplingParams) -> list[Completion]:
+        """One completion per row: `input_ids[k]` sampled with seed `params.seed + seed_rows[k]` (a row keeps its
+        seed whichever server answers it). Raises RuntimeError naming the server when it fails, aborts a row, or
+        answers with another number of rows than it was asked (which would silently drop samples)."""
         body = {
-            "input_ids": [list(prompts[i]) for i in rows],
-            "sampling_params": [self._sampling_params(params, r) for r in range(len(rows))],
+            "input_ids": [list(p) for p in input_ids],
+            "sampling_params": [self._sampling_params(params, r) for r in seed_rows],
             "return_logprob": True,
             "logprob_start_len": -1,
         }
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):
             answer = [answer]
-        grouped: list[list[Completion]] = [[] for _ in prompts]
-        for i, item in zip(rows, answer):
+        if not isinstance(answer, list) or len(answer) != len(input_ids):
+            got = len(answer) if isinstance(answer, list) else type(answer).__name__
+            raise RuntimeError(f"SGLang {self.url}/generate answered {got} rows for {len(input_ids)} requests")
+        out = []
+        for i, item in zip(prompt_index, answer):
             meta = item["meta_info"]
             reason = (meta.get("finish_reason") or {}).get("type", "length")
             if reason == "abort":
-                raise RuntimeError(f"SGLang aborted a request: {meta.get('finish_reason')}")
-            grouped[i].append(Completion(
+                raise RuntimeError(f"SGLang {self.url} aborted a request: {meta.get('finish_reason')}")
+            out.append(Completion(
                 prompt_index=i, output_ids=list(item["output_ids"]),
                 log_probs=[lp for lp, *_ in meta.get("output_token_logprobs", [])],
                 finish_reason="stop" if reason == "stop" else "length",
                 weight_version=self.weight_version, extra={"sglang_weight_version": meta.get("weight_version")}))
-        return grouped
+        return out
 
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
         """Reload the server's weights from a HF directory of the same architecture."""
         version = self.weight_version + 1 if version is None else version
         _checked(http_json(self.url + "/update_weights_from_disk",
-                           {"model_path": model_path, "weight_version": str(version)}, timeout=self.timeout),
+                           {"model_path": model_path, "weight_version": str(version)}, timeout=self.timeout,
+                           api_key=self.api_key),
                  f"update_weights_from_disk({model_path})")
         self.weight_version = version
         return version
 
     def connect_weight_group(self, *, backend: str = "gloo", master_address: str = "127.0.0.1",
-                             master_port: Optional[int] = None) -> Any:
+                             master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         """Create the process group (trainer = rank 0, server TP ranks 1..tp) that `update_weights` streams over."""
         from megappo.rollout.weight_group import init_weight_group
 
         port = master_port or free_port()
         body = {"master_address": master_address, "master_port": port, "rank_offset": 1,
                 "world_size": self.tp_size + 1, "group_name": self._group_name, "backend": backend}
-        thread, result = _post_in_background(self.url + "/init_weights_update_group", body, self.timeout)
+        timeout_s = self.sync_timeout if timeout_s is None else timeout_s
+        thread, result = _post_in_background(self.url + "/init_weights_update_group", body, timeout_s, self.api_key)
         self._group = init_weight_group(master_address, port, rank=0, world_size=self.tp_size + 1,
-                                        group_name=self._group_name, backend=backend)
+                                        group_name=self._group_name, backend=backend, timeout=timeout_s)
         _joined(thread, result, "init_weights_update_group")
         return self._group
 
@@ -133,17 +156,19 @@ class SGLangEngine:
         if self._group is None:
             self.connect_weight_group()
         version = self.weight_version + 1 if version is None else version
-        _checked(http_json(self.url + "/begin_weight_update", {"selector": "all"}, timeout=self.timeout),
-                 "begin_weight_update")
+        _checked(http_json(self.url + "/begin_weight_update", {"selector": "all"}, timeout=self.sync_timeout,
+                           api_key=self.api_key), "begin_weight_update")
         for bucket in buckets:
             body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
                     "flush_cache": True, "weight_version": str(version)}
-            thread, result = _post_in_background(self.url + "/update_weights_from_distributed", body, self.timeout)
+            thread, result = _post_in_background(self.url + "/update_weights_from_distributed", body,
+                                                 self.sync_timeout, self.api_key)
             for _, t in bucket:
                 dist.broadcast(t.contiguous(), src=0, group=self._group)
             _joined(thread, result, "update_weights_from_distributed")
-        _checked(http_json(self.url + "/end_weight_update", {}, timeout=self.timeout), "end_weight_update")
+        _checked(http_json(self.url + "/end_weight_update", {}, timeout=self.sync_timeout, api_key=self.api_key),
+                 "end_weight_update")
         self.weight_version = version
         return version
 

@@ -4,101 +4,306 @@ SGLang lives in its own environment (it pins its own torch and transformers), so
 environment's python (`python=`), and megappo only speaks HTTP to it. On a machine without CUDA the CPU flags are
 added (`SGLANG_USE_CPU_ENGINE=1 --device cpu --attention-backend torch_native`); tools/sglang/install_cpu.sh
 builds an environment in which that runs.
+
+Lifecycle: a started server never outlives this process. It runs under a watchdog (`reaper.py`) that kills the
+server's whole process group when this process dies in any way (SIGKILL included) or asks it to (`stop()`, also
+called by `with`, an atexit hook, and a failed or interrupted `start()`, Ctrl-C included). The server's log is a
+temporary file kept only when something failed; a failed start's error ends with its last lines.
+
+Identity: `/health` answers without a key and whoever holds the port answers it, so a server counts as started only
+when this process's watchdog is alive, its log shows no failed bind, and the server takes its API key and refuses
+another. Each server gets a random API key unless one is given; it reaches SGLang in a 0600 config file, not on the
+command line (which every local user can read), and `http_json` sends it to that server's URL on every request.
 """
 from __future__ import annotations
 
+import atexit
+import errno
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Optional, Sequence
 
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+_API_KEYS: dict[str, str] = {}  # "scheme://host:port" -> the API key of the server there (set by servers, engines)
+_LIVE: dict[int, "SGLangServer"] = {}  # started, not yet stopped: the atexit hook stops them
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+
+class PortTakenError(RuntimeError):
+    pass
+
+
+_TORCHRUN_ENV = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(_family(host)) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def http_json(url: str, payload: Any = None, timeout: float = 600) -> Any:
-    """GET (payload None) or POST JSON; the decoded JSON answer. Raises RuntimeError with the server's message."""
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    # SO_REUSEADDR as uvicorn binds: a port whose old connections linger in TIME_WAIT is free for it too
+    with socket.socket(_family(host)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def _origin(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def register_api_key(url: str, api_key: Optional[str]) -> None:
+    """Send `api_key` on every `http_json` request to the server at `url` (its scheme, host and port)."""
+    if api_key:
+        _API_KEYS[_origin(url)] = api_key
+    else:
+        _API_KEYS.pop(_origin(url), None)
+
+
+def _is_loopback(host: Optional[str]) -> bool:
+    if not host:
+        return False
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _opener(url: str) -> urllib.request.OpenerDirector:
+    """No proxy for a loopback server (a proxy elsewhere can never reach this machine's 127.0.0.1, and a local one
+    has no business seeing the weights and keys). Other hosts follow the environment as any HTTP client does:
+    http_proxy/https_proxy, with NO_PROXY listing the hosts reached directly. Rollout servers are normally on the
+    cluster network, so a cluster that sets a proxy for the internet should list its nodes in NO_PROXY; routing a
+    remote fleet through a proxy on purpose stays possible. Built per call: urllib caches its default opener with
+    the environment of its first use."""
+    if _is_loopback(urllib.parse.urlsplit(url).hostname):
+        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    return urllib.request.build_opener()
+
+
+def http_json(url: str, payload: Any = None, timeout: float = 600, api_key: Optional[str] = None) -> Any:
+    """GET (payload None) or POST JSON; the decoded JSON answer. Raises RuntimeError with the server's message.
+    `api_key` (default: the one registered for the URL's server) goes as `Authorization: Bearer`."""
+    data = None if payload is None else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"}
+    key = api_key or _API_KEYS.get(_origin(url))
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with _opener(url).open(req, timeout=timeout) as resp:
             return json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
+def _status(url: str, api_key: str, timeout: float = 5) -> int:
+    """The HTTP status of GET `url` with `api_key` (0: no answer)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with _opener(url).open(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0
+
+
 class SGLangServer:
-    """One `python -m sglang.launch_server` process; a context manager that stops it (and its children)."""
+    """One `python -m sglang.launch_server` process under a watchdog; a context manager that stops it.
+
+    `port=None` picks a free port (and another one if it turns out to be taken); a given port that is taken is an
+    error naming it. `host` is the address the server binds (loopback unless set: other nodes need the cluster
+    address, or 0.0.0.0). `api_key=None` makes a random one (`self.api_key`)."""
 
     def __init__(self, model_path: str, *, python: str = "python", port: Optional[int] = None, cuda: bool = False,
                  dtype: str = "float32", max_total_tokens: int = 4096, extra_args: Sequence[str] = (),
-                 trust_remote_code: bool = False):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", os.path.abspath(model_path),
-                    "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port),
-                    "--max-total-tokens", str(max_total_tokens), "--disable-overlap-schedule", *extra_args]
+                 trust_remote_code: bool = False, host: str = "127.0.0.1", api_key: Optional[str] = None,
+                 port_attempts: int = 5, stop_grace_s: float = 15.0):
+        self.python, self.host, self.port_auto = python, host, port is None
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.port_attempts, self.stop_grace_s = port_attempts, stop_grace_s
+        self._args = ["--model-path", os.path.abspath(model_path), "--dtype", dtype, "--host", host,
+                      "--max-total-tokens", str(max_total_tokens), "--disable-overlap-schedule", *extra_args]
         if trust_remote_code:  # SGLang runs code shipped with the model only when asked (model.trust_remote_code)
-            self.cmd.append("--trust-remote-code")
-        self.env = dict(os.environ)
+            self._args.append("--trust-remote-code")
+        # not the launcher's rendezvous: under torchrun the server would otherwise read RANK/WORLD_SIZE/MASTER_* and
+        # wait in its own torch.distributed init for ranks that never come (measured: a hang at "Init parallel")
+        self.env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
         if not cuda:
-            self.cmd += ["--device", "cpu", "--attention-backend", "torch_native"]
+            self._args += ["--device", "cpu", "--attention-backend", "torch_native"]
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env["PYTHONPATH"] = ""  # the server's own environment, not the caller's
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[subprocess.Popen] = None  # the watchdog
+        self.failed = False  # something went wrong: the log is kept
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang_server_", suffix=".log", delete=False)
+        self._key_file: Optional[str] = None
+        self._ready = False  # started and answering as ours
+        self._set_port(port or free_port(host))
+
+    def _set_port(self, port: int) -> None:
+        self.port = port
+        url_host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        self.url = f"http://{f'[{url_host}]' if ':' in url_host else url_host}:{port}"
+        self.cmd = [self.python, "-m", "sglang.launch_server", *self._args, "--port", str(port)]
 
     def start(self, timeout: float = 600) -> float:
-        """Launch and wait for GET /health; return the seconds it took. Raises RuntimeError with the log's tail."""
+        """Launch and wait until the server is up and ours; return the seconds it took. Raises RuntimeError with
+        the log's tail (and stops what it started) on failure, timeout or interruption."""
+        if self.proc is not None:
+            raise RuntimeError(f"SGLang server {self.url} is already started")
         t0 = time.time()
-        # its own session, so the scheduler and detokenizer children stop with the server as one group
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                break
+        for attempt in range(self.port_attempts):
             try:
-                http_json(self.url + "/health", timeout=5)
+                self._start_once(t0, t0 + timeout)
                 return time.time() - t0
-            except (RuntimeError, urllib.error.URLError, OSError, ValueError):
-                time.sleep(1)
+            except PortTakenError:
+                if not self.port_auto:
+                    self.failed = True
+                    self.stop()
+                    raise RuntimeError(
+                        f"SGLang server port {self.port} on {self.host} is taken by another process (it was set "
+                        f"by the caller, so no other port is tried; log {self.log.name}):\n{self.log_tail()}"
+                    ) from None
+                if attempt + 1 < self.port_attempts:
+                    self._discard()
+                    self._set_port(free_port(self.host))
+            except BaseException:  # Ctrl-C included: never leave a half-started server behind
+                self.failed = True
+                self.stop()
+                raise
+        self.failed = True
         self.stop()
+        raise RuntimeError(f"SGLang server: {self.port_attempts} automatically chosen ports were all taken "
+                           f"(last {self.port}; log {self.log.name}):\n{self.log_tail()}")
+
+    def _start_once(self, t0: float, deadline: float) -> None:
+        if not _port_is_free(self.host, self.port):
+            raise PortTakenError(self.port)
+        self.proc = subprocess.Popen(
+            [self.python, "-I", REAPER, str(os.getpid()), "--grace", str(self.stop_grace_s), "--",
+             *self.cmd, *self._key_args()],
+            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+            # its own session: Ctrl-C at the terminal and signals to the caller's process group are the caller's
+            # to handle (a trainer finishing its step needs its server); the watchdog follows the caller's death
+            start_new_session=True)
+        _LIVE[id(self)] = self
+        _register_atexit()
+        register_api_key(self.url, self.api_key)
+        while time.time() < deadline:
+            if self._bind_failed():
+                raise PortTakenError(self.port)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} while starting "
+                                   f"(log {self.log.name}):\n{self.log_tail()}")
+            if self._answers_as_ours():
+                self._remove_key_file()
+                self._ready = True
+                return
+            time.sleep(1)
         raise RuntimeError(f"SGLang server did not become healthy in {time.time() - t0:.0f} s "
                            f"(log {self.log.name}):\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return "".join(f.readlines()[-lines:])
+    def _answers_as_ours(self) -> bool:
+        if _status(self.url + "/health", self.api_key) != 200:
+            return False
+        # /health needs no key; whoever takes ours and refuses another holds our random key: it is our server
+        return (_status(self.url + "/model_info", self.api_key) == 200
+                and _status(self.url + "/model_info", "not-" + self.api_key) == 401
+                and self.proc is not None and self.proc.poll() is None)
 
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+    def _bind_failed(self) -> bool:
+        # uvicorn logs "[Errno 98] error while attempting to bind on address ('127.0.0.1', PORT): address already
+        # in use", and SGLang 0.5.23 then hangs instead of exiting (measured) while the port's owner answers /health
+        return any("error while attempting to bind" in line and f", {self.port})" in line
+                   for line in self.log_tail(200).splitlines())
+
+    def _key_args(self) -> list[str]:
+        if "--config" in self._args:  # SGLang takes one config file: the caller's (the key is then visible in ps)
+            return ["--api-key", self.api_key]
+        fd, self._key_file = tempfile.mkstemp(prefix="sglang_key_", suffix=".yaml")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            # the key spelled as the flag: SGLang turns each key into "--" + key
+            f.write(f"api-key: {json.dumps(self.api_key)}\n")  # a JSON string is a YAML string
+        return ["--config", self._key_file]
+
+    def _remove_key_file(self) -> None:
+        if self._key_file:
             try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # children that outlived the parent
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc = None
+                os.unlink(self._key_file)
+            except FileNotFoundError:
+                pass
+            self._key_file = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        try:
+            with open(self.log.name, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def _discard(self) -> None:
+        """Stop this attempt's process and start a fresh log for the next one."""
+        self.stop(keep_log=False)
+        self.failed = False
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang_server_", suffix=".log", delete=False)
+
+    def stop(self, keep_log: Optional[bool] = None) -> None:
+        """Stop the server and its children (through the watchdog). The log is deleted unless something failed (a
+        failed start, a server that had exited by itself) or `keep_log`."""
+        proc, self.proc, self._ready = self.proc, None, False
+        _LIVE.pop(id(self), None)
+        self._remove_key_file()
+        if proc is not None:
+            register_api_key(self.url, None)
+            if proc.poll() is not None:  # gone before we asked: a crash, whose log tells why
+                self.failed = True
+                if self._ready:  # (a failed start says so in its error)
+                    print(f"SGLang server {self.url} had exited with code {proc.returncode}; log {self.log.name}",
+                          file=sys.stderr)
+            else:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=self.stop_grace_s + 15)
+                except subprocess.TimeoutExpired:
+                    self.failed = True
+                    proc.kill()  # the server dies with it (its parent-death signal); its children follow
+                    proc.wait()
+        if not self.log.closed:
+            self.log.close()
+        if not (self.failed if keep_log is None else keep_log):
+            try:
+                os.unlink(self.log.name)
+            except FileNotFoundError:
+                pass
 
     def __enter__(self) -> "SGLangServer":
         self.start()
@@ -106,3 +311,13 @@ class SGLangServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+_atexit_registered = False
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(lambda: [s.stop() for s in list(_LIVE.values())])
+        _atexit_registered = True

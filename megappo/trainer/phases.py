@@ -302,7 +302,37 @@ def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[st
 
 
 def sync_weights(run: Run) -> dict[str, float]:
-    return run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)
+    metrics = run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)
+    if run.cfg.actor_rollout_ref.rollout.verify_sync:
+        metrics.update(verify_sync(run))
+    return metrics
+
+
+def verify_sync(run: Run, length: int = 16) -> dict[str, float]:
+    """rollout.verify_sync: the engines' log-probs of fixed tokens equal the actor's (the trainer's forward), else
+    RuntimeError on every rank, naming the difference: weights that went to the wrong place, a missed bucket, a
+    dtype mix-up all show here."""
+    from megappo.models.batch import ModelBatch
+
+    vocab = int(run.roles.hf_config["vocab_size"])
+    tokens = [(7 * k + 3) % vocab for k in range(length)]
+    batch = ModelBatch.from_token_lists([tokens[:1]], [tokens[1:]], run.pad_token_id)
+    mine, _ = compute_log_probs(run.roles.actor.chunks, batch, parallel_state=run.ps)
+    payload = [0.0]
+    if dist.get_rank() == 0:
+        theirs = torch.tensor(run.rollout.engine_log_probs(tokens), dtype=torch.float32)
+        payload = [float((theirs - mine[0, :length - 1].float()).abs().max())]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    diff = payload[0]
+    ro = run.cfg.actor_rollout_ref.rollout
+    atol = ro.verify_sync_atol or (1e-3 if run.platform.dtype == torch.float32 else 5e-2)
+    if not diff <= atol:
+        raise RuntimeError(f"rollout.verify_sync: after syncing weight version {run.rollout.weight_version}, the "
+                           f"rollout engine's log-probs differ from the trainer's by {diff:.3g} (> {atol}): the "
+                           "engine does not hold the actor's weights. Check the weight sync mode "
+                           "(actor_rollout_ref.rollout.weight_sync) and the model's name mapping")
+    return {"rollout/verify_sync_max_diff": diff}
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -5,15 +5,18 @@ generates for its replica's share of the prompts; the completions go to the repl
 every rank (`Samples`, token lists: small), so every rank sees the whole step. Engines:
 
 - `hf`: megappo's in-process engine (`HFEngine`), one per replica, on the same HF weights as the actor.
-- `sglang`: an SGLang server; the trainer starts one (global rank 0) unless `rollout.server_urls` names running
-  ones. Every replica's holder sends its requests there; global rank 0 streams the weights.
+- `sglang`: SGLang servers; the trainer starts one (global rank 0) unless `rollout.server_urls` names running
+  ones. Every replica's holder spreads its requests over all of them (`SGLangFleet`: a failed server's rows go to
+  another, every sample comes back once); global rank 0 streams the weights into all of them with one broadcast.
 
 Weight sync exports the actor with the conversion code (`iter_hf_weights`, collective over every rank) and loads
 the buckets into the engine(s) on the holders.
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -51,7 +54,7 @@ class RolloutWorker:
         self.server = None
         self.engine: Any = None  # this replica's engine (holders only)
         self.sync_engine: Any = None  # sglang: the engine global rank 0 streams weights into
-        self.bucket_bytes = 512 << 20
+        self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
         if self.rollout.name == "hf":
             if self.holder:
                 from megappo.rollout import HFEngine
@@ -65,35 +68,39 @@ class RolloutWorker:
 
     # -- SGLang ----------------------------------------------------------------------------------------------------
     def _connect_sglang(self) -> None:
-        from megappo.rollout.sglang_engine import SGLangEngine
+        from megappo.rollout.sglang_fleet import SGLangFleet
         from megappo.rollout.sglang_server import SGLangServer
 
-        urls = list(self.rollout.server_urls)
+        r = self.rollout
+        urls, key = list(r.server_urls), r.api_key
         if not urls:
             if dist.get_rank() == 0:
                 self.server = SGLangServer(self.cfg.actor_rollout_ref.model.path,
-                                           python=self.rollout.server_python or sys.executable,
-                                           cuda=self.platform.is_cuda, **self._server_kwargs())
-                self.server.start()
-                urls = [self.server.url]
-            urls = _broadcast_objects([urls], dist.group.WORLD)[0]
+                                           python=r.server_python or sys.executable, cuda=self.platform.is_cuda,
+                                           **self._server_kwargs())
+                self.server.start(timeout=r.server_start_timeout_s)
+                urls, key = [self.server.url], self.server.api_key
+            # the started server's key is random: every holder needs it
+            urls, key = _broadcast_objects([(urls, key)], dist.group.WORLD)[0]
         if self.holder:
-            url = urls[self.ps.dp_rank % len(urls)]
-            self.engine = SGLangEngine(url, tp_size=self.rollout.tensor_model_parallel_size)
-            self.sync_engine = SGLangEngine(urls[0], tp_size=self.rollout.tensor_model_parallel_size) \
-                if dist.get_rank() == 0 else None
+            self.engine = SGLangFleet(
+                urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
+                engine_kwargs={"api_key": key, "sync_timeout": r.sync_timeout_s},
+                master_address=r.weight_sync_master_address or r.server_host,
+                backend="nccl" if self.platform.is_cuda else "gloo")
+            self.sync_engine = self.engine if dist.get_rank() == 0 else None
 
     def _server_kwargs(self) -> dict:
         """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
         extra_args: a list of further launch_server flags)."""
         dtype = self.rollout.dtype or str(self.platform.dtype).replace("torch.", "")
-        known = ("dtype", "max_total_tokens", "extra_args", "port")
+        known = ("dtype", "max_total_tokens", "extra_args", "port", "host", "api_key")
         unknown = sorted(set(self.rollout.engine_kwargs) - set(known))
         if unknown:
             raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
                              f"use {known} (pass other launch_server flags as extra_args: [--flag, value])")
         return {"dtype": dtype, "trust_remote_code": self.cfg.actor_rollout_ref.model.trust_remote_code,
-                **self.rollout.engine_kwargs}
+                "host": self.rollout.server_host, "api_key": self.rollout.api_key, **self.rollout.engine_kwargs}
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Samples:
@@ -114,8 +121,10 @@ class RolloutWorker:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def sync_weights(self, actor_chunks: Sequence[torch.nn.Module], hf_config: dict) -> dict[str, float]:
-        """Load the actor's current weights into the engine(s); collective over every rank."""
+        """Load the actor's current weights into the engine(s); collective over every rank. SGLang servers are
+        paused around it (and their prefix caches flushed), and must report the new version afterwards."""
         version = self.weight_version + 1
+        t0 = time.perf_counter()
         buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
                                   dtype=self.platform.dtype)
         nbytes = 0
@@ -126,16 +135,66 @@ class RolloutWorker:
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 yield bucket
 
+        mode = self.sync_mode
         target = self.engine if self.rollout.name == "hf" else self.sync_engine
-        if self.holder and target is not None:
-            target.update_weights(counted(), version=version)
+        if mode == "disk":
+            directory = self._write_sync_dir(counted())  # every rank takes part in the export
+            if target is not None:
+                self._around_sync(target, version, lambda: target.update_weights_from_disk(directory, version=version))
+        elif self.holder and target is not None:
+            if self.rollout.name == "hf":
+                target.update_weights(counted(), version=version)
+            else:
+                send = target.update_weights_from_tensor if mode == "tensor" else target.update_weights
+                self._around_sync(target, version, lambda: send(counted(), version=version))
         else:
             for _ in counted():  # every rank takes part in the gathers that build each bucket
                 pass
         if self.rollout.name != "hf" and self.holder and self.engine is not None:
             self.engine.weight_version = version
         self.weight_version = version
-        return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes)}
+        seconds = time.perf_counter() - t0
+        return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
+                "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9)}
+
+    def engine_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
+        """Global rank 0: each engine's log p(token_ids[k] | token_ids[:k]) for k >= 1 (rollout.verify_sync)."""
+        if self.rollout.name != "hf":
+            return self.sync_engine.prompt_log_probs(token_ids)
+        model, device = self.engine.model, self.engine.device
+        ids = torch.tensor([list(token_ids)], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        return [torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()]
+
+    @property
+    def sync_mode(self) -> str:
+        mode = self.rollout.weight_sync
+        return mode if mode != "auto" else ("tensor" if self.rollout.name == "hf" else "distributed")
+
+    @staticmethod
+    def _around_sync(fleet: Any, version: int, send) -> None:
+        fleet.pause()
+        try:
+            send()
+        finally:
+            fleet.resume()
+        fleet.check_version(version)
+
+    def _write_sync_dir(self, buckets) -> str:
+        """disk mode: the actor as a Hugging Face directory the servers reload (rank 0 writes it)."""
+        from megappo.convert.mcore_to_hf import output_config, write_hf_dir
+        from megappo.models.hf_config import load_hf_config_dict
+
+        directory = os.path.abspath(os.path.expanduser(
+            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync")))
+        items = (item for bucket in buckets for item in bucket)
+        model_dir = self.cfg.actor_rollout_ref.model.path
+        write_hf_dir(items, model_dir, directory, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
+                     progress=False, config=output_config(load_hf_config_dict(model_dir), "actor",
+                                                          self.platform.dtype))
+        dist.barrier()
+        return directory
 
     def close(self) -> None:
         if self.rollout.name != "hf" and self.holder:

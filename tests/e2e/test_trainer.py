@@ -158,3 +158,26 @@ def test_a_finished_run_resumes_from_its_checkpoint(data, tmp_path):
     # the fresh engine got the restored weights as version 2 (as the engine had them), step 3's update made 3
     assert rows[2]["rollout/weight_version"] == 3
     assert rows[2]["rollout/logprob_diff_mean"] <= 1e-3  # ...so it sampled from the weights the trainer resumed
+
+
+def test_verify_sync_checks_the_engine_holds_the_actor_weights(data, tmp_path, monkeypatch):
+    """rollout.verify_sync compares the engine's log-probs of fixed tokens with the trainer's after each sync; an
+    engine left with other weights stops the run."""
+    rows = _run(data, tmp_path / "ok", steps=2, extra=["actor_rollout_ref.rollout.verify_sync=true"])
+    assert all(r["rollout/verify_sync_max_diff"] <= 1e-3 for r in rows)
+    assert all(r["perf/weight_sync_gbps"] > 0 for r in rows)
+
+    from megappo.trainer.rollout import RolloutWorker
+
+    real = RolloutWorker.sync_weights
+
+    def stale_sync(self, chunks, hf_config):  # the engine keeps its weights, plus noise
+        out = real(self, chunks, hf_config)
+        with torch.no_grad():
+            for p in self.engine.model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        return out
+
+    monkeypatch.setattr(RolloutWorker, "sync_weights", stale_sync)
+    with pytest.raises(RuntimeError, match="the rollout engine's log-probs differ from the trainer's"):
+        _run(data, tmp_path / "bad", steps=1, extra=["actor_rollout_ref.rollout.verify_sync=true"])

@@ -14,22 +14,62 @@ pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
 
 
 def _servers() -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in ps.splitlines() if "sglang.launch_server" in line]
 
 
-def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path):
+@pytest.mark.parametrize("sync", ["distributed", "disk"])
+def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path, sync):
+    """Each sync mode: the server then holds exactly the actor's weights (verify_sync compares its log-probs of
+    fixed tokens with the trainer's after every sync) and reports the new version."""
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
     before = _servers()
     cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
         str(tmp_path / "run"), hf_model_dir("qwen2"), train, steps=2,
-        extra=["actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}"]))
+        extra=["actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
+               f"actor_rollout_ref.rollout.weight_sync={sync}", "actor_rollout_ref.rollout.verify_sync=true"]))
     assert fit(cfg) == 0
     rows = read_metrics(str(tmp_path / "run"))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         # the server sampled at temperature 1 from the weights the trainer had: same log-probs up to float error
         assert r["rollout/logprob_diff_mean"] <= 1e-3
-        assert r["rollout/weight_sync_bytes"] > 0
+        assert r["rollout/weight_sync_bytes"] > 0 and r["rollout/verify_sync_max_diff"] <= 1e-3
     assert rows[1]["rollout/weight_version"] == 2
     assert _servers() == before  # the trainer stopped the server it started
+
+
+@pytest.mark.multirank
+def test_two_data_parallel_ranks_share_the_started_server(sglang_python, hf_model_dir, tmp_path):
+    """DP2 under torchrun: rank 0 starts the server (with a random API key), both ranks' engines send their halves
+    of the batch to it with that key, and rank 0 streams the weights."""
+    import os
+    import signal
+    import sys
+
+    from megappo.testing.dist import free_port
+
+    train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
+    out = tmp_path / "dp2"
+    overrides = tiny_run_overrides(
+        str(out), hf_model_dir("qwen2"), train, steps=2,
+        extra=["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=sglang",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+               f"actor_rollout_ref.rollout.server_python={sglang_python}", "actor_rollout_ref.rollout.verify_sync=true"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "megappo.cli", "train", "--config", "gsm8k/tiny_cpu", *overrides]
+    before = _servers()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=420)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, log[-6000:]
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3 for r in rows)
+    assert _servers() == before

@@ -97,7 +97,7 @@ def main():
                                                     "return_logprob": True})
         print(f"sglang generate: {time.time() - t1:.2f} s", flush=True)
     finally:
-        server.stop()
+        server.stop(keep_log=True)  # deleted below if the check passes
 
     same, max_diff = 0, 0.0
     for i, (ids, (ref_ids, ref_lp), item) in enumerate(zip(prompts, ref, got)):

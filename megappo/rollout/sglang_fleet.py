@@ -1,0 +1,282 @@
+"""Several SGLang servers behind the engine calls, balanced by the client, with no lost or doubled samples.
+
+`generate` cuts a batch's rows (a prompt's `n` samples are `n` rows) into one contiguous share per live server and
+sends the shares in parallel. A share that fails (connection refused, timeout, an aborted row, an answer with the
+wrong number of rows) goes again to another live server; every row keeps its sampling seed (`seed + row`), so a
+retried sample is the one the failed server would have drawn (with SGLang's deterministic inference). A server
+that fails and then does not answer `/health` is dropped with a warning; `revive`, when given, may restart it (the
+caller then gives it the current weights) before it serves again. The result holds every row exactly once or the
+call raises.
+
+Weights go to every live server at once: one weight group holds the trainer (rank 0) and each server's TP ranks
+(server k at ranks 1 + k * tp ...), so each bucket is broadcast once whatever the number of servers.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sglang_engine import Bucket, SGLangEngine, _checked, _joined, _post_in_background
+from megappo.rollout.sglang_server import free_port, http_json
+
+
+def _auth(engine: SGLangEngine) -> dict:
+    """The keyword arguments that authenticate a request to `engine`'s server."""
+    key = getattr(engine, "api_key", None)
+    return {"api_key": key} if key else {}
+
+
+class SGLangFleet:
+    def __init__(self, urls: Sequence[str], *, timeout: float = 600, tp_size: int = 1, max_attempts: int = 3,
+                 revive: Optional[Callable[[int], bool]] = None, engine_kwargs: Optional[dict] = None,
+                 master_address: str = "127.0.0.1", backend: str = "gloo"):
+        if not urls:
+            raise ValueError("an SGLang fleet needs at least one server URL")
+        self.engines = [SGLangEngine(u, timeout=timeout, tp_size=tp_size, **(engine_kwargs or {})) for u in urls]
+        self.alive = [True] * len(urls)
+        self.timeout, self.tp_size, self.max_attempts, self.revive = timeout, tp_size, max_attempts, revive
+        self.master_address, self.backend = master_address, backend  # the weight group's store and transport
+        self.retried_rows = 0  # rows answered by another server than the first one asked (since construction)
+        self._group: Any = None
+        self._group_servers: list[int] = []
+        self._group_name = "megappo_fleet_weight_sync"
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the servers hold (completions carry it)."""
+        return self.engines[0].weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        for e in self.engines:
+            e.weight_version = version
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def live(self) -> list[int]:
+        return [k for k, ok in enumerate(self.alive) if ok]
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt, grouped by prompt in request order, each row exactly once."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        done: dict[int, Completion] = {}
+        pending = list(range(len(rows)))
+        errors: list[str] = []
+        for attempt in range(self.max_attempts):
+            servers = self.live()
+            if not servers:
+                break
+            shares = [pending[j::len(servers)] for j in range(len(servers))]  # interleaved: both see each prompt
+            results = self._send(servers, shares, prompts, rows, params)
+            pending = []
+            for k, share, result in zip(servers, shares, results):
+                if isinstance(result, BaseException):
+                    errors.append(f"{self.engines[k].url}: {result}")
+                    self._failed(k, result)
+                    pending += share
+                    continue
+                for r, completion in zip(share, result):
+                    if r in done:
+                        raise RuntimeError(f"row {r} was answered twice")  # cannot happen: shares are disjoint
+                    done[r] = completion
+            if not pending:
+                break
+            self.retried_rows += len(pending)
+            pending.sort()
+        if pending:
+            raise RuntimeError(f"SGLang fleet: {len(pending)} of {len(rows)} samples got no answer after "
+                               f"{self.max_attempts} attempts (live servers: {[self.urls[k] for k in self.live()]}); "
+                               "errors: " + "; ".join(errors[-4:]))
+        grouped: list[list[Completion]] = [[] for _ in prompts]
+        for r in range(len(rows)):
+            grouped[rows[r]].append(done[r])
+        return grouped
+
+    def _send(self, servers: list[int], shares: list[list[int]], prompts, rows, params) -> list[Any]:
+        """Each server's share in a thread of its own; a result per server, or the exception it raised."""
+        results: list[Any] = [None] * len(servers)
+
+        def run(j: int, k: int) -> None:
+            share = shares[j]
+            try:
+                results[j] = self.engines[k].generate_rows([prompts[rows[r]] for r in share], [rows[r] for r in share],
+                                                           share, params) if share else []
+            except Exception as e:  # noqa: BLE001 - the share is retried elsewhere, the error reported
+                results[j] = e
+
+        threads = [threading.Thread(target=run, args=(j, k), daemon=True) for j, k in enumerate(servers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def _failed(self, k: int, error: BaseException) -> None:
+        """A server's request failed: keep it if it is still healthy (the request itself was bad luck), else try to
+        revive it, else drop it with a warning."""
+        engine = self.engines[k]
+        try:
+            http_json(engine.url + "/health", timeout=5, **_auth(engine))
+            return
+        except Exception:  # noqa: BLE001 - any failure to answer means the server is gone
+            pass
+        if self.revive is not None and self.revive(k):
+            print(f"megappo rollout: SGLang server {engine.url} failed ({error}) and was restarted",
+                  file=sys.stderr, flush=True)
+            return
+        self.alive[k] = False
+        print(f"megappo rollout: SGLang server {engine.url} failed ({error}) and is dropped; "
+              f"{len(self.live())} of {len(self.engines)} servers remain", file=sys.stderr, flush=True)
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
+        version = self.weight_version + 1 if version is None else version
+        for k in self.live():
+            self.engines[k].update_weights_from_disk(model_path, version=version)
+        self.weight_version = version
+        return version
+
+    def connect_weight_group(self, *, backend: Optional[str] = None, master_address: Optional[str] = None,
+                             master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
+        """One group: the trainer (rank 0) and every live server's TP ranks. The rendezvous store listens on
+        `master_address` only (default: set at construction, else 127.0.0.1)."""
+        from megappo.rollout.weight_group import init_weight_group
+
+        backend = backend or self.backend
+        master_address = master_address or self.master_address
+        timeout_s = self.engines[0].sync_timeout if timeout_s is None else timeout_s
+        port = master_port or free_port()
+        servers = self.live()
+        world = 1 + len(servers) * self.tp_size
+        posts = []
+        for j, k in enumerate(servers):
+            body = {"master_address": master_address, "master_port": port, "rank_offset": 1 + j * self.tp_size,
+                    "world_size": world, "group_name": self._group_name, "backend": backend}
+            posts.append(_post_in_background(self.engines[k].url + "/init_weights_update_group", body,
+                                             timeout_s, **_auth(self.engines[k])))
+        self._group = init_weight_group(master_address, port, rank=0, world_size=world, group_name=self._group_name,
+                                        backend=backend, timeout=timeout_s)
+        self._group_servers = servers
+        for thread, result in posts:
+            _joined(thread, result, "init_weights_update_group")
+        return self._group
+
+    def update_weights(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
+        """Stream checkpoint-named tensors into every server of the group: each bucket is announced to each server,
+        then broadcast once."""
+        import torch.distributed as dist
+
+        if self._group is None or self._group_servers != self.live():
+            self.close_weight_group()
+            self.connect_weight_group()
+        version = self.weight_version + 1 if version is None else version
+        engines = [self.engines[k] for k in self._group_servers]
+        for e in engines:
+            _checked(http_json(e.url + "/begin_weight_update", {"selector": "all"}, timeout=e.sync_timeout,
+                               **_auth(e)), "begin_weight_update")
+        for bucket in buckets:
+            body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
+                    "flush_cache": True, "weight_version": str(version)}
+            posts = [_post_in_background(e.url + "/update_weights_from_distributed", body, e.sync_timeout,
+                                         **_auth(e)) for e in engines]
+            for _, t in bucket:
+                dist.broadcast(t.contiguous(), src=0, group=self._group)
+            for thread, result in posts:
+                _joined(thread, result, "update_weights_from_distributed")
+        for e in engines:
+            _checked(http_json(e.url + "/end_weight_update", {}, timeout=e.sync_timeout, **_auth(e)),
+                     "end_weight_update")
+        self.weight_version = version
+        return version
+
+    def update_weights_from_tensor(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
+        """Colocated servers (same machine): each bucket's tensors go by handle, not by value (torch's shared-memory
+        reductions; CUDA IPC for GPU tensors), as one serialized list per server TP rank."""
+        import base64
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing
+
+        # CPU tensors travel as shared-memory files: the default (file descriptors) needs a socket the HTTP path lacks
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        version = self.weight_version + 1 if version is None else version
+        engines = [self.engines[k] for k in self.live()]
+        for e in engines:
+            _checked(http_json(e.url + "/begin_weight_update", {"selector": "all"}, timeout=e.sync_timeout,
+                               **_auth(e)), "begin_weight_update")
+        for bucket in buckets:
+            shared = [(n, t.contiguous().share_memory_() if not t.is_cuda else t) for n, t in bucket]
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump(shared)
+            payload = base64.b64encode(buf.getvalue()).decode()
+            body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": True,
+                    "weight_version": str(version)}
+            for e in engines:  # the tensors stay alive (`shared`) until every server has copied them
+                _checked(http_json(e.url + "/update_weights_from_tensor", body, timeout=e.sync_timeout, **_auth(e)),
+                         "update_weights_from_tensor")
+        for e in engines:
+            _checked(http_json(e.url + "/end_weight_update", {}, timeout=e.sync_timeout, **_auth(e)),
+                     "end_weight_update")
+        self.weight_version = version
+        return version
+
+    # -- around a sync ---------------------------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop generation on every live server (aborting what a timed-out client may have left running)."""
+        for k in self.live():
+            e = self.engines[k]
+            http_json(e.url + "/pause_generation", {"mode": "abort"}, timeout=e.sync_timeout, **_auth(e))
+
+    def resume(self) -> None:
+        for k in self.live():
+            e = self.engines[k]
+            http_json(e.url + "/continue_generation", {}, timeout=e.sync_timeout, **_auth(e))
+
+    def check_version(self, version: int) -> None:
+        """Every live server reports `version` (GET /model_info), or RuntimeError naming the ones that do not."""
+        wrong = {}
+        for k in self.live():
+            e = self.engines[k]
+            got = (http_json(e.url + "/model_info", timeout=30, **_auth(e)) or {}).get("weight_version")
+            if str(got) != str(version):
+                wrong[e.url] = got
+        if wrong:
+            raise RuntimeError(f"after the weight sync to version {version} these servers report another: {wrong}")
+
+    def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
+        """Each live server's log-prob of every token of `token_ids` after its prefix ([len - 1] per server):
+        what `rollout.verify_sync` compares with the trainer's."""
+        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        out = []
+        for k in self.live():
+            e = self.engines[k]
+            answer = http_json(e.url + "/generate", body, timeout=self.timeout, **_auth(e))
+            if isinstance(answer, list):
+                answer = answer[0]
+            out.append([lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]])
+        return out
+
+    def close_weight_group(self) -> None:
+        import torch.distributed as dist
+
+        if self._group is not None:
+            for k in self._group_servers:
+                e = self.engines[k]
+                try:
+                    http_json(e.url + "/destroy_weights_update_group", {"group_name": self._group_name},
+                              timeout=10, **_auth(e))
+                except Exception:  # noqa: BLE001 - a server that is gone has no group left
+                    pass
+            dist.destroy_process_group(self._group)
+            self._group = None
+

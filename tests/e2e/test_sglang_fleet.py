@@ -1,0 +1,100 @@
+"""`SGLangFleet` over two real SGLang servers: the rows of a batch are spread over both and come back once each,
+a server killed with SIGKILL in the middle of a generation costs no sample (its rows go to the other server with
+their seeds), and one weight broadcast updates both servers."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from megappo.rollout import HFEngine, SamplingParams
+from megappo.rollout.sglang_fleet import SGLangFleet
+from megappo.rollout.sglang_server import SGLangServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3], [4, 4], [8, 1, 2], [7]]
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _tokens(groups):
+    return [[c.output_ids for c in g] for g in groups]
+
+
+@pytest.fixture()
+def two_servers(sglang_python, hf_model_dir):
+    model = hf_model_dir("qwen2")
+    servers = [SGLangServer(model, python=sglang_python) for _ in range(2)]
+    starters = [threading.Thread(target=s.start) for s in servers]
+    try:
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        assert all(s.proc is not None and s.proc.poll() is None for s in servers), "a server did not start"
+        yield model, servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(two_servers, tmp_path):
+    from safetensors.torch import load_file
+
+    from megappo.testing.hf_models import make_hf_model
+
+    model, servers = two_servers
+    fleet = SGLangFleet([s.url for s in servers])
+    got = fleet.generate(PROMPTS, GREEDY)
+    assert _tokens(got) == _tokens(HFEngine(model).generate(PROMPTS, GREEDY)) and fleet.retried_rows == 0
+
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=3, ignore_eos=True, seed=11)
+    groups = fleet.generate(PROMPTS, sampled)
+    assert [len(g) for g in groups] == [3] * len(PROMPTS)
+    assert all(c.prompt_index == i for i, g in enumerate(groups) for c in g)
+
+    # one broadcast per tensor reaches both servers (each server's ranks sit at their own offset in the group)
+    new = make_hf_model("qwen2", str(tmp_path / "new"), seed=5)
+    tensors = sorted(load_file(os.path.join(new, "model.safetensors")).items())
+    assert fleet.update_weights([tensors[i:i + 4] for i in range(0, len(tensors), 4)], version=7) == 7
+    got = fleet.generate(PROMPTS, GREEDY)
+    assert _tokens(got) == _tokens(HFEngine(new).generate(PROMPTS, GREEDY))
+    assert all(c.weight_version == 7 for g in got for c in g)
+    assert {c.extra["sglang_weight_version"] for g in got for c in g} == {"7"}  # both servers answered
+    fleet.close_weight_group()
+
+    # tensor mode (colocated servers): the tensors go by shared-memory handle, with the same result
+    other = make_hf_model("qwen2", str(tmp_path / "other"), seed=9)
+    tensors = sorted(load_file(os.path.join(other, "model.safetensors")).items())
+    fleet.pause()
+    assert fleet.update_weights_from_tensor([tensors[i:i + 4] for i in range(0, len(tensors), 4)], version=8) == 8
+    fleet.resume()
+    fleet.check_version(8)
+    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
+    lps = fleet.prompt_log_probs(PROMPTS[1])
+    assert len(lps) == 2 and lps[0] == pytest.approx(lps[1], abs=1e-5) and len(lps[0]) == len(PROMPTS[1]) - 1
+    new = other
+
+    # SIGKILL the second server while it generates a long batch: every sample still comes back, once
+    long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True, n=4)  # seconds of work per server
+    expected = HFEngine(new).generate(PROMPTS, long)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("groups", fleet.generate(PROMPTS, long)))
+    worker.start()
+    time.sleep(0.5)
+    import psutil
+
+    # the SGLang process group under the server's watchdog (as when the server crashes or is OOM-killed)
+    sglang_pid = psutil.Process(servers[1].proc.pid).children()[0].pid
+    os.killpg(sglang_pid, signal.SIGKILL)
+    worker.join(300)
+    assert not worker.is_alive()
+    assert _tokens(result["groups"]) == _tokens(expected)
+    assert fleet.alive == [True, False] and fleet.retried_rows > 0
+
+    # later calls use the survivor alone: a reload from disk and a generation
+    again = make_hf_model("qwen2", str(tmp_path / "again"), seed=6)
+    assert fleet.update_weights_from_disk(again) == 9
+    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(again).generate(PROMPTS, GREEDY))
