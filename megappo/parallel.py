@@ -177,3 +177,38 @@ def union_over_ranks(names: set[str], group: Any = None) -> set[str]:
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, sorted(names), group=group)
     return set().union(*map(set, gathered))
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor must be for a collective on `group`: the current GPU for NCCL (which takes no CPU tensors), else
+    the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_tensor(t: torch.Tensor, op: Any = None, group: Any = None) -> torch.Tensor:
+    """A reduced copy of `t` over `group` (default: the world; `op` default SUM), on `t`'s device; `t` itself without
+    peers. Moves it to where the backend needs it (NCCL: the GPU) and back."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    out = t.to(collective_device(group), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return out.to(t.device)
+
+
+def reduce_over_ranks(values: list[float], op: Any = None, group: Any = None,
+                      dtype: torch.dtype = torch.float64) -> list[float]:
+    """`values` reduced elementwise over `group` (default: the world; `op` default SUM): the same list on every
+    rank. Collective when there are peers."""
+    return reduce_tensor(torch.tensor(values, dtype=dtype), op, group).tolist()
+
+
+def gather_over_ranks(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """`t` of every rank of `group`, concatenated along dim 0 in rank order (every rank's `t` has the same shape)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return t
+    src = t.to(collective_device(group)).contiguous()
+    parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, src, group=group)
+    return torch.cat(parts).to(t.device)

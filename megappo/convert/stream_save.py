@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, cre
 from torch.distributed.checkpoint.planner import SavePlan
 
 from megappo.convert.mapping import ConversionError
+from megappo.parallel import reduce_over_ranks
 
 Path = tuple  # the keys leading to an item in the nested sharded state dict
 
@@ -136,11 +137,7 @@ def _world() -> tuple[int, int]:
 
 def _agree(n: int) -> int:
     """The maximum of `n` over all ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return n
-    t = torch.tensor([n], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return int(reduce_over_ranks([n], dist.ReduceOp.MAX, dtype=torch.int64)[0])
 
 
 def save_streamed(state: dict, directory: str, materialise: Callable[[torch.Tensor], torch.Tensor], *,

@@ -69,7 +69,7 @@ class SGLangFleet:
         done: dict[int, Completion] = {}
         pending = list(range(len(rows)))
         errors: list[str] = []
-        for attempt in range(self.max_attempts):
+        for _ in range(self.max_attempts):
             servers = self.live()
             if not servers:
                 break
@@ -82,10 +82,7 @@ class SGLangFleet:
                     self._failed(k, result)
                     pending += share
                     continue
-                for r, completion in zip(share, result):
-                    if r in done:
-                        raise RuntimeError(f"row {r} was answered twice")  # cannot happen: shares are disjoint
-                    done[r] = completion
+                done.update(zip(share, result))  # shares are disjoint: each row is answered by one server
             if not pending:
                 break
             self.retried_rows += len(pending)

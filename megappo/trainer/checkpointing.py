@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megappo.convert.export import iter_hf_weights
 from megappo.convert.mcore_to_hf import output_config, write_hf_dir
 from megappo.models.checkpoint import CheckpointError, load_model_checkpoint, save_model_checkpoint
+from megappo.parallel import reduce_over_ranks
+from megappo.trainer.files import fsync_dir, fsync_tree, write_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -39,36 +41,6 @@ def checkpoint_root(local_dir: str) -> str:
 
 def step_dir(local_dir: str, step: int) -> str:
     return os.path.join(checkpoint_root(local_dir), f"{PREFIX}{step}")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_tree(path: str) -> None:
-    """Flush every file and directory under `path` to disk, so the rename that publishes it publishes data."""
-    for parent, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(parent)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -110,11 +82,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------------------------
 def _agree(ok: bool) -> bool:
     """True on every rank iff `ok` on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return reduce_over_ranks([1 if ok else 0], dist.ReduceOp.MIN)[0] == 1
 
 
 def save(run: Any, local_dir: str, step: int, trainer_state: dict, max_keep: Optional[int]) -> str:
@@ -153,7 +121,7 @@ def save(run: Any, local_dir: str, step: int, trainer_state: dict, max_keep: Opt
             "and start the same command again to resume") from error
     if rank == 0:
         _publish(tmp, final)
-        _write_atomic(os.path.join(root, TRACKER), str(step))
+        write_atomic(os.path.join(root, TRACKER), str(step))
         _prune(root, max_keep)
     dist.barrier()
     return final
@@ -168,13 +136,13 @@ def _cause(error: Optional[BaseException]) -> str:
 
 
 def _publish(tmp: str, final: str) -> None:
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     old = None
     if os.path.exists(final):  # the same step saved again (a rolled-back run passing it a second time)
         old = f"{tmp}.old"
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final))
     if old:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -268,9 +236,15 @@ def load(run: Any, directory: str) -> dict:
 def export_actor(run: Any, out_dir: str) -> str:
     """The actor as a complete Hugging Face directory (what transformers and SGLang load); collective."""
     roles = run.roles
-    items = (item for bucket in iter_hf_weights(roles.actor.chunks, run.ps, roles.hf_config,
-                                                dtype=run.platform.dtype) for item in bucket)
-    write_hf_dir(items, roles.actor.hf_dir, out_dir, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
-                 progress=False, config=output_config(roles.hf_config, "actor", run.platform.dtype))
+    buckets = iter_hf_weights(roles.actor.chunks, run.ps, roles.hf_config, dtype=run.platform.dtype)
+    return write_actor_hf_dir(buckets, roles.hf_config, roles.actor.hf_dir, out_dir, run.platform.dtype)
+
+
+def write_actor_hf_dir(buckets: Any, hf_config: dict, side_files_from: str, out_dir: str, dtype: Any) -> str:
+    """The actor's exported buckets (`iter_hf_weights`) as a complete Hugging Face directory with the tokenizer files
+    of `side_files_from`; rank 0 writes, every rank drives the export. Collective."""
+    items = (item for bucket in buckets for item in bucket)
+    write_hf_dir(items, side_files_from, out_dir, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
+                 progress=False, config=output_config(hf_config, "actor", dtype))
     dist.barrier()
     return out_dir

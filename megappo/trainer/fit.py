@@ -32,9 +32,7 @@ def fit(cfg: MegappoConfig) -> int:
         batches = state.batches()
         while state.step < state.total_steps:
             step = state.step + 1
-            timer = Timer()
-            with timer("step"):
-                metrics = train_step(run, next(batches), step)
+            metrics = train_step(run, next(batches), step)
             if reason := phases.guard_verdict(run, metrics, step):
                 state.logger.log(step, {**metrics, "guard/rolled_back": 1.0})
                 rollback(run, state, step, reason)
@@ -46,10 +44,11 @@ def fit(cfg: MegappoConfig) -> int:
             state.step = step
             state.logger.log(step, metrics)  # before the save: a resumed run keeps the rows up to its checkpoint
             saved = t.save_freq > 0 and (step % t.save_freq == 0 or last)
+            timer = Timer()
             with timer("save"):
                 if saved:
                     checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
-            stop.timed(timer.seconds["step"], timer.seconds["save"])
+            stop.timed(metrics["timing/step_s"], timer.seconds["save"])
             if not last and (why := stop.reason()):
                 if not saved:
                     checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)

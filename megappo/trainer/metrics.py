@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Iterator, Optional
 
+from megappo.trainer.files import write_atomic
+
 CONSOLE_KEYS = ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss", "response/length_mean",
                 "timing/step_s")
 
@@ -120,12 +122,7 @@ def _keep_rows(path: str, last_step: Optional[int]) -> None:
                     continue
                 if row.get("step", 0) <= last_step:
                     kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(kept))
 
 
 def _json_number(v: float) -> Optional[float]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megappo import algos
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import compute_log_probs, compute_values, train_step
-from megappo.parallel import ParallelState
+from megappo.parallel import ParallelState, gather_over_ranks, reduce_over_ranks, reduce_tensor
 from megappo.platform.device import Platform
 from megappo.rewards.scorer import RewardScorer, ScoreItem
 from megappo.rollout.sampling import SamplingParams
@@ -57,35 +57,22 @@ class Run:
 def dp_gather(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     """Concatenate a [B] tensor over the data-parallel ranks (every rank has the same B; per-token [B, R] tensors
     differ in R between ranks: reduce their sums instead)."""
-    if ps.dp_size == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(ps.dp_size)]
-    dist.all_gather(parts, t.contiguous(), group=ps.dp_group)
-    return torch.cat(parts)
+    return gather_over_ranks(t, ps.dp_group) if ps.dp_size > 1 else t
 
 
 def dp_sum(values: list[float], ps: ParallelState) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if ps.dp_size > 1:
-        dist.all_reduce(t, group=ps.dp_group)
-    return t.tolist()
+    return reduce_over_ranks(values, group=ps.dp_group) if ps.dp_size > 1 else list(values)
 
 
 def dp_sum_tensor(ps: ParallelState):
     """A function summing a tensor over the data-parallel ranks (`algos.masked_whiten`'s `sum_across`)."""
     def sum_across(t: torch.Tensor) -> torch.Tensor:
-        if ps.dp_size > 1:
-            t = t.clone()
-            dist.all_reduce(t, group=ps.dp_group)
-        return t
+        return reduce_tensor(t, group=ps.dp_group) if ps.dp_size > 1 else t
     return sum_across
 
 
 def dp_max(value: float, ps: ParallelState) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if ps.dp_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.dp_group)
-    return float(t)
+    return reduce_over_ranks([value], dist.ReduceOp.MAX, ps.dp_group)[0] if ps.dp_size > 1 else float(value)
 
 
 def masked_mean_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> float:
@@ -293,11 +280,8 @@ def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[st
     """The KL guard's reason to undo this step (None: keep it), agreed by every rank: the metrics are reduced to
     the same numbers everywhere, but a rank that disagreed would leave the others in a collective."""
     reason = run.guard.check(metrics, step)
-    if dist.get_world_size() > 1:
-        flag = torch.tensor([1 if reason else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and reason is None:
-            reason = "another rank's metrics tripped the guard"
+    if reduce_over_ranks([1 if reason else 0], dist.ReduceOp.MAX)[0] and reason is None:
+        reason = "another rank's metrics tripped the guard"
     return reason
 
 

@@ -16,11 +16,12 @@ import sys
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from megappo.config import ConfigError
 from megappo.config.deadline import parse_deadline
+from megappo.parallel import reduce_over_ranks
+from megappo.trainer.files import write_atomic
 
 EXIT_REQUEUE = 75
 STATUS_FILE = "run_status.json"
@@ -69,10 +70,7 @@ class StopRequest:
             why = 2
         elif self.deadline is not None and time.time() + 1.5 * (self._step_s + self._save_s) > self.deadline:
             why = 1
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([why], dtype=torch.int32)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            why = int(t.item())
+        why = int(reduce_over_ranks([why], dist.ReduceOp.MAX)[0])
         return {0: None, 1: "trainer.save_before_deadline is near", 2: f"{self.signal or 'a signal'} received"}[why]
 
 
@@ -81,8 +79,5 @@ def write_status(local_dir: str, status: str, step: int, **extra) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(local_dir, exist_ok=True)
-    path = os.path.join(local_dir, STATUS_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"status": status, "step": step, "time": time.time(), **extra}, f)
-    os.replace(tmp, path)
+    write_atomic(os.path.join(local_dir, STATUS_FILE),
+                 json.dumps({"status": status, "step": step, "time": time.time(), **extra}))

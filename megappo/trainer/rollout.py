@@ -138,7 +138,7 @@ class RolloutWorker:
         mode = self.sync_mode
         target = self.engine if self.rollout.name == "hf" else self.sync_engine
         if mode == "disk":
-            directory = self._write_sync_dir(counted())  # every rank takes part in the export
+            directory = self._write_sync_dir(counted(), hf_config)  # every rank takes part in the export
             if target is not None:
                 self._around_sync(target, version, lambda: target.update_weights_from_disk(directory, version=version))
         elif self.holder and target is not None:
@@ -181,20 +181,14 @@ class RolloutWorker:
             fleet.resume()
         fleet.check_version(version)
 
-    def _write_sync_dir(self, buckets) -> str:
+    def _write_sync_dir(self, buckets, hf_config: dict) -> str:
         """disk mode: the actor as a Hugging Face directory the servers reload (rank 0 writes it)."""
-        from megappo.convert.mcore_to_hf import output_config, write_hf_dir
-        from megappo.models.hf_config import load_hf_config_dict
+        from megappo.trainer.checkpointing import write_actor_hf_dir
 
         directory = os.path.abspath(os.path.expanduser(
             self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync")))
-        items = (item for bucket in buckets for item in bucket)
-        model_dir = self.cfg.actor_rollout_ref.model.path
-        write_hf_dir(items, model_dir, directory, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
-                     progress=False, config=output_config(load_hf_config_dict(model_dir), "actor",
-                                                          self.platform.dtype))
-        dist.barrier()
-        return directory
+        return write_actor_hf_dir(buckets, hf_config, self.cfg.actor_rollout_ref.model.path, directory,
+                                  self.platform.dtype)
 
     def close(self) -> None:
         if self.rollout.name != "hf" and self.holder:
