@@ -24,7 +24,7 @@ EXTRAS = {
     "test": ["pytest>=8", "pytest-timeout>=2.3"],
     # GPU-only extras: never imported unless present.
     "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
-    "sglang": ["sglang>=0.5.23"],
+    "sglang": ["sglang>=0.5.23", "sglang-router>=0.3.2"],  # the router: rollout.router=sglang
     "bench": ["trl==1.12.0"],
 }
 

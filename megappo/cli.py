@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     ("megappo.train_cli", "register"),
     ("megappo.data.cli", "register"),
     ("megappo.convert.cli", "register"),
+    ("megappo.rollout_server_cli", "register"),
 ]
 
 

@@ -7,7 +7,10 @@
 # The GPU image already has torch, transformers, safetensors, tokenizers, pyarrow, tensorboard, PyYAML, tqdm,
 # psutil and pytest; megatron-core and omegaconf travel as wheels (Python 3.12, x86-64). transformer-engine's
 # wheels are too large to carry, so there the local layer spec runs: NCCL, bf16 and the CUDA platform are covered,
-# the TE spec only where the image has TE. Logs go to $OUT (or /tmp) as gpu_check.log.
+# the TE spec only where the image has TE. SGLang's GPU paths (NCCL and CUDA IPC weight sync, a TP2 server, the
+# trainer with a CUDA SGLang rollout: tests/gpu/test_gpu_sglang.py) run where the image has SGLang, in this python
+# or in MEGAPPO_SGLANG_PYTHON; elsewhere they are skipped with that reason. Logs go to $OUT (or /tmp) as
+# gpu_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -156,8 +156,23 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as-is (e.g. SGLang args)
-    # sglang: URLs of running servers (http://host:port); empty: the trainer starts one server per node
+    # sglang: URLs of running servers (http://host:port); empty: the trainer starts servers_per_node per node
     server_urls: list[str] = field(default_factory=list)
+    # sglang, started servers: how many each node's first rank starts (server i on GPUs i*tp .. i*tp+tp-1);
+    # None: one per tensor_model_parallel_size GPUs of the node, one on a CPU node
+    servers_per_node: Optional[int] = None
+    # sglang: every health_check_interval_s the client asks each server's /health (timeout health_check_timeout_s);
+    # a server that fails it, or a request, is restarted or dropped. The first wait is server_start_timeout_s.
+    health_check_interval_s: float = 30.0
+    health_check_timeout_s: float = 5.0
+    # sglang, started servers: a dead one is restarted before the next weight sync, which gives it the current
+    # weights before it serves again; false: it is dropped (the others take its share)
+    restart_failed_servers: bool = True
+    # sglang: none: megappo spreads requests over the servers itself; sglang: through a real sglang-router that
+    # the trainer starts in front of them (installed beside SGLang; router_python, default server_python)
+    router: Literal["none", "sglang"] = "none"
+    router_policy: Literal["round_robin", "cache_aware", "power_of_two", "random"] = "round_robin"
+    router_python: Optional[str] = None
     server_python: Optional[str] = None  # sglang: the python that has SGLang installed; None: this one
     # sglang: the address a started server binds and is reached at; multi-node: this node's cluster address
     server_host: str = "127.0.0.1"

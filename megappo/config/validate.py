@@ -252,7 +252,15 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, r.name == "sglang" or r.weight_sync in ("auto", "tensor"), f"{p}.weight_sync",
           f"is {r.weight_sync} but the in-process hf engine takes the weights in memory",
           f"use {p}.weight_sync=auto, or {p}.name=sglang")
-    for key in ("server_start_timeout_s", "request_timeout_s", "sync_timeout_s"):
+    _need(errors, r.name == "sglang" or r.router == "none", f"{p}.router",
+          f"is {r.router} but {p}.name={r.name} (a router fronts SGLang servers)",
+          f"set {p}.name=sglang, or {p}.router=none")
+    _need(errors, not (r.api_key or "").startswith("-"), f"{p}.api_key", "starts with '-', which SGLang's argument "
+          "parser reads as a flag", "choose a key that starts with a letter or digit (or null for a random one)")
+    _need(errors, r.servers_per_node is None or r.servers_per_node >= 1, f"{p}.servers_per_node",
+          f"must be >= 1 or null, got {r.servers_per_node}", "use null for one per tensor_model_parallel_size GPUs")
+    for key in ("server_start_timeout_s", "request_timeout_s", "sync_timeout_s", "health_check_interval_s",
+                "health_check_timeout_s"):
         _need(errors, getattr(r, key) > 0, f"{p}.{key}", f"must be > 0, got {getattr(r, key)}", "use seconds, e.g. 60")
     _need(errors, r.weight_sync_bucket_mb >= 1, f"{p}.weight_sync_bucket_mb",
           f"must be >= 1, got {r.weight_sync_bucket_mb}", "use e.g. 512")

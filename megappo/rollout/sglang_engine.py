@@ -95,16 +95,21 @@ class SGLangEngine:
         return grouped
 
     def generate_rows(self, input_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
-                      seed_rows: Sequence[int], params: SamplingParams) -> list[Completion]:
+                      seed_rows: Sequence[int], params: SamplingParams, *, batched: bool = True) -> list[Completion]:
         """One completion per row: `input_ids[k]` sampled with seed `params.seed + seed_rows[k]` (a row keeps its
         seed whichever server answers it). Raises RuntimeError naming the server when it fails, aborts a row, or
-        answers with another number of rows than it was asked (which would silently drop samples)."""
-        body = {
-            "input_ids": [list(p) for p in input_ids],
-            "sampling_params": [self._sampling_params(params, r) for r in seed_rows],
-            "return_logprob": True,
-            "logprob_start_len": -1,
-        }
+        answers with another number of rows than it was asked (which would silently drop samples).
+
+        `batched=False` sends exactly one row as a plain (non-list) request: sglang-router takes only those (its
+        request type has one `sampling_params` map, so a batch could not keep per-row seeds)."""
+        if batched:
+            body = {"input_ids": [list(p) for p in input_ids],
+                    "sampling_params": [self._sampling_params(params, r) for r in seed_rows]}
+        else:
+            if len(input_ids) != 1:
+                raise ValueError("an unbatched request holds exactly one row")
+            body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seed_rows[0])}
+        body.update(return_logprob=True, logprob_start_len=-1)
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):
             answer = [answer]

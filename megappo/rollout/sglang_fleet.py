@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -31,17 +33,39 @@ def _auth(engine: SGLangEngine) -> dict:
 class SGLangFleet:
     def __init__(self, urls: Sequence[str], *, timeout: float = 600, tp_size: int = 1, max_attempts: int = 3,
                  revive: Optional[Callable[[int], bool]] = None, engine_kwargs: Optional[dict] = None,
-                 master_address: str = "127.0.0.1", backend: str = "gloo"):
+                 master_address: str = "127.0.0.1", backend: str = "gloo", router_url: Optional[str] = None,
+                 health_check_interval_s: float = 30.0, health_check_timeout_s: float = 5.0,
+                 max_concurrency: int = 256):
         if not urls:
             raise ValueError("an SGLang fleet needs at least one server URL")
-        self.engines = [SGLangEngine(u, timeout=timeout, tp_size=tp_size, **(engine_kwargs or {})) for u in urls]
-        self.alive = [True] * len(urls)
+        self.engine_kwargs = dict(engine_kwargs or {})
         self.timeout, self.tp_size, self.max_attempts, self.revive = timeout, tp_size, max_attempts, revive
+        self.engines = [self._engine(u) for u in urls]
+        self.alive = [True] * len(urls)
         self.master_address, self.backend = master_address, backend  # the weight group's store and transport
+        # sglang-router: generation goes there one row per request (its requests hold one sampling_params map)
+        self.router = self._engine(router_url) if router_url else None
+        self.max_concurrency = max_concurrency
+        self.health_check_interval_s, self.health_check_timeout_s = health_check_interval_s, health_check_timeout_s
+        self._last_health_check = time.monotonic()
         self.retried_rows = 0  # rows answered by another server than the first one asked (since construction)
         self._group: Any = None
         self._group_servers: list[int] = []
         self._group_name = "megappo_fleet_weight_sync"
+
+    def _engine(self, url: str) -> SGLangEngine:
+        return SGLangEngine(url, timeout=self.timeout, tp_size=self.tp_size, **self.engine_kwargs)
+
+    def set_servers(self, urls: Sequence[str], alive: Sequence[bool]) -> None:
+        """The trainer's agreed view after restarts: these servers, these alive. The weight group is rebuilt at the
+        next sync (a restarted server, even on its old port, is a new process with no group)."""
+        version = self.weight_version
+        self.engines = [e if e.url == u.rstrip("/") else self._engine(u) for e, u in zip(self.engines, urls)] + \
+            [self._engine(u) for u in urls[len(self.engines):]]
+        self.engines = self.engines[:len(urls)]
+        self.alive = list(alive)
+        self.weight_version = version
+        self.close_weight_group()
 
     @property
     def weight_version(self) -> int:
@@ -69,7 +93,14 @@ class SGLangFleet:
         done: dict[int, Completion] = {}
         pending = list(range(len(rows)))
         errors: list[str] = []
+        self._check_health_if_due()
         for _ in range(self.max_attempts):
+            if self.router is not None:
+                pending = self._send_via_router(pending, prompts, rows, params, done, errors)
+                if not pending:
+                    break
+                self.retried_rows += len(pending)
+                continue
             servers = self.live()
             if not servers:
                 break
@@ -88,8 +119,10 @@ class SGLangFleet:
             self.retried_rows += len(pending)
             pending.sort()
         if pending:
+            via = f"router {self.router.url}" if self.router is not None else \
+                f"live servers: {[self.urls[k] for k in self.live()]}"
             raise RuntimeError(f"SGLang fleet: {len(pending)} of {len(rows)} samples got no answer after "
-                               f"{self.max_attempts} attempts (live servers: {[self.urls[k] for k in self.live()]}); "
+                               f"{self.max_attempts} attempts ({via}); "
                                "errors: " + "; ".join(errors[-4:]))
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for r in range(len(rows)):
@@ -115,12 +148,43 @@ class SGLangFleet:
             t.join()
         return results
 
+    def _send_via_router(self, pending: list[int], prompts, rows, params, done: dict, errors: list) -> list[int]:
+        """Each pending row as a request of its own to the router (which spreads them over its workers and retries
+        a failed one elsewhere); the rows that still failed."""
+        router = self.router
+
+        def one(r: int) -> Completion:
+            return router.generate_rows([prompts[rows[r]]], [rows[r]], [r], params, batched=False)[0]
+
+        failed = []
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(pending)))) as pool:
+            for r, future in [(r, pool.submit(one, r)) for r in pending]:
+                try:
+                    done[r] = future.result()
+                except Exception as e:  # noqa: BLE001 - retried, then reported
+                    errors.append(f"{router.url}: {e}")
+                    failed.append(r)
+        return failed
+
+    def _check_health_if_due(self) -> None:
+        """Every `health_check_interval_s`, ask each live server's /health (`health_check_timeout_s`): a dead one is
+        revived or dropped before it is given work, not after its requests time out."""
+        if time.monotonic() - self._last_health_check < self.health_check_interval_s:
+            return
+        self._last_health_check = time.monotonic()
+        for k in self.live():
+            try:
+                http_json(self.engines[k].url + "/health", timeout=self.health_check_timeout_s,
+                          **_auth(self.engines[k]))
+            except Exception as e:  # noqa: BLE001 - no answer is the failure
+                self._failed(k, e)
+
     def _failed(self, k: int, error: BaseException) -> None:
         """A server's request failed: keep it if it is still healthy (the request itself was bad luck), else try to
         revive it, else drop it with a warning."""
         engine = self.engines[k]
         try:
-            http_json(engine.url + "/health", timeout=5, **_auth(engine))
+            http_json(engine.url + "/health", timeout=self.health_check_timeout_s, **_auth(engine))
             return
         except Exception:  # noqa: BLE001 - any failure to answer means the server is gone
             pass

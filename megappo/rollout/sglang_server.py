@@ -146,7 +146,10 @@ class SGLangServer:
                  trust_remote_code: bool = False, host: str = "127.0.0.1", api_key: Optional[str] = None,
                  port_attempts: int = 5, stop_grace_s: float = 15.0):
         self.python, self.host, self.port_auto = python, host, port is None
-        self.api_key = api_key or secrets.token_urlsafe(24)
+        # hex: a random key starting with "-" would read as a flag to SGLang's argument parser (seen: exit 2)
+        self.api_key = api_key or secrets.token_hex(24)
+        if self.api_key.startswith("-"):
+            raise ValueError("an SGLang API key must not start with '-' (SGLang's argument parser takes it for a flag)")
         self.port_attempts, self.stop_grace_s = port_attempts, stop_grace_s
         self._args = ["--model-path", os.path.abspath(model_path), "--dtype", dtype, "--host", host,
                       "--max-total-tokens", str(max_total_tokens), "--disable-overlap-schedule", *extra_args]
@@ -156,7 +159,9 @@ class SGLangServer:
         # wait in its own torch.distributed init for ranks that never come (measured: a hang at "Init parallel")
         self.env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
         if not cuda:
-            self._args += ["--device", "cpu", "--attention-backend", "torch_native"]
+            # --sleep-on-idle: an idle CPU server's scheduler otherwise busy-waits on a whole core (measured 1.01
+            # cores idle, 0.02 with it), which the trainer and a weight sync on the same machine then lack
+            self._args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env["PYTHONPATH"] = ""  # the server's own environment, not the caller's

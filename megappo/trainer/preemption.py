@@ -75,9 +75,16 @@ class StopRequest:
 
 
 def write_status(local_dir: str, status: str, step: int, **extra) -> None:
-    """`<local_dir>/run_status.json`: how the run ended (finished, preempted, stopped) and at which step; rank 0."""
+    """`<local_dir>/run_status.json`: how the run ended (finished, preempted, stopped) and at which step; rank 0.
+    Also `$MEGAPPO_STATUS_FILE` when set, by each node's local rank 0."""
+    text = json.dumps({"status": status, "step": step, "time": time.time(), **extra})
+    launcher_file = os.environ.get("MEGAPPO_STATUS_FILE")
+    if launcher_file and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # launch/torchrun.sh's fresh file for this invocation: every node's launcher turns it into its exit status
+        # (torchrun's own is 1 for any failing worker), and run_status.json is on rank 0's node only, possibly left
+        # by an earlier run
+        write_atomic(launcher_file, text)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(local_dir, exist_ok=True)
-    write_atomic(os.path.join(local_dir, STATUS_FILE),
-                 json.dumps({"status": status, "step": step, "time": time.time(), **extra}))
+    write_atomic(os.path.join(local_dir, STATUS_FILE), text)

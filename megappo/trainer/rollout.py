@@ -5,9 +5,11 @@ generates for its replica's share of the prompts; the completions go to the repl
 every rank (`Samples`, token lists: small), so every rank sees the whole step. Engines:
 
 - `hf`: megappo's in-process engine (`HFEngine`), one per replica, on the same HF weights as the actor.
-- `sglang`: SGLang servers; the trainer starts one (global rank 0) unless `rollout.server_urls` names running
-  ones. Every replica's holder spreads its requests over all of them (`SGLangFleet`: a failed server's rows go to
-  another, every sample comes back once); global rank 0 streams the weights into all of them with one broadcast.
+- `sglang`: SGLang servers; each node's first rank starts its share of them (`ServerSet`, rollout_servers.py)
+  unless `rollout.server_urls` names running ones. Every replica's holder spreads its requests over all of them,
+  itself or through sglang-router (`SGLangFleet`: a failed server's rows go to another, every sample comes back
+  once); global rank 0 streams the weights into all of them with one broadcast. Before each sync dead servers are
+  restarted (or dropped), so the sync gives them the current weights.
 
 Weight sync exports the actor with the conversion code (`iter_hf_weights`, collective over every rank) and loads
 the buckets into the engine(s) on the holders.
@@ -15,7 +17,6 @@ the buckets into the engine(s) on the holders.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import replace
 from typing import Any, Sequence
@@ -51,7 +52,7 @@ class RolloutWorker:
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
         self.holder = dist.get_rank(ps.mp_group) == 0
-        self.server = None
+        self.servers: Any = None  # sglang: the run's ServerSet
         self.engine: Any = None  # this replica's engine (holders only)
         self.sync_engine: Any = None  # sglang: the engine global rank 0 streams weights into
         self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
@@ -69,26 +70,31 @@ class RolloutWorker:
     # -- SGLang ----------------------------------------------------------------------------------------------------
     def _connect_sglang(self) -> None:
         from megappo.rollout.sglang_fleet import SGLangFleet
-        from megappo.rollout.sglang_server import SGLangServer
+        from megappo.trainer.rollout_servers import ServerSet
 
         r = self.rollout
-        urls, key = list(r.server_urls), r.api_key
-        if not urls:
-            if dist.get_rank() == 0:
-                self.server = SGLangServer(self.cfg.actor_rollout_ref.model.path,
-                                           python=r.server_python or sys.executable, cuda=self.platform.is_cuda,
-                                           **self._server_kwargs())
-                self.server.start(timeout=r.server_start_timeout_s)
-                urls, key = [self.server.url], self.server.api_key
-            # the started server's key is random: every holder needs it
-            urls, key = _broadcast_objects([(urls, key)], dist.group.WORLD)[0]
+        self.servers = ServerSet(self.cfg, self.platform, self._server_kwargs())
+        self.servers.start()
         if self.holder:
             self.engine = SGLangFleet(
-                urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
-                engine_kwargs={"api_key": key, "sync_timeout": r.sync_timeout_s},
+                self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
+                engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s},
                 master_address=r.weight_sync_master_address or r.server_host,
-                backend="nccl" if self.platform.is_cuda else "gloo")
+                backend="nccl" if self.platform.is_cuda else "gloo", router_url=self.servers.router_url,
+                health_check_interval_s=r.health_check_interval_s, health_check_timeout_s=r.health_check_timeout_s)
             self.sync_engine = self.engine if dist.get_rank() == 0 else None
+
+    def _heal_servers(self) -> dict[str, float]:
+        """Collective, before a sync: dead servers restarted (or dropped) and every client told; the sync that
+        follows gives a restarted server the current weights before it serves again."""
+        fleet = self.engine if self.holder else None
+        dropped = {fleet.urls[k] for k, ok in enumerate(fleet.alive) if not ok} if fleet is not None else set()
+        if self.servers.heal(dropped) and fleet is not None:
+            fleet.set_servers(self.servers.urls, self.servers.alive)
+            if self.servers.router_url and (fleet.router is None or fleet.router.url != self.servers.router_url):
+                fleet.router = fleet._engine(self.servers.router_url)
+        return {"rollout/servers_live": float(sum(self.servers.alive)),
+                "rollout/server_restarts": float(self.servers.restarts)}
 
     def _server_kwargs(self) -> dict:
         """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
@@ -125,6 +131,7 @@ class RolloutWorker:
         paused around it (and their prefix caches flushed), and must report the new version afterwards."""
         version = self.weight_version + 1
         t0 = time.perf_counter()
+        health = self._heal_servers() if self.servers is not None else {}
         buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
                                   dtype=self.platform.dtype)
         nbytes = 0
@@ -155,7 +162,7 @@ class RolloutWorker:
         self.weight_version = version
         seconds = time.perf_counter() - t0
         return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
-                "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9)}
+                "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9), **health}
 
     def engine_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
         """Global rank 0: each engine's log p(token_ids[k] | token_ids[:k]) for k >= 1 (rollout.verify_sync)."""
@@ -197,9 +204,9 @@ class RolloutWorker:
                     engine.close_weight_group()
                 except Exception:  # noqa: BLE001 - closing a group of a server that is going away
                     pass
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        if self.servers is not None:
+            self.servers.stop()
+            self.servers = None
         self.engine = None
 
 

@@ -4,13 +4,16 @@ their seeds), and one weight broadcast updates both servers."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from megappo.rollout import HFEngine, SamplingParams
+from megappo.rollout.sglang_engine import SGLangEngine
 from megappo.rollout.sglang_fleet import SGLangFleet
 from megappo.rollout.sglang_server import SGLangServer
 
@@ -26,7 +29,8 @@ def _tokens(groups):
 @pytest.fixture()
 def two_servers(sglang_python, hf_model_dir):
     model = hf_model_dir("qwen2")
-    servers = [SGLangServer(model, python=sglang_python) for _ in range(2)]
+    key = secrets.token_urlsafe(16)  # one key for the fleet, as the trainer gives its servers (a router needs it)
+    servers = [SGLangServer(model, python=sglang_python, api_key=key) for _ in range(2)]
     starters = [threading.Thread(target=s.start) for s in servers]
     try:
         for t in starters:
@@ -49,6 +53,26 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     fleet = SGLangFleet([s.url for s in servers])
     got = fleet.generate(PROMPTS, GREEDY)
     assert _tokens(got) == _tokens(HFEngine(model).generate(PROMPTS, GREEDY)) and fleet.retried_rows == 0
+
+    # the real sglang-router in front of both: with other weights on the second server, each row's answer is one
+    # of the two models', and both models answer (the router spread the rows); a wrong key is refused
+    from megappo.rollout.sglang_router import SGLangRouter
+    from megappo.rollout.sglang_server import http_json
+
+    routed = make_hf_model("qwen2", str(tmp_path / "routed"), seed=3)
+    SGLangEngine(servers[1].url).update_weights_from_disk(routed, version=1)
+    with SGLangRouter([s.url for s in servers], python=servers[0].python, api_key=servers[0].api_key) as router:
+        assert router.healthy_workers() == sorted(s.url for s in servers)
+        via = SGLangFleet([s.url for s in servers], router_url=router.url).generate(PROMPTS * 2, GREEDY)
+        first, second = (_tokens(HFEngine(m).generate(PROMPTS * 2, GREEDY)) for m in (model, routed))
+        answers = ["first" if t == a else "second" if t == b else "neither"
+                   for t, a, b in zip(_tokens(via), first, second)]
+        assert "neither" not in answers and set(answers) == {"first", "second"}, answers
+        with pytest.raises(RuntimeError, match="401"):
+            http_json(router.url + "/workers", timeout=5, api_key="wrong")
+        router_pid = router.proc.pid
+    assert not psutil.pid_exists(router_pid) or psutil.Process(router_pid).status() == psutil.STATUS_ZOMBIE
+    SGLangEngine(servers[1].url).update_weights_from_disk(model, version=0)
 
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=3, ignore_eos=True, seed=11)
     groups = fleet.generate(PROMPTS, sampled)
@@ -84,7 +108,6 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     worker = threading.Thread(target=lambda: result.setdefault("groups", fleet.generate(PROMPTS, long)))
     worker.start()
     time.sleep(0.5)
-    import psutil
 
     # the SGLang process group under the server's watchdog (as when the server crashes or is OOM-killed)
     sglang_pid = psutil.Process(servers[1].proc.pid).children()[0].pid

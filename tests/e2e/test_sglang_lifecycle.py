@@ -360,3 +360,42 @@ def test_the_watchdog_follows_the_process_not_the_thread_that_started_it():
         for pid, _, _, args in _ps():
             if args == f"sleep {marker}":
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.e2e
+@pytest.mark.sglang
+def test_rollout_server_command_publishes_its_server_and_stops_it_on_sigterm(sglang_python, hf_model_dir, tmp_path):
+    """`megappo rollout-server` (server nodes in launch/slurm/train_sglang.sbatch): once the server answers, the
+    URL file (mode 0600) names it and its key, the key works and another is refused; SIGTERM stops the server,
+    removes the file and exits 0."""
+    import json
+    import stat
+
+    url_file = tmp_path / "server-0.json"
+    proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "rollout-server", "--model", hf_model_dir("qwen2"),
+                             "--url-file", str(url_file), "--host", "127.0.0.1", "--python", sglang_python],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not url_file.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert url_file.exists(), proc.communicate(timeout=30)[0][-3000:] if proc.poll() is not None else "timeout"
+        assert stat.S_IMODE(url_file.stat().st_mode) == 0o600
+        record = json.loads(url_file.read_text())
+        port = int(record["url"].rsplit(":", 1)[1])
+        groups = _server_groups(port)
+        engine = SGLangEngine(record["url"], api_key=record["api_key"])
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+        assert len(out[0][0].output_ids) == 3
+        with pytest.raises(RuntimeError, match="401"):
+            http_json(record["url"] + "/model_info", timeout=10, api_key="not-the-key")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not url_file.exists()
+    try:
+        _wait_for(lambda: not _left(port, groups), 30, "the server's processes to exit")
+    finally:
+        _kill_leftovers(port, groups)

@@ -18,7 +18,8 @@ def _servers() -> list[str]:
     return [line for line in ps.splitlines() if "sglang.launch_server" in line]
 
 
-@pytest.mark.parametrize("sync", ["distributed", "disk"])
+# distributed (the default) at trainer level: the DP2 and router tests below
+@pytest.mark.parametrize("sync", ["disk", pytest.param("distributed", marks=pytest.mark.long)])
 def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path, sync):
     """Each sync mode: the server then holds exactly the actor's weights (verify_sync compares its log-probs of
     fixed tokens with the trainer's after every sync) and reports the new version."""
@@ -73,3 +74,66 @@ def test_two_data_parallel_ranks_share_the_started_server(sglang_python, hf_mode
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3 for r in rows)
     assert _servers() == before
+
+
+def _rollout_processes() -> list[str]:
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "sglang.launch_server" in line or "sglang_router" in line]
+
+
+def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_python, hf_model_dir, tmp_path):
+    """rollout.servers_per_node=2 behind a real sglang-router. One server is SIGKILLed after step 1: step 2 still
+    gets every sample (the router sends the dead server's requests to the other), the sync of step 2 restarts it
+    and gives it the current weights (verify_sync reads every server's log-probs), and step 3 uses both again."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
+    out = tmp_path / "run"
+    cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
+        str(out), hf_model_dir("qwen2"), train, steps=3,
+        extra=["actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
+               "actor_rollout_ref.rollout.servers_per_node=2", "actor_rollout_ref.rollout.router=sglang",
+               "actor_rollout_ref.rollout.health_check_interval_s=2", "actor_rollout_ref.rollout.verify_sync=true"]))
+    before = _rollout_processes()
+    killed: dict = {}
+
+    def kill_a_server_after_step_1() -> None:
+        deadline = time.time() + 400
+        while time.time() < deadline and not killed.get("stop"):
+            try:
+                with open(out / "metrics.jsonl") as f:
+                    if any(json.loads(line)["step"] == 1 for line in f if line.strip()):
+                        break
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.2)
+        else:
+            return
+        servers = [p for p in psutil.Process().children(recursive=True)
+                   if "sglang.launch_server" in " ".join(p.cmdline())]
+        victim = servers[-1]
+        killed["port"] = victim.cmdline()[victim.cmdline().index("--port") + 1]
+        os.killpg(victim.pid, signal.SIGKILL)  # the server and its scheduler, as a crash or the OOM killer would
+
+    killer = threading.Thread(target=kill_a_server_after_step_1, daemon=True)
+    killer.start()
+    try:
+        assert fit(cfg) == 0
+    finally:
+        killed["stop"] = True
+        killer.join(10)
+    assert "port" in killed, "no server was killed"
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/server_restarts"] for r in rows] == [0, 1, 1]
+    assert all(r["rollout/servers_live"] == 2 for r in rows)
+    for r in rows:  # every server, the restarted one included, holds exactly the actor's weights after each sync
+        assert r["rollout/verify_sync_max_diff"] <= 1e-3 and r["rollout/logprob_diff_mean"] <= 1e-3
+    assert rows[2]["rollout/weight_version"] == 3
+    assert _rollout_processes() == before  # servers, the restarted one and the router all stopped

@@ -17,6 +17,7 @@ SUBCOMMANDS = [
     ["convert", "hf-to-mcore"],
     ["convert", "mcore-to-hf"],
     ["convert", "verify"],
+    ["rollout-server"],
 ]
 
 
@@ -32,7 +33,7 @@ def test_help(argv, capsys):
 
 def test_every_subcommand_is_registered():
     names = set(build_parser()._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse has no public API
-    assert {"train", "data", "convert"} <= names
+    assert {"train", "data", "convert", "rollout-server"} <= names
 
 
 def test_help_does_not_import_heavy_modules():

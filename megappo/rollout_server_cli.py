@@ -1,0 +1,97 @@
+"""`megappo rollout-server`: one SGLang server for a trainer on other nodes (Slurm/Ray layouts with server nodes).
+
+It starts the server under megappo's watchdog (the server dies with this command, whatever kills it), writes
+`{"url": ..., "api_key": ...}` to `--url-file` (mode 0600, atomically) once the server answers as ours, and then
+waits. SIGTERM or SIGINT stops the server, removes the URL file and exits 0; a server that dies on its own exits 1
+with its log's tail. The trainer takes the URLs with `actor_rollout_ref.rollout.server_urls=[...]` and the key with
+`actor_rollout_ref.rollout.api_key=...` (launch/slurm/train_sglang.sbatch does both).
+
+Registration imports only argparse.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "rollout-server", help="run one SGLang server for a trainer elsewhere and publish its URL and key",
+        description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face directory of the actor's initial weights")
+    p.add_argument("--url-file", required=True, help="where to write {url, api_key} once the server is up")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address to bind (default all interfaces: trainers on other nodes connect; every request "
+                   "needs the API key). The published URL names this host")
+    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    p.add_argument("--python", default=sys.executable, help="the Python that has SGLang (default: this one)")
+    p.add_argument("--tp", type=int, default=1, help="the server's tensor parallel size (GPUs)")
+    p.add_argument("--dtype", default=None, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--api-key", default=None, help="the server's key (default: a random one, published in the file)")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a cold start")
+    p.add_argument("--trust-remote-code", action="store_true", help="let SGLang run code shipped with the model")
+    p.add_argument("extra", nargs="*", metavar="-- SGLANG_FLAG",
+                   help="further sglang.launch_server flags, after --")
+    p.set_defaults(func=run)
+
+
+def _publish(path: str, record: dict) -> None:
+    from megappo.trainer.files import write_atomic
+
+    write_atomic(path, json.dumps(record) + "\n")
+    os.chmod(path, 0o600)  # the key is a credential
+
+
+def run(args: argparse.Namespace) -> int:
+    from megappo.rollout.sglang_server import SGLangServer
+
+    if args.tp < 1:
+        print(f"megappo rollout-server: --tp must be >= 1 (got {args.tp})", file=sys.stderr)
+        return 2
+    cuda = _has_cuda()
+    extra = list(args.extra) + (["--tp", str(args.tp)] if args.tp > 1 else [])
+    server = SGLangServer(args.model, python=args.python, port=args.port, cuda=cuda,
+                          dtype=args.dtype or ("bfloat16" if cuda else "float32"), extra_args=extra,
+                          trust_remote_code=args.trust_remote_code, host=args.host, api_key=args.api_key)
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+        raise KeyboardInterrupt  # leaves start() (which then stops what it launched) or the wait below
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    try:
+        seconds = server.start(timeout=args.start_timeout)
+        _publish(args.url_file, {"url": server.url, "api_key": server.api_key, "pid": os.getpid()})
+        print(f"megappo rollout-server: {server.url} up in {seconds:.0f} s; published in {args.url_file}",
+              flush=True)
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(1)
+        print(f"megappo rollout-server: the server exited on its own (code {server.proc.returncode}); log tail:\n"
+              f"{server.log_tail()}", file=sys.stderr)
+        server.failed = True
+        return 1
+    except KeyboardInterrupt:
+        return 0 if stop["signal"] is not None else 130
+    except RuntimeError as e:
+        print(f"megappo rollout-server: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.stop()
+        try:
+            os.unlink(args.url_file)
+        except FileNotFoundError:
+            pass
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

@@ -1,0 +1,39 @@
+"""The SGLang fleet's settings: the README states the health-check defaults the config tree has, and settings that
+cannot work are refused with the key and the fix."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megappo.config import ConfigError, load_config, validate
+from megappo.config.schema import RolloutConfig
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+P = "actor_rollout_ref.rollout"
+
+
+@pytest.mark.parametrize("key", ["health_check_interval_s", "health_check_timeout_s", "server_start_timeout_s"])
+def test_readme_states_the_health_defaults_of_the_config_tree(key):
+    stated = re.search(rf"`rollout\.{key}` \((\d+) s\)", README)
+    assert stated, f"README does not state rollout.{key}'s default"
+    assert float(stated.group(1)) == getattr(RolloutConfig(), key)
+
+
+@pytest.mark.parametrize("overrides, key, fix", [
+    ([f"{P}.router=sglang"], f"{P}.router", f"set {P}.name=sglang"),
+    ([f"{P}.name=sglang", f"{P}.servers_per_node=0"], f"{P}.servers_per_node", "use null"),
+    ([f"{P}.name=sglang", f"{P}.api_key=-abc"], f"{P}.api_key", "starts with a letter or digit"),
+    ([f"{P}.name=sglang", f"{P}.health_check_timeout_s=0"], f"{P}.health_check_timeout_s", "use seconds"),
+])
+def test_fleet_settings_that_cannot_work_are_refused(overrides, key, fix):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config("cpu/tiny_ppo", overrides), world_size=1, check_files=False)
+    assert key in str(info.value) and fix in str(info.value)
+
+
+def test_a_router_over_started_servers_is_valid():
+    cfg = load_config("cpu/tiny_ppo", [f"{P}.name=sglang", f"{P}.router=sglang", f"{P}.servers_per_node=2"])
+    validate(cfg, world_size=1, check_files=False)
+    assert cfg.actor_rollout_ref.rollout.router == "sglang"
