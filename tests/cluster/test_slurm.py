@@ -175,6 +175,7 @@ def test_two_nodes_both_get_the_stop_request_and_save_one_checkpoint(slurm, tmp_
 
 @pytest.mark.multirank
 @pytest.mark.timeout(JOB_TIMEOUT)
+@pytest.mark.long  # train.sbatch's tests cover the discovery and port code convert.sbatch shares
 def test_convert_sbatch_runs_on_cpu_nodes_from_any_directory(slurm, hf_model_dir, tmp_path):
     """No GPUs asked for (a CPU-only cluster rejects a GPU request), TP2 as one rank on each of two nodes (their
     rendezvous on the job's own port), the output path relative to the submit directory."""

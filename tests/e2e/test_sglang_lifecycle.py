@@ -364,6 +364,7 @@ def test_the_watchdog_follows_the_process_not_the_thread_that_started_it():
 
 @pytest.mark.e2e
 @pytest.mark.sglang
+@pytest.mark.long  # a whole server start for the command's wrapper; the server itself is tested above
 def test_rollout_server_command_publishes_its_server_and_stops_it_on_sigterm(sglang_python, hf_model_dir, tmp_path):
     """`megappo rollout-server` (server nodes in launch/slurm/train_sglang.sbatch): once the server answers, the
     URL file (mode 0600) names it and its key, the key works and another is refused; SIGTERM stops the server,

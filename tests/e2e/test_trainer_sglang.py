@@ -18,7 +18,7 @@ def _servers() -> list[str]:
     return [line for line in ps.splitlines() if "sglang.launch_server" in line]
 
 
-# distributed (the default) at trainer level: the DP2 and router tests below
+# at trainer level the default (distributed) runs in the DP2 and router tests below; both modes at fleet level
 @pytest.mark.parametrize("sync", ["disk", pytest.param("distributed", marks=pytest.mark.long)])
 def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path, sync):
     """Each sync mode: the server then holds exactly the actor's weights (verify_sync compares its log-probs of
