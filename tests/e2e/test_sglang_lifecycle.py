@@ -32,7 +32,10 @@ SGLANG = [pytest.mark.e2e, pytest.mark.sglang]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
 
 PARENT = """
-import sys, time
+import signal, sys, time
+# Ctrl-C raises KeyboardInterrupt even when this test runs with SIGINT ignored (inherited by a background job of a
+# non-interactive shell, e.g. `.ci/run &`), in which case Python would install no handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from megappo.rollout.sglang_server import SGLangServer
 server = SGLangServer(sys.argv[1], python=sys.argv[2], port=int(sys.argv[3]))
 print(server.log.name, flush=True)
