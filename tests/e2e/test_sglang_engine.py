@@ -21,6 +21,7 @@ def _same(got, want, tol=1e-4):
             assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < tol
 
 
+@pytest.mark.long  # the fleet test compares greedy tokens with the in-process engine too
 def test_sglang_engine_generates_what_the_in_process_engine_does(sglang_python, hf_model_dir, tmp_path):
     from megappo.testing.hf_models import make_hf_model
 

@@ -41,6 +41,7 @@ def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path,
 
 
 @pytest.mark.multirank
+@pytest.mark.long  # started servers under the trainer: the router test; torchrun layouts: tests/cluster, test_two_nodes
 def test_two_data_parallel_ranks_share_the_started_server(sglang_python, hf_model_dir, tmp_path):
     """DP2 under torchrun: rank 0 starts the server (with a random API key), both ranks' engines send their halves
     of the batch to it with that key, and rank 0 streams the weights."""
