@@ -6,7 +6,8 @@ wrong number of rows) goes again to another live server; every row keeps its sam
 retried sample is the one the failed server would have drawn (with SGLang's deterministic inference). A server
 that fails and then does not answer `/health` is dropped with a warning; `revive`, when given, may restart it (the
 caller then gives it the current weights) before it serves again. The result holds every row exactly once or the
-call raises.
+call raises. With `router_url` (sglang-router in front of the servers) every row is a request of its own to the
+router, which picks the server; failed rows are sent again.
 
 Weights go to every live server at once: one weight group holds the trainer (rank 0) and each server's TP ranks
 (server k at ranks 1 + k * tp ...), so each bucket is broadcast once whatever the number of servers.
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.sglang_engine import Bucket, SGLangEngine, _checked, _joined, _post_in_background
-from megappo.rollout.sglang_server import free_port, http_json
+from megappo.rollout.sglang_server import free_port, http_json, is_healthy
 
 
 def _auth(engine: SGLangEngine) -> dict:
@@ -56,15 +57,16 @@ class SGLangFleet:
     def _engine(self, url: str) -> SGLangEngine:
         return SGLangEngine(url, timeout=self.timeout, tp_size=self.tp_size, **self.engine_kwargs)
 
-    def set_servers(self, urls: Sequence[str], alive: Sequence[bool]) -> None:
-        """The trainer's agreed view after restarts: these servers, these alive. The weight group is rebuilt at the
-        next sync (a restarted server, even on its old port, is a new process with no group)."""
+    def set_servers(self, urls: Sequence[str], alive: Sequence[bool], router_url: Optional[str] = None) -> None:
+        """The trainer's agreed view after restarts: these servers, these alive, this router. The weight group is
+        rebuilt at the next sync (a restarted server, even on its old port, is a new process with no group)."""
         version = self.weight_version
-        self.engines = [e if e.url == u.rstrip("/") else self._engine(u) for e, u in zip(self.engines, urls)] + \
-            [self._engine(u) for u in urls[len(self.engines):]]
-        self.engines = self.engines[:len(urls)]
+        known = {e.url: e for e in self.engines}
+        self.engines = [known.get(u.rstrip("/")) or self._engine(u) for u in urls]
         self.alive = list(alive)
         self.weight_version = version
+        if router_url and (self.router is None or self.router.url != router_url.rstrip("/")):
+            self.router = self._engine(router_url)
         self.close_weight_group()
 
     @property
@@ -173,21 +175,14 @@ class SGLangFleet:
             return
         self._last_health_check = time.monotonic()
         for k in self.live():
-            try:
-                http_json(self.engines[k].url + "/health", timeout=self.health_check_timeout_s,
-                          **_auth(self.engines[k]))
-            except Exception as e:  # noqa: BLE001 - no answer is the failure
-                self._failed(k, e)
+            self._failed(k, "no answer to the periodic health check")  # keeps it when it answers now
 
-    def _failed(self, k: int, error: BaseException) -> None:
+    def _failed(self, k: int, error: Any) -> None:
         """A server's request failed: keep it if it is still healthy (the request itself was bad luck), else try to
         revive it, else drop it with a warning."""
         engine = self.engines[k]
-        try:
-            http_json(engine.url + "/health", timeout=self.health_check_timeout_s, **_auth(engine))
+        if is_healthy(engine.url, self.health_check_timeout_s, engine.api_key):
             return
-        except Exception:  # noqa: BLE001 - any failure to answer means the server is gone
-            pass
         if self.revive is not None and self.revive(k):
             print(f"megappo rollout: SGLang server {engine.url} failed ({error}) and was restarted",
                   file=sys.stderr, flush=True)

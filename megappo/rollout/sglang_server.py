@@ -122,6 +122,15 @@ def http_json(url: str, payload: Any = None, timeout: float = 600, api_key: Opti
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
+def is_healthy(url: str, timeout: float = 5, api_key: Optional[str] = None) -> bool:
+    """Whether the server at `url` answers GET /health within `timeout` seconds."""
+    try:
+        http_json(url + "/health", timeout=timeout, api_key=api_key)
+        return True
+    except Exception:  # noqa: BLE001 - no answer in time, a refused connection, an error status: unhealthy
+        return False
+
+
 def _status(url: str, api_key: str, timeout: float = 5) -> int:
     """The HTTP status of GET `url` with `api_key` (0: no answer)."""
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"})

@@ -90,9 +90,7 @@ class RolloutWorker:
         fleet = self.engine if self.holder else None
         dropped = {fleet.urls[k] for k, ok in enumerate(fleet.alive) if not ok} if fleet is not None else set()
         if self.servers.heal(dropped) and fleet is not None:
-            fleet.set_servers(self.servers.urls, self.servers.alive)
-            if self.servers.router_url and (fleet.router is None or fleet.router.url != self.servers.router_url):
-                fleet.router = fleet._engine(self.servers.router_url)
+            fleet.set_servers(self.servers.urls, self.servers.alive, self.servers.router_url)
         return {"rollout/servers_live": float(sum(self.servers.alive)),
                 "rollout/server_restarts": float(self.servers.restarts)}
 

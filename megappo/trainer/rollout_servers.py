@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
 from megappo.platform.device import Platform
-from megappo.rollout.sglang_server import SGLangServer, http_json
+from megappo.rollout.sglang_server import SGLangServer, is_healthy
 
 
 def _all_gather(obj: Any) -> list:
@@ -146,7 +146,7 @@ class ServerSet:
         before, restarts = (list(self.urls), list(self.alive)), self.restarts
         if self.external:
             if dist.get_rank() == 0:
-                self.alive = [_healthy(u, self.r.health_check_timeout_s) for u in self.urls]
+                self.alive = [is_healthy(u, self.r.health_check_timeout_s) for u in self.urls]
             self.alive = _broadcast(self.alive)
         else:
             mine = self._heal_mine(dropped) if self.starter else []
@@ -163,7 +163,7 @@ class ServerSet:
         out = []
         for i, s in enumerate(self.servers):
             if s.proc is not None and s.proc.poll() is None and s.url not in dropped and \
-                    _healthy(s.url, self.r.health_check_timeout_s):
+                    is_healthy(s.url, self.r.health_check_timeout_s):
                 out.append((s.url, True))
                 continue
             print(f"megappo rollout: SGLang server {s.url} is dead" +
@@ -198,10 +198,3 @@ class ServerSet:
             s.stop()
         self.servers = []
 
-
-def _healthy(url: str, timeout: float) -> bool:
-    try:
-        http_json(url + "/health", timeout=timeout)
-        return True
-    except Exception:  # noqa: BLE001 - no answer in time is unhealthy
-        return False
