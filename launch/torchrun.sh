@@ -9,12 +9,13 @@
 # Nodes: NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT when set, else the Slurm step's (node count, this node's
 # place in it, its first node, port 20000 + job id % 20000), else one node on localhost. Global rank 0 is on node
 # rank 0. Ranks per node: --nproc-per-node, else NPROC_PER_NODE, else one per visible GPU, else 1.
-# Exit status: megappo's own (0, 1, 3 stopped, 75 preempted: requeue), not torchrun's 1 for all of them.
+# Exit status: megappo's own (0, 1, 3 stopped, 75 preempted: requeue), not torchrun's 1 for all of them; 2 when
+# a node did not join within MEGAPPO_JOIN_TIMEOUT seconds (600; the message names it) or the arguments are wrong.
 # SIGTERM/SIGUSR1 to this script (SIGUSR2 from launch/slurm/*.sbatch) reach the workers, not torchrun: they save
 # a checkpoint and exit 75.
 set -euo pipefail
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 
 nproc=${NPROC_PER_NODE:-}
 case "${1:-}" in
@@ -69,6 +70,19 @@ else
   rdzv=(--nnodes "$nnodes" --node-rank "$node_rank" --master-addr "$master_addr" --master-port "$master_port")
 fi
 
+# Every node joins before torchrun starts, so that a node that never comes is named within MEGAPPO_JOIN_TIMEOUT
+# seconds (default 600) instead of ending in torchrun's unnamed rendezvous timeout (megappo/platform/join.py; node 0
+# listens on MASTER_PORT+1 for the check's length).
+if [ "$nnodes" -gt 1 ]; then
+  hosts=
+  if [ -n "$slurm_nodes" ] && [ -z "${NODE_RANK:-}" ]; then
+    hosts=$(scontrol show hostnames "$slurm_nodes" | paste -sd, -)  # node ranks follow this order
+  fi
+  TORCH_CPP_LOG_LEVEL=FATAL python -m megappo.platform.join --nnodes "$nnodes" --node-rank "$node_rank" \
+    --master-addr "$master_addr" --port $((master_port + 1)) --nproc "$nproc" \
+    --timeout "${MEGAPPO_JOIN_TIMEOUT:-600}" ${hosts:+--hosts "$hosts"} || exit 2
+fi
+
 # megappo's trainer writes its ending here too (megappo/trainer/preemption.py), on every node: torchrun turns a
 # worker's 75 or 3 into its own 1. A fresh directory per invocation: a file from an earlier run is never read.
 status_dir=$(mktemp -d "${TMPDIR:-/tmp}/megappo-launch.XXXXXX")
@@ -85,8 +99,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Who gets a signal. Only the trainer's ranks (torchrun's children) may get a stop request, exactly once: a second
-# one stops the trainer at once, without its checkpoint; torchrun would stop its workers itself (SIGTERM, then
+# Who gets a signal. Only the trainer's ranks (torchrun's children) may get a stop request, once: a second one (5 s
+# or more after the first; copies within 5 s are ignored) stops the trainer at once, without its checkpoint; torchrun
+# would stop its workers itself (SIGTERM, then
 # SIGKILL 30 s later) or die of SIGUSR1 and orphan them; and the ranks' helper processes (checkpoint writers,
 # reward pools, rollout servers) must not get it at all.
 # - SIGTERM/SIGUSR1 to this script: passed on to the ranks. Under a Slurm step they are not: Slurm signals every

@@ -212,3 +212,39 @@ def gather_over_ranks(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, src, group=group)
     return torch.cat(parts).to(t.device)
+
+
+def leave_run(message: str, code: int = 1) -> None:
+    """Print `message` as this rank's and end the process now, skipping every collective (teardown included): the
+    way out for a rank that cannot know which collective its peers wait in. Its closed connections then fail those
+    collectives (gloo: within a second; under torchrun the agent stops the other workers too, NCCL included).
+    Its own helpers (dist_checkpointing's writers, reward pools, rollout-server watchdogs) are killed first: os._exit
+    would leave them running, holding the launcher's pipes open."""
+    import sys
+
+    import psutil
+
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=5)
+    os._exit(code)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` says a collective failed because another rank went away (gloo/NCCL connection errors)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, getattr(dist, "DistBackendError", ())) or any(
+                s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                      "NCCL communicator was aborted")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

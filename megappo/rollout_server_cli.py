@@ -4,7 +4,8 @@ It starts the server under megappo's watchdog (the server dies with this command
 `{"url": ..., "api_key": ...}` to `--url-file` (mode 0600, atomically) once the server answers as ours, and then
 waits. SIGTERM or SIGINT stops the server, removes the URL file and exits 0; a server that dies on its own exits 1
 with its log's tail. The trainer takes the URLs with `actor_rollout_ref.rollout.server_urls=[...]` and the key with
-`actor_rollout_ref.rollout.api_key=...` (launch/slurm/train_sglang.sbatch does both).
+`actor_rollout_ref.rollout.api_key_file=F` (a file holding it: `--api-key-file F` here, so the key is on no
+command line; launch/slurm/train_sglang.sbatch does all three).
 
 Registration imports only argparse.
 """
@@ -31,7 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--python", default=sys.executable, help="the Python that has SGLang (default: this one)")
     p.add_argument("--tp", type=int, default=1, help="the server's tensor parallel size (GPUs)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--api-key", default=None, help="the server's key (default: a random one, published in the file)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="the server's key (default: a random one, published in the "
+                     "file); visible in `ps` to every user: prefer --api-key-file")
+    key.add_argument("--api-key-file", default=None, help="a file whose first line is the key")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a cold start")
     p.add_argument("--trust-remote-code", action="store_true", help="let SGLang run code shipped with the model")
     p.add_argument("extra", nargs="*", metavar="-- SGLANG_FLAG",
@@ -47,11 +51,17 @@ def _publish(path: str, record: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.rollout.sglang_server import SGLangServer, read_api_key_file
 
     if args.tp < 1:
         print(f"megappo rollout-server: --tp must be >= 1 (got {args.tp})", file=sys.stderr)
         return 2
+    if args.api_key_file:
+        try:
+            args.api_key = read_api_key_file(args.api_key_file)
+        except ValueError as e:
+            print(f"megappo rollout-server: --api-key-file: {e}", file=sys.stderr)
+            return 2
     cuda = _has_cuda()
     extra = list(args.extra) + (["--tp", str(args.tp)] if args.tp > 1 else [])
     server = SGLangServer(args.model, python=args.python, port=args.port, cuda=cuda,

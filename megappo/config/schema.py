@@ -177,6 +177,9 @@ class RolloutConfig:
     # sglang: the address a started server binds and is reached at; multi-node: this node's cluster address
     server_host: str = "127.0.0.1"
     api_key: Optional[str] = None  # sglang: the servers' API key; None: a random one per started server
+    # sglang: a file whose first line is that key, read at start (keeps it off command lines and out of
+    # --print-config); for servers started elsewhere (megappo rollout-server --api-key-file)
+    api_key_file: Optional[str] = None
     server_start_timeout_s: float = 600.0  # sglang: longest wait for a started server (cold start, model load)
     request_timeout_s: float = 600.0  # sglang: HTTP timeout of one generation request
     sync_timeout_s: float = 60.0  # sglang: timeout of a weight-control call and of the weight group's collectives

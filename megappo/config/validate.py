@@ -257,6 +257,8 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
           f"set {p}.name=sglang, or {p}.router=none")
     _need(errors, not (r.api_key or "").startswith("-"), f"{p}.api_key", "starts with '-', which SGLang's argument "
           "parser reads as a flag", "choose a key that starts with a letter or digit (or null for a random one)")
+    _need(errors, not (r.api_key and r.api_key_file), f"{p}.api_key_file",
+          f"is set together with {p}.api_key", "set one of them")
     _need(errors, r.servers_per_node is None or r.servers_per_node >= 1, f"{p}.servers_per_node",
           f"must be >= 1 or null, got {r.servers_per_node}", "use null for one per tensor_model_parallel_size GPUs")
     for key in ("server_start_timeout_s", "request_timeout_s", "sync_timeout_s", "health_check_interval_s",

@@ -194,21 +194,6 @@ def _prelude(args) -> None:
         torch.set_num_threads(int(os.environ.get("MEGAPPO_CPU_THREADS", "1")))
 
 
-def _lost_peer(e: BaseException) -> bool:
-    """Whether `e` says a collective failed because another rank went away (gloo/NCCL connection errors)."""
-    import torch.distributed as dist
-
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, getattr(dist, "DistBackendError", ())) or any(
-                s in str(e) for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                      "NCCL communicator was aborted")):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
 def _run(fn, args) -> int:
     """Check the inputs, run `fn(args)`; a known error exits 2 with its message (no traceback).
 
@@ -219,6 +204,7 @@ def _run(fn, args) -> int:
     from megappo.convert.mapping import ConversionError
     from megappo.models.checkpoint import CheckpointError
     from megappo.models.hf_config import UnsupportedModelError
+    from megappo.parallel import lost_peer
     from megappo.platform.layout import LayoutError
 
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -232,7 +218,7 @@ def _run(fn, args) -> int:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
-        if multi and _lost_peer(e):
+        if multi and lost_peer(e):
             return _fail(f"error: another rank stopped while this one waited for it ({str(e).splitlines()[0][:200]}); "
                          f"that rank's error says why", 1, multi)
         if multi:
@@ -246,28 +232,12 @@ def _run(fn, args) -> int:
 
 def _fail(message: str, code: int, multi: bool) -> int:
     if multi:
-        message = f"[rank {os.environ.get('RANK', '?')}] {message}"
+        from megappo.parallel import leave_run
+
+        leave_run(message, code)
     print(message, file=sys.stderr, flush=True)
-    if multi:
-        sys.stdout.flush()
-        _end_children()
-        os._exit(code)
     _teardown()
     return code
-
-
-def _end_children() -> None:
-    """Kill this process's own helpers (dist_checkpointing's writer workers, multiprocessing's resource tracker):
-    os._exit leaves them running, holding the launcher's pipes open and the rank alive to it."""
-    import psutil
-
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=5)
 
 
 def _teardown() -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megappo.models.builder import unwrap
-from megappo.parallel import union_over_ranks
+from megappo.parallel import lost_peer, reduce_over_ranks, union_over_ranks
 
 MARKER_FILE = "megappo_checkpoint.json"
 FORMAT_VERSION = 1
@@ -36,6 +36,29 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A missing, incomplete or mismatching checkpoint; the message names the directory/file/tensor."""
+
+
+class SaveAbandoned(CheckpointError):
+    """This rank's part of a collective save failed where the other ranks cannot see it (megatron's rank-0 writes
+    of common.pt and metadata.json, say): they wait in one of the save's collectives that this rank will never join.
+    The catcher must enter no further collective (it would hang, or pair with the wrong one): report and leave the
+    process (`megappo.parallel.leave_run`), which fails the collectives the others wait in."""
+
+
+def rank0_step(fn: Any, what: str) -> None:
+    """Run `fn()` on rank 0 and let every rank know whether it worked: a failure raises CheckpointError on every
+    rank (a barrier after a rank-0 write would leave the others waiting for a rank that raised). Collective."""
+    error = None
+    if _rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # disk full, quota, permissions
+            error = e
+    failed = reduce_over_ranks([0.0 if error is None else 1.0], dist.ReduceOp.MAX)[0] if dist.is_initialized() \
+        else float(error is not None)
+    if failed:
+        cause = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's error"
+        raise CheckpointError(f"{what} failed on rank 0 ({cause})") from error
 
 
 @dataclass
@@ -201,18 +224,29 @@ def save_model_checkpoint(
     if os.path.exists(directory) and not overwrite:
         raise CheckpointError(f"{directory} exists; pass overwrite=True or choose another directory")
     tmp = _agree_on_tmp_dir(directory)
-    if _rank() == 0:
-        os.makedirs(tmp, exist_ok=False)
-    _barrier()
+    rank0_step(lambda: os.makedirs(tmp, exist_ok=False), f"creating {tmp}")
     metadata = _metadata(dp_cp_group)
     state = _model_sharded_state_dict(model_chunks, metadata)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=metadata)
     state["scheduler_state"] = scheduler_state
     state["extra"] = extra
-    dist_checkpointing.save(state, tmp, content_metadata={"megappo_format": FORMAT_VERSION})
+    try:
+        dist_checkpointing.save(state, tmp, content_metadata={"megappo_format": FORMAT_VERSION})
+    except Exception as e:
+        # torch's CheckpointException (a BaseException, not caught here) is the shard writes' failure, agreed by
+        # every rank. Anything else came from one rank's own step (rank 0 alone writes common.pt and
+        # metadata.json), and the other ranks now wait for this one in the save's next collective.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            if lost_peer(e):
+                raise SaveAbandoned(f"another rank stopped while this one waited for it in the save of {tmp}; "
+                                    "that rank's error says why") from e
+            raise SaveAbandoned(f"saving {tmp} failed on rank {_rank()} ({type(e).__name__}: {e}) while the other "
+                                "ranks wait for it inside the save") from e
+        raise
     _barrier()
-    if _rank() == 0:
+
+    def publish() -> None:
         write_marker(tmp, model_chunks, has_optimizer=optimizer is not None)
         old = None
         if os.path.exists(directory):
@@ -221,7 +255,8 @@ def save_model_checkpoint(
         os.rename(tmp, directory)
         if old:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+
+    rank0_step(publish, f"publishing {tmp} as {directory}")
     return directory
 
 

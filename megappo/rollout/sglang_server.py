@@ -75,6 +75,21 @@ def _origin(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}".lower()
 
 
+def read_api_key_file(path: str) -> str:
+    """The API key in `path`'s first line (a file keeps it off command lines, which `ps` shows every user). Raises
+    ValueError naming the problem."""
+    try:
+        with open(os.path.expanduser(path)) as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the API key file {path} ({e.strerror})") from None
+    if not key:
+        raise ValueError(f"the API key file {path} is empty; write the key on its first line")
+    if key.startswith("-"):
+        raise ValueError(f"the key in {path} starts with '-', which SGLang's argument parser reads as a flag")
+    return key
+
+
 def register_api_key(url: str, api_key: Optional[str]) -> None:
     """Send `api_key` on every `http_json` request to the server at `url` (its scheme, host and port)."""
     if api_key:

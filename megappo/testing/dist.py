@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -94,11 +95,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     try:
         import queue as queue_mod
 
+        deadline = time.monotonic() + timeout
         for _ in range(world_size):
-            try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise RankFailed(f"ranks {sorted(set(range(world_size)) - set(results))} timed out after {timeout}s")
+            while True:
+                try:
+                    rank, ok, payload = queue.get(timeout=1.0)
+                    break
+                except queue_mod.Empty:
+                    waiting = sorted(set(range(world_size)) - set(results))
+                    # a rank that left with os._exit (megappo.parallel.leave_run) or was killed sends nothing
+                    gone = [(r, procs[r].exitcode) for r in waiting if procs[r].exitcode is not None]
+                    if gone and queue.empty():
+                        raise RankFailed(", ".join(f"rank {r} exited with code {c} without a result"
+                                                   for r, c in gone))
+                    if time.monotonic() > deadline:
+                        raise RankFailed(f"ranks {waiting} timed out after {timeout}s")
             if ok:
                 import torch
 

@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megappo.convert.export import iter_hf_weights
 from megappo.convert.mcore_to_hf import output_config, write_hf_dir
-from megappo.models.checkpoint import CheckpointError, load_model_checkpoint, save_model_checkpoint
-from megappo.parallel import reduce_over_ranks
+from megappo.models.checkpoint import (CheckpointError, SaveAbandoned, load_model_checkpoint, rank0_step,
+                                      save_model_checkpoint)
+from megappo.parallel import leave_run, reduce_over_ranks
 from megappo.trainer.files import fsync_dir, fsync_tree, write_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -86,7 +87,11 @@ def _agree(ok: bool) -> bool:
 
 
 def save(run: Any, local_dir: str, step: int, trainer_state: dict, max_keep: Optional[int]) -> str:
-    """Write global_step_<step> (replacing one of that step); collective over every rank. Returns its directory."""
+    """Write global_step_<step> (replacing one of that step); collective over every rank. Returns its directory.
+
+    Every failure is agreed before any rank enters another collective, so the ranks leave together: a failure all
+    ranks see (a shard write, a rank-0 step they are told of) raises CheckpointError on every rank; one that only
+    the failing rank can see (SaveAbandoned) ends the run from that rank, with the same message."""
     root, final = checkpoint_root(local_dir), step_dir(local_dir, step)
     token = [uuid.uuid4().hex[:8]]
     dist.broadcast_object_list(token, src=0)
@@ -94,9 +99,7 @@ def save(run: Any, local_dir: str, step: int, trainer_state: dict, max_keep: Opt
     rank = dist.get_rank()
     error: Optional[BaseException] = None
     try:
-        if rank == 0:
-            os.makedirs(os.path.join(tmp, "rng"))
-        dist.barrier()
+        rank0_step(lambda: os.makedirs(os.path.join(tmp, "rng")), f"creating {tmp}")
         for role in (run.roles.actor, run.roles.critic):
             if role is not None:
                 save_model_checkpoint(role.chunks, os.path.join(tmp, role.name), optimizer=role.optimizer,
@@ -106,25 +109,41 @@ def save(run: Any, local_dir: str, step: int, trainer_state: dict, max_keep: Opt
             meta = {"step": step, "world_size": dist.get_world_size(), **trainer_state}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
+    except SaveAbandoned as e:
+        leave_run(f"megappo train: {_failed(local_dir, step, e)}; every rank stops now (the others were waiting for "
+                  "this one inside the save)")
     except (Exception, CheckpointException) as e:  # disk full, quota, permissions; torch's is a BaseException
         error = e
-    if not _agree(error is None):
+    try:
+        agreed = _agree(error is None)
+    except RuntimeError as e:  # a rank left the run (SaveAbandoned): the collective lost its connection
+        raise CheckpointError(_failed(local_dir, step, None)) from e
+    if not agreed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        previous = latest_step(local_dir)
-        kept = f"the previous checkpoint {step_dir(local_dir, previous)} is intact" if previous is not None else \
-            "no earlier checkpoint exists"
-        raise CheckpointError(
-            f"saving the step-{step} checkpoint into {root} failed ({_cause(error)}); {kept}. Free "
-            "space there (or lower trainer.max_ckpt_to_keep), or point trainer.default_local_dir at a disk with room, "
-            "and start the same command again to resume") from error
-    if rank == 0:
+        raise CheckpointError(_failed(local_dir, step, error)) from error
+
+    def publish() -> None:
         _publish(tmp, final)
         write_atomic(os.path.join(root, TRACKER), str(step))
         _prune(root, max_keep)
-    dist.barrier()
+
+    try:
+        rank0_step(publish, f"publishing {tmp}")
+    except CheckpointError as e:
+        raise CheckpointError(_failed(local_dir, step, e)) from e
     return final
+
+
+def _failed(local_dir: str, step: int, error: Optional[BaseException]) -> str:
+    """What a failed save says: the directory, the cause, what is intact, and how to go on."""
+    previous = latest_step(local_dir)
+    kept = f"the previous checkpoint {step_dir(local_dir, previous)} is intact" if previous is not None else \
+        "no earlier checkpoint exists"
+    return (f"saving the step-{step} checkpoint into {checkpoint_root(local_dir)} failed ({_cause(error)}); {kept}. "
+            "Free space there (or lower trainer.max_ckpt_to_keep), or point trainer.default_local_dir at a disk "
+            "with room, and start the same command again to resume")
 
 
 def _cause(error: Optional[BaseException]) -> str:
@@ -244,7 +263,16 @@ def write_actor_hf_dir(buckets: Any, hf_config: dict, side_files_from: str, out_
     """The actor's exported buckets (`iter_hf_weights`) as a complete Hugging Face directory with the tokenizer files
     of `side_files_from`; rank 0 writes, every rank drives the export. Collective."""
     items = (item for bucket in buckets for item in bucket)
-    write_hf_dir(items, side_files_from, out_dir, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
-                 progress=False, config=output_config(hf_config, "actor", dtype))
-    dist.barrier()
+    error: Optional[Exception] = None
+    try:
+        write_hf_dir(items, side_files_from, out_dir, dist.get_rank() == 0, force=True, max_shard_bytes=4 << 30,
+                     progress=False, config=output_config(hf_config, "actor", dtype))
+    except Exception as e:  # rank 0's disk: the other ranks are still gathering the buckets rank 0 stopped taking
+        error = e
+        for _ in items:
+            pass
+    if not _agree(error is None):
+        raise CheckpointError(f"writing the actor's Hugging Face export to {out_dir} failed "
+                              f"({_cause(error)}): free space there, or set trainer.default_local_dir (or "
+                              "rollout.weight_sync_dir) to a disk with room") from error
     return out_dir

@@ -5,7 +5,10 @@ The first signal asks the run to stop after the step in progress: fit then saves
 servers and reward workers, writes `<default_local_dir>/run_status.json` with `"status": "preempted"`, and exits
 with EXIT_REQUEUE (75, sysexits' EX_TEMPFAIL: "try again later"), which a batch script requeues on. Under torchrun
 the workers' status is reported as torchrun's own failure (1), so launch scripts read run_status.json instead. A
-second signal stops at once (the last checkpoint stays valid: saves are atomic).
+second signal stops at once (the last checkpoint stays valid: saves are atomic), unless it comes within
+REPEAT_WINDOW_S of the first: one stop request often arrives twice (Slurm's preemption SIGTERM and `scancel --full`
+reach every process of the job, the ranks directly and again through the batch script and launch/torchrun.sh,
+which pass it on), and the copy must not cost the checkpoint.
 """
 from __future__ import annotations
 
@@ -26,17 +29,20 @@ from megappo.trainer.files import write_atomic
 EXIT_REQUEUE = 75
 STATUS_FILE = "run_status.json"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+REPEAT_WINDOW_S = 5.0  # a relayed copy measured well under a second on a local Slurm; a person's second try is slower
 
 
 class StopRequest:
     """Whether the run should save and stop now: a signal arrived, or the deadline is closer than a step and a save."""
 
-    def __init__(self, deadline: Optional[str]):
+    def __init__(self, deadline: Optional[str], repeat_window_s: float = REPEAT_WINDOW_S):
         try:
             self.deadline = parse_deadline(deadline) if deadline else None
         except ValueError as e:  # "slurm" outside a Slurm job
             raise ConfigError(f"trainer.save_before_deadline: {e}") from None
         self.signal: Optional[str] = None
+        self.repeat_window_s = repeat_window_s
+        self._first_at = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, object] = {}
         self._step_s = 0.0  # the longest step so far
         self._save_s = 0.0  # the longest save so far
@@ -53,11 +59,15 @@ class StopRequest:
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
-        if self.signal is not None:  # asked twice: stop now
-            raise SystemExit(128 + signum)
-        self.signal = name
+        if self.signal is not None:
+            if time.monotonic() - self._first_at < self.repeat_window_s:
+                print(f"megappo train: {name} again within {self.repeat_window_s:.0f} s: taken as a copy of the "
+                      "first (still saving after this step)", file=sys.stderr, flush=True)
+                return
+            raise SystemExit(128 + signum)  # asked twice: stop now
+        self.signal, self._first_at = name, time.monotonic()
         print(f"megappo train: {name} received: saving a checkpoint after this step and stopping (send it again "
-              "to stop at once)", file=sys.stderr, flush=True)
+              f"after {self.repeat_window_s:.0f} s to stop at once)", file=sys.stderr, flush=True)
 
     def timed(self, step_s: float = 0.0, save_s: float = 0.0) -> None:
         self._step_s, self._save_s = max(self._step_s, step_s), max(self._save_s, save_s)

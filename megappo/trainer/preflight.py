@@ -46,6 +46,7 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     if world_size >= 1:
         _check_parallel_and_batches(cfg, world_size, errors, check_files)
     if check_files:
+        _check_api_key_file(cfg.actor_rollout_ref.rollout.api_key_file, errors)
         if not uses_synthetic_task(cfg):
             _check_parquet_schemas(cfg, errors)
         _check_custom_reward_function(cfg, errors)
@@ -85,6 +86,16 @@ def _check_model_path(key: str, path: Optional[str], errors: list[str], check_fi
     elif check_files:
         _need(errors, (Path(os.path.expanduser(path)) / "config.json").is_file(), key,
               f"'{path}' has no config.json", "point it at a local Hugging Face model directory")
+
+
+def _check_api_key_file(path: Optional[str], errors: list[str]) -> None:
+    if path:
+        from megappo.rollout.sglang_server import read_api_key_file
+
+        try:
+            read_api_key_file(path)
+        except ValueError as e:
+            errors.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
 
 
 def _check_parallel_and_batches(cfg: MegappoConfig, world: int, errors: list[str], check_files: bool) -> None:

@@ -97,6 +97,8 @@ class RolloutWorker:
     def _server_kwargs(self) -> dict:
         """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
         extra_args: a list of further launch_server flags)."""
+        from megappo.trainer import rollout_servers
+
         dtype = self.rollout.dtype or str(self.platform.dtype).replace("torch.", "")
         known = ("dtype", "max_total_tokens", "extra_args", "port", "host", "api_key")
         unknown = sorted(set(self.rollout.engine_kwargs) - set(known))
@@ -104,7 +106,8 @@ class RolloutWorker:
             raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
                              f"use {known} (pass other launch_server flags as extra_args: [--flag, value])")
         return {"dtype": dtype, "trust_remote_code": self.cfg.actor_rollout_ref.model.trust_remote_code,
-                "host": self.rollout.server_host, "api_key": self.rollout.api_key, **self.rollout.engine_kwargs}
+                "host": self.rollout.server_host, "api_key": rollout_servers.configured_api_key(self.rollout),
+                **self.rollout.engine_kwargs}
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Samples:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
 from megappo.platform.device import Platform
-from megappo.rollout.sglang_server import SGLangServer, is_healthy
+from megappo.rollout.sglang_server import SGLangServer, is_healthy, read_api_key_file
 
 
 def _all_gather(obj: Any) -> list:
@@ -37,6 +37,11 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def configured_api_key(rollout: Any) -> Optional[str]:
+    """The key the config names: `rollout.api_key`, else the first line of `rollout.api_key_file`, else None."""
+    return read_api_key_file(rollout.api_key_file) if rollout.api_key_file else rollout.api_key
 
 
 class ServerSet:
@@ -54,7 +59,7 @@ class ServerSet:
         self.router: Any = None
         self.urls: list[str] = list(self.r.server_urls)
         self.alive: list[bool] = [True] * len(self.urls)
-        self.api_key: Optional[str] = self.r.api_key
+        self.api_key: Optional[str] = configured_api_key(self.r)
         self.router_url: Optional[str] = None
         self.restarts = 0
 
@@ -62,7 +67,7 @@ class ServerSet:
     def start(self) -> None:
         """Collective: every node's servers up, then the router; all ranks learn the URLs and the key."""
         if not self.external:
-            self.api_key = _broadcast((self.r.api_key or secrets.token_hex(24)) if dist.get_rank() == 0 else None)
+            self.api_key = _broadcast((self.api_key or secrets.token_hex(24)) if dist.get_rank() == 0 else None)
             error = None
             if self.starter:
                 try:

@@ -370,14 +370,17 @@ def test_the_watchdog_follows_the_process_not_the_thread_that_started_it():
 @pytest.mark.long  # a whole server start for the command's wrapper; the server itself is tested above
 def test_rollout_server_command_publishes_its_server_and_stops_it_on_sigterm(sglang_python, hf_model_dir, tmp_path):
     """`megappo rollout-server` (server nodes in launch/slurm/train_sglang.sbatch): once the server answers, the
-    URL file (mode 0600) names it and its key, the key works and another is refused; SIGTERM stops the server,
+    URL file (mode 0600) names it and the key read from --api-key-file (on no command line), the key works and
+    another is refused; SIGTERM stops the server,
     removes the file and exits 0."""
     import json
     import stat
 
-    url_file = tmp_path / "server-0.json"
+    url_file, key_file = tmp_path / "server-0.json", tmp_path / "api_key"
+    key_file.write_text("5ec7e7k3y0f7h15j0b\n")
     proc = subprocess.Popen([sys.executable, "-m", "megappo.cli", "rollout-server", "--model", hf_model_dir("qwen2"),
-                             "--url-file", str(url_file), "--host", "127.0.0.1", "--python", sglang_python],
+                             "--url-file", str(url_file), "--host", "127.0.0.1", "--python", sglang_python,
+                             "--api-key-file", str(key_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 300
@@ -386,6 +389,8 @@ def test_rollout_server_command_publishes_its_server_and_stops_it_on_sigterm(sgl
         assert url_file.exists(), proc.communicate(timeout=30)[0][-3000:] if proc.poll() is not None else "timeout"
         assert stat.S_IMODE(url_file.stat().st_mode) == 0o600
         record = json.loads(url_file.read_text())
+        assert record["api_key"] == "5ec7e7k3y0f7h15j0b"
+        assert not any(record["api_key"] in args for *_, args in _ps())  # the key is on no command line
         port = int(record["url"].rsplit(":", 1)[1])
         groups = _server_groups(port)
         engine = SGLangEngine(record["url"], api_key=record["api_key"])

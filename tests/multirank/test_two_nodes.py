@@ -124,3 +124,25 @@ def test_two_nodes_log_exactly_what_one_node_logs(tmp_path):
             {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
     a, b = _weights(one / "hf" / "actor"), _weights(two / "hf" / "actor")
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the launcher said who joined before torchrun started
+    assert "megappo join: all 2 nodes joined" in (tmp_path / "node0.log").read_text()
+
+
+def test_a_node_that_never_joins_is_named(tmp_path):
+    """Node 0 of two starts alone: within MEGAPPO_JOIN_TIMEOUT it exits 2 naming node rank 1 (torchrun alone would
+    wait 15 minutes and then count the nodes); alone, node 1 names the address it could not reach."""
+    port = str(free_port())
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    for rank, expect in ((0, "node rank(s) 1 of 2 did not join within 3 s"),
+                         (1, f"node 1 could not reach node 0 at 127.0.0.1:{int(port) + 1} within 3 s")):
+        env = _env(tmp_path, NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   NPROC_PER_NODE="1", MEGAPPO_JOIN_TIMEOUT="3")
+        log = tmp_path / f"node{rank}.log"
+        proc = _launch(out, env, log, ["trainer.nnodes=2", "trainer.n_gpus_per_node=1"])
+        assert proc.wait(60) == 2, log.read_text()[-3000:]
+        text = log.read_text()
+        assert expect in text, text[-3000:]
+        assert "Traceback" not in text and "frame #" not in text  # one line, not torch's C++ stack
+    assert time.monotonic() - t0 < 45
+    assert not out.exists()  # nothing started

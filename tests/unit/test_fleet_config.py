@@ -26,6 +26,7 @@ def test_readme_states_the_health_defaults_of_the_config_tree(key):
     ([f"{P}.name=sglang", f"{P}.servers_per_node=0"], f"{P}.servers_per_node", "use null"),
     ([f"{P}.name=sglang", f"{P}.api_key=-abc"], f"{P}.api_key", "starts with a letter or digit"),
     ([f"{P}.name=sglang", f"{P}.health_check_timeout_s=0"], f"{P}.health_check_timeout_s", "use seconds"),
+    ([f"{P}.name=sglang", f"{P}.api_key=abc", f"{P}.api_key_file=/k"], f"{P}.api_key_file", "set one of them"),
 ])
 def test_fleet_settings_that_cannot_work_are_refused(overrides, key, fix):
     with pytest.raises(ConfigError) as info:
@@ -37,3 +38,23 @@ def test_a_router_over_started_servers_is_valid():
     cfg = load_config("cpu/tiny_ppo", [f"{P}.name=sglang", f"{P}.router=sglang", f"{P}.servers_per_node=2"])
     validate(cfg, world_size=1, check_files=False)
     assert cfg.actor_rollout_ref.rollout.router == "sglang"
+
+
+def test_the_api_key_comes_from_its_file_and_a_bad_file_is_named(tmp_path):
+    """rollout.api_key_file keeps the key off command lines (launch/slurm/train_sglang.sbatch writes one)."""
+    from megappo.trainer.preflight import preflight
+    from megappo.trainer.rollout_servers import configured_api_key
+
+    key_file = tmp_path / "api_key"
+    key_file.write_text("0123abcd\n")
+    cfg = load_config("cpu/tiny_ppo", [f"{P}.name=sglang", f"{P}.api_key_file={key_file}"])
+    preflight(cfg, world_size=1, check_files=True)
+    assert configured_api_key(cfg.actor_rollout_ref.rollout) == "0123abcd"  # a string, never YAML's number
+    for content, problem in (("", "is empty"), ("-x\n", "starts with '-'"), (None, "cannot read")):
+        bad = tmp_path / f"bad{len(problem)}"
+        if content is not None:
+            bad.write_text(content)
+        cfg = load_config("cpu/tiny_ppo", [f"{P}.name=sglang", f"{P}.api_key_file={bad}"])
+        with pytest.raises(ConfigError) as info:
+            preflight(cfg, world_size=1, check_files=True)
+        assert f"{P}.api_key_file" in str(info.value) and problem in str(info.value) and str(bad) in str(info.value)
