@@ -191,7 +191,10 @@ class RolloutConfig:
     # on CPU); tensor: colocated servers take the tensors by handle (CUDA IPC; shared memory on CPU); disk: a
     # Hugging Face directory in weight_sync_dir that the servers reload (the directory must be visible to them).
     weight_sync: Literal["auto", "distributed", "tensor", "disk"] = "auto"
-    weight_sync_bucket_mb: int = 512  # tensors exported and sent at a time; the trainer's extra memory per sync
+    # Tensors exported and sent at a time. The trainer keeps send buffers across syncs: distributed one bucket
+    # (flattened, one broadcast each); tensor on CPU two buckets of shared memory (/dev/shm; in Docker use
+    # --ipc=host or --shm-size).
+    weight_sync_bucket_mb: int = 512
     weight_sync_dir: Optional[str] = None  # disk: where the export goes; None: <trainer.default_local_dir>/weight_sync
     # After every sync, compare each server's log-probs of fixed tokens with the trainer's and stop the run on a
     # mismatch larger than verify_sync_atol (None: 1e-3 in float32, 5e-2 in 16-bit dtypes). Costs one forward.

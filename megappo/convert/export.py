@@ -11,6 +11,12 @@ order (embedding, layers 0..L-1, final norm, head) and yields buckets of (hf_nam
 Every rank of the world must call it, and every rank receives every full tensor (data-parallel replicas each run
 their own, identical collectives). That is what a weight sync needs (each rollout engine shard reads the names it
 holds); a file writer keeps rank 0's and drops the rest as it goes. Peak extra memory per rank: one bucket.
+
+The tensors are fresh copies by default, safe to keep (`convert mcore-to-hf`, anything that holds them). With
+`copy=False` a tensor may instead be a view of a parameter's own storage (a TP-1 parameter as it is, a fused GLU
+half, a vocabulary slice): no copy is made where HF's layout allows none, and the tensor changes with the next
+optimizer step. That is for a consumer that copies each bucket away before the model changes again: the in-process
+engine's `copy_` into its parameters, the SGLang staging buffers, a broadcast. Such a view must not be written to.
 """
 from __future__ import annotations
 
@@ -81,13 +87,14 @@ def _expert_index(canonical: str) -> int:
 @torch.no_grad()
 def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, *,
                     bucket_bytes: int = 512 << 20, role: Optional[str] = None,
-                    dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
+                    dtype: Optional[torch.dtype] = None, copy: bool = True) -> Iterator[Bucket]:
     """Yield buckets (lists of (hf_name, full tensor)) of about `bucket_bytes` covering the whole model.
 
     hf_config: the HF config (dict or transformers config) the model was built from. role: None reads the chunks'
     `megappo_role`; critic/reward yield the value head as `score.weight` and no `lm_head`. dtype: cast each tensor.
     Collective: every rank of the world calls it with the same arguments; see the module docstring for which
-    groups are used. Tensors are fresh copies (safe to keep), on the parameters' device.
+    groups are used. Tensors are on the parameters' device; fresh copies (safe to keep) unless `copy=False`, which
+    may yield views of the parameters, valid until they next change (module docstring).
     """
     spec = model_spec_from_hf_config(hf_config)
     role = role or model_role(model_chunks)
@@ -123,8 +130,8 @@ def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState
             shard_list = [shard]
         for name, full in merge_to_hf(pm, spec, shard_list):
             full = full.to(dtype) if dtype is not None else full
-            if any(_same_storage(full, s) for s in shard_list):
-                full = full.clone()  # never hand out a view of a parameter's own storage
+            if copy and any(_same_storage(full, s) for s in shard_list):
+                full = full.clone()  # a kept tensor must not change with the parameter it came from
             bucket.append((name, full))
             nbytes += full.numel() * full.element_size()
         if nbytes >= bucket_bytes:

@@ -253,6 +253,8 @@ def merge_to_hf(pm: ParamMap, spec: ModelSpec, shards: list[torch.Tensor]) -> li
         return [(pm.hf[0], torch.cat(shards, dim=0)[: spec.vocab_size] if size > 1 else shards[0][: spec.vocab_size])]
     if pm.kind == "glu":
         halves = [s.chunk(2, dim=0) for s in shards]
+        if size == 1:  # contiguous views: a caller that keeps them copies them (export's copy=True does)
+            return [(pm.hf[0], halves[0][0]), (pm.hf[1], halves[0][1])]
         return [(pm.hf[0], torch.cat([h[0] for h in halves]).contiguous()),
                 (pm.hf[1], torch.cat([h[1] for h in halves]).contiguous())]
     qpg, hd = _qkv_geometry(spec)

@@ -127,7 +127,8 @@ class HFEngine:
         """Copy checkpoint-named tensors (pairs, or buckets of pairs as `iter_hf_weights` yields) into the model.
 
         complete: every parameter must have been filled (a partial sync would mix two policies). Returns the new
-        weight version (`version`, else the old one + 1).
+        weight version (`version`, else the old one + 1). Each tensor is copied into its parameter as it arrives
+        and not kept, so the export's views (`iter_hf_weights(..., copy=False)`) suffice: one copy per byte.
         """
         filled: dict[str, int] = {}
         for item in tensors:

@@ -5,7 +5,8 @@ as `n` rows, each with its own `sampling_seed` when the request has a seed. SGLa
 the server runs with `--enable-deterministic-inference` (SGLang 0.5.23); otherwise sampling is not repeatable.
 Weights reload from a Hugging Face directory (`/update_weights_from_disk`) or stream from the trainer
 (`update_weights`): the trainer and the server's TP ranks share a process group (`init_weight_group`), and for each
-bucket the server is told the names, dtypes and shapes while the trainer broadcasts the tensors in that order.
+bucket the server is told the names, dtypes and shapes while the trainer broadcasts the bucket, packed into one flat
+buffer (SGLang's `flattened_bucket` format; tensor by tensor when mixed dtypes would misalign it).
 
 Log-probs are the server's `output_token_logprobs`; greedy ones equal `transformers`' log-softmax of the raw
 logits (tools/sglang/check.py measures it).
@@ -53,6 +54,23 @@ def _joined(thread: threading.Thread, result: dict, what: str) -> Any:
     return _checked(result["answer"], what)
 
 
+def _distributed_body(bucket: Bucket, group_name: str, version: int,
+                      staging: list) -> tuple[dict, list[torch.Tensor]]:
+    """The /update_weights_from_distributed request announcing `bucket`, and the tensors to broadcast after it in
+    that order: one flat buffer (`flat_bucket`, kept in `staging` across calls) where the layout allows, else each
+    tensor."""
+    from megappo.rollout.weight_staging import flat_bucket
+
+    body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": True,
+            "weight_version": str(version)}
+    flat = flat_bucket(bucket, staging)
+    if flat is not None:
+        body["load_format"] = "flattened_bucket"
+        return body, [flat]
+    return body, [t.contiguous() for _, t in bucket]
+
+
 class SGLangEngine:
     def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1, api_key: Optional[str] = None,
                  sync_timeout: float = 60):
@@ -68,6 +86,7 @@ class SGLangEngine:
         self.weight_version = 0
         self._group: Any = None
         self._group_name = "megappo_weight_sync"
+        self._staging: list = []  # update_weights' flat send buffer, reused across syncs
 
     def _sampling_params(self, params: SamplingParams, row: int) -> dict[str, Any]:
         sp: dict[str, Any] = {
@@ -163,15 +182,19 @@ class SGLangEngine:
         version = self.weight_version + 1 if version is None else version
         _checked(http_json(self.url + "/begin_weight_update", {"selector": "all"}, timeout=self.sync_timeout,
                            api_key=self.api_key), "begin_weight_update")
+        pending = None
         for bucket in buckets:
-            body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
-                    "flush_cache": True, "weight_version": str(version)}
-            thread, result = _post_in_background(self.url + "/update_weights_from_distributed", body,
-                                                 self.sync_timeout, self.api_key)
-            for _, t in bucket:
-                dist.broadcast(t.contiguous(), src=0, group=self._group)
-            _joined(thread, result, "update_weights_from_distributed")
+            # the previous broadcast has completed, so its buffer is free; the server loads the previous bucket
+            # meanwhile
+            body, tensors = _distributed_body(bucket, self._group_name, version, self._staging)
+            if pending is not None:
+                _joined(*pending, "update_weights_from_distributed")
+            pending = _post_in_background(self.url + "/update_weights_from_distributed", body, self.sync_timeout,
+                                          self.api_key)
+            for t in tensors:
+                dist.broadcast(t, src=0, group=self._group)
+        if pending is not None:
+            _joined(*pending, "update_weights_from_distributed")
         _checked(http_json(self.url + "/end_weight_update", {}, timeout=self.sync_timeout, api_key=self.api_key),
                  "end_weight_update")
         self.weight_version = version

@@ -21,8 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.sglang_engine import Bucket, SGLangEngine, _checked, _joined, _post_in_background
+from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _checked, _distributed_body, _joined,
+                                           _post_in_background)
+from megappo.rollout.weight_staging import SharedStaging
 from megappo.rollout.sglang_server import free_port, http_json, is_healthy
+
+
+def _join_all(posts: list, what: str, *, check: bool = True) -> None:
+    """Wait for every background post in `posts` and empty it; then (check) raise the first failure. Either way no
+    request is left running, so nothing it reads is released under it."""
+    errors = []
+    for post in posts:
+        try:
+            _joined(*post, what)
+        except RuntimeError as e:
+            errors.append(e)
+    posts.clear()
+    if errors and check:
+        raise errors[0]
 
 
 def _auth(engine: SGLangEngine) -> dict:
@@ -53,6 +69,8 @@ class SGLangFleet:
         self._group: Any = None
         self._group_servers: list[int] = []
         self._group_name = "megappo_fleet_weight_sync"
+        self._flat_staging: list = []  # update_weights' flat send buffer, reused across syncs
+        self._shm_staging = SharedStaging(slots=2)  # update_weights_from_tensor's shared buffers, idem
 
     def _engine(self, url: str) -> SGLangEngine:
         return SGLangEngine(url, timeout=self.timeout, tp_size=self.tp_size, **self.engine_kwargs)
@@ -226,7 +244,7 @@ class SGLangFleet:
 
     def update_weights(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
         """Stream checkpoint-named tensors into every server of the group: each bucket is announced to each server,
-        then broadcast once."""
+        then broadcast once (one flat buffer, see `SGLangEngine.update_weights`)."""
         import torch.distributed as dist
 
         if self._group is None or self._group_servers != self.live():
@@ -234,56 +252,65 @@ class SGLangFleet:
             self.connect_weight_group()
         version = self.weight_version + 1 if version is None else version
         engines = [self.engines[k] for k in self._group_servers]
-        for e in engines:
-            _checked(http_json(e.url + "/begin_weight_update", {"selector": "all"}, timeout=e.sync_timeout,
-                               **_auth(e)), "begin_weight_update")
+        self._begin(engines)
+        pending: list = []
         for bucket in buckets:
-            body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self._group_name,
-                    "flush_cache": True, "weight_version": str(version)}
-            posts = [_post_in_background(e.url + "/update_weights_from_distributed", body, e.sync_timeout,
-                                         **_auth(e)) for e in engines]
-            for _, t in bucket:
-                dist.broadcast(t.contiguous(), src=0, group=self._group)
-            for thread, result in posts:
-                _joined(thread, result, "update_weights_from_distributed")
-        for e in engines:
-            _checked(http_json(e.url + "/end_weight_update", {}, timeout=e.sync_timeout, **_auth(e)),
-                     "end_weight_update")
+            # the previous broadcast has completed (its buffer is free) while the servers load that bucket
+            body, tensors = _distributed_body(bucket, self._group_name, version, self._flat_staging)
+            _join_all(pending, "update_weights_from_distributed")
+            pending = [_post_in_background(e.url + "/update_weights_from_distributed", body, e.sync_timeout,
+                                           **_auth(e)) for e in engines]
+            for t in tensors:
+                dist.broadcast(t, src=0, group=self._group)
+        _join_all(pending, "update_weights_from_distributed")
+        self._end(engines)
         self.weight_version = version
         return version
 
     def update_weights_from_tensor(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
-        """Colocated servers (same machine): each bucket's tensors go by handle, not by value (torch's shared-memory
-        reductions; CUDA IPC for GPU tensors), as one serialized list per server TP rank."""
+        """Colocated servers (same machine): each bucket goes by handle, not by value. CPU tensors are copied into
+        shared-memory buffers kept across syncs (`weight_staging.SharedStaging`, two buckets' worth: the next
+        bucket is staged while the servers copy out of the previous one); CUDA tensors go by CUDA IPC as they are.
+        A slot is reused only after every server answered for it, i.e. copied it into its parameters."""
         import base64
-        import io
-        from multiprocessing.reduction import ForkingPickler
 
-        import torch.multiprocessing
-
-        # CPU tensors travel as shared-memory files: the default (file descriptors) needs a socket the HTTP path lacks
-        torch.multiprocessing.set_sharing_strategy("file_system")
         version = self.weight_version + 1 if version is None else version
         engines = [self.engines[k] for k in self.live()]
+        staging = self._shm_staging
+        self._begin(engines)
+        pending: list[list] = [[] for _ in staging.buffers]  # per slot: the posts still reading it
+        kept: list = [None] * len(pending)  # per slot: CUDA tensors sent as they are, alive until answered
+        try:
+            for i, bucket in enumerate(buckets):
+                slot = i % len(pending)
+                _join_all(pending[slot], "update_weights_from_tensor")
+                staged = list(bucket) if any(t.is_cuda for _, t in bucket) else staging.stage(slot, bucket)
+                kept[slot] = staged
+                for e in engines:  # one payload per receiving rank: each unpickling releases one reference
+                    body = {"serialized_named_tensors": [base64.b64encode(staging.handles(staged)).decode()
+                                                         for _ in range(self.tp_size)],
+                            "flush_cache": True, "weight_version": str(version)}
+                    pending[slot].append(_post_in_background(e.url + "/update_weights_from_tensor", body,
+                                                             e.sync_timeout, **_auth(e)))
+        except BaseException:
+            for posts in pending:
+                _join_all(posts, "update_weights_from_tensor", check=False)
+            raise
+        for posts in pending:
+            _join_all(posts, "update_weights_from_tensor")
+        self._end(engines)
+        self.weight_version = version
+        return version
+
+    def _begin(self, engines: list[SGLangEngine]) -> None:
         for e in engines:
             _checked(http_json(e.url + "/begin_weight_update", {"selector": "all"}, timeout=e.sync_timeout,
                                **_auth(e)), "begin_weight_update")
-        for bucket in buckets:
-            shared = [(n, t.contiguous().share_memory_() if not t.is_cuda else t) for n, t in bucket]
-            buf = io.BytesIO()
-            ForkingPickler(buf).dump(shared)
-            payload = base64.b64encode(buf.getvalue()).decode()
-            body = {"serialized_named_tensors": [payload] * self.tp_size, "flush_cache": True,
-                    "weight_version": str(version)}
-            for e in engines:  # the tensors stay alive (`shared`) until every server has copied them
-                _checked(http_json(e.url + "/update_weights_from_tensor", body, timeout=e.sync_timeout, **_auth(e)),
-                         "update_weights_from_tensor")
+
+    def _end(self, engines: list[SGLangEngine]) -> None:
         for e in engines:
             _checked(http_json(e.url + "/end_weight_update", {}, timeout=e.sync_timeout, **_auth(e)),
                      "end_weight_update")
-        self.weight_version = version
-        return version
 
     # -- around a sync ---------------------------------------------------------------------------------------------
     def pause(self) -> None:

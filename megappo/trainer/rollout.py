@@ -133,8 +133,14 @@ class RolloutWorker:
         version = self.weight_version + 1
         t0 = time.perf_counter()
         health = self._heal_servers() if self.servers is not None else {}
+        mode = self.sync_mode
+        # views of the parameters (no export copy) for the consumers that copy each bucket away at once: the
+        # in-process engine, a broadcast, the shared-memory staging of CPU tensors. The disk writer and CUDA IPC
+        # (which would hand the servers the parameters' own memory) get copies.
+        cuda_ipc = mode == "tensor" and self.rollout.name != "hf" and self.platform.device.type == "cuda"
+        keep = mode == "disk" or cuda_ipc
         buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                  dtype=self.platform.dtype)
+                                  dtype=self.platform.dtype, copy=keep)
         nbytes = 0
 
         def counted():
@@ -143,7 +149,6 @@ class RolloutWorker:
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 yield bucket
 
-        mode = self.sync_mode
         target = self.engine if self.rollout.name == "hf" else self.sync_engine
         if mode == "disk":
             directory = self._write_sync_dir(counted(), hf_config)  # every rank takes part in the export

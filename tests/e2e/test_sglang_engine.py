@@ -71,7 +71,8 @@ def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_mode
         load_hf_weights(actor, actor_dir, ps)
         with SGLangServer(stale, python=sglang_python) as server:
             engine = SGLangEngine(server.url)
-            buckets = iter_hf_weights(actor, ps, load_hf_config_dict(actor_dir), bucket_bytes=256 << 10)
+            # views of the parameters, as RolloutWorker.sync_weights exports for a broadcast
+            buckets = iter_hf_weights(actor, ps, load_hf_config_dict(actor_dir), bucket_bytes=256 << 10, copy=False)
             assert engine.update_weights(buckets, version=5) == 5
             got = engine.generate(PROMPTS, GREEDY)
             engine.close_weight_group()

@@ -97,6 +97,17 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     fleet.resume()
     fleet.check_version(8)
     assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
+    # a second tensor sync reuses the shared buffers of the first: the servers read the new values, not stale ones
+    third = make_hf_model("qwen2", str(tmp_path / "third"), seed=10)
+    tensors = sorted(load_file(os.path.join(third, "model.safetensors")).items())
+    buffers = [b.data_ptr() for b in fleet._shm_staging.buffers]
+    assert fleet.update_weights_from_tensor([tensors[i:i + 4] for i in range(0, len(tensors), 4)], version=9) == 9
+    assert [b.data_ptr() for b in fleet._shm_staging.buffers] == buffers
+    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(third).generate(PROMPTS, GREEDY))
+    # ...and a bucket larger than a slot grows it: the whole of `other` in one bucket
+    whole = sorted(load_file(os.path.join(other, "model.safetensors")).items())
+    assert fleet.update_weights_from_tensor([whole], version=10) == 10
+    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
     lps = fleet.prompt_log_probs(PROMPTS[1])
     assert len(lps) == 2 and lps[0] == pytest.approx(lps[1], abs=1e-5) and len(lps[0]) == len(PROMPTS[1]) - 1
     new = other
@@ -119,5 +130,5 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
 
     # later calls use the survivor alone: a reload from disk and a generation
     again = make_hf_model("qwen2", str(tmp_path / "again"), seed=6)
-    assert fleet.update_weights_from_disk(again) == 9
+    assert fleet.update_weights_from_disk(again) == 11
     assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(again).generate(PROMPTS, GREEDY))

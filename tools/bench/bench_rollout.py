@@ -10,11 +10,15 @@ hidden 1024, vocabulary 32000) make 1.1 GB. A world-1 megatron actor of the same
   state, % of the memory-copy bandwidth (and of the disk for disk), the export's share of the steady time. Every
   mode goes through `iter_hf_weights` (--bucket-mb buckets) as RolloutWorker.sync_weights does (for SGLang:
   pause, send, resume, check_version):
-    export              iterate iter_hf_weights only (the sender's share of every mode)
+    export              iterate iter_hf_weights only, fresh copies (what `convert` and the disk writer get)
+    export:views        the same with copy=False (views of the parameters): the sender's share of the modes below
     hf:tensor           HFEngine.update_weights (in process; the CPU default)
-    sglang:distributed  SGLangFleet.update_weights (gloo broadcast to the server)
-    sglang:tensor       SGLangFleet.update_weights_from_tensor (shared-memory handles)
+    sglang:distributed  SGLangFleet.update_weights (one gloo broadcast per bucket, flattened, to the server)
+    sglang:tensor       SGLangFleet.update_weights_from_tensor (persistent shared-memory staging, handles)
     sglang:disk         write_actor_hf_dir, then update_weights_from_disk (each phase on a row of its own)
+  hf, distributed and tensor export with copy=False, as RolloutWorker.sync_weights does for them on CPU.
+- the ceiling of `distributed`: a gloo broadcast of one --bucket-mb tensor between two local processes (loopback
+  TCP), best of 5, printed with the limits.
 - generation: --prompts x --n responses of --new-tokens tokens (EOS ignored) on HFEngine and on the SGLang server,
   tokens/s and seconds.
 SGLang runs from its own venv: --sglang-python, else $MEGAPPO_SGLANG_PYTHON, else the test suite's
@@ -80,6 +84,41 @@ def disk_gbps(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
     finally:
         os.unlink(path)
     return nbytes / GB / w, nbytes / GB / r
+
+
+def _gloo_rank(rank: int, port: int, nbytes: int, threads: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = torch.ones(nbytes // 4) if rank == 0 else torch.empty(nbytes // 4)
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(t, 0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(nbytes / GB / min(times[1:]))
+    dist.destroy_process_group()
+
+
+def gloo_broadcast_gbps(nbytes: int, threads: int) -> float:
+    """Rank 0 -> rank 1 over loopback TCP, two processes: what `distributed` mode's transport can carry at best."""
+    import multiprocessing as mp
+
+    from megappo.rollout.sglang_server import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, nbytes, threads, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    gbps = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return gbps
 
 
 def find_sglang_python(args) -> tuple[str | None, str]:
@@ -156,6 +195,7 @@ def main() -> None:
               flush=True)
         mem = memcpy_gbps()
         dw, dr = disk_gbps(work)
+        gloo = gloo_broadcast_gbps(args.bucket_mb << 20, args.threads)
         print(f"machine: memory copy {mem:.2f} GB/s (1 GB torch copy_, best of 5); disk write+fsync {dw:.2f} GB/s, "
               f"read {dr:.2f} GB/s (1 GB; the read may be served by the page cache)", flush=True)
 
@@ -170,8 +210,11 @@ def main() -> None:
         cfg = load_hf_config_dict(hf_dir)
         bucket_bytes = args.bucket_mb << 20
 
-        def buckets():
-            return iter_hf_weights(actor, ps, cfg, bucket_bytes=bucket_bytes, dtype=plat.dtype)
+        def buckets(copy=True):
+            return iter_hf_weights(actor, ps, cfg, bucket_bytes=bucket_bytes, dtype=plat.dtype, copy=copy)
+
+        def views():
+            return buckets(copy=False)
 
         nbytes = sum(t.numel() * t.element_size() for b in buckets() for _, t in b)
         size = nbytes / GB
@@ -185,6 +228,7 @@ def main() -> None:
 
         if "export" in modes:
             add_row("export", timed_syncs(lambda: [None for _ in buckets()], args.repeats))
+            add_row("export:views", timed_syncs(lambda: [None for _ in views()], args.repeats))
 
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(1, args.vocab, (args.prompts, args.prompt_len), generator=g).tolist()
@@ -203,7 +247,7 @@ def main() -> None:
         engine = HFEngine(hf_dir)
         bench_generate("HFEngine", engine)
         if "hf" in modes:
-            add_row("hf:tensor", timed_syncs(lambda: engine.update_weights(buckets()), args.repeats))
+            add_row("hf:tensor", timed_syncs(lambda: engine.update_weights(views()), args.repeats))
         engine = None  # free its 1 GB before the server loads its copy
 
         sglang_modes = [m for m in ("distributed", "tensor", "disk") if m in modes]
@@ -211,21 +255,22 @@ def main() -> None:
             gen.append(f"  SGLang: skipped: {why_not}")
             print(gen[-1], flush=True)
         else:
-            run_sglang(args, sglang_python, hf_dir, work, cfg, buckets, sglang_modes, add_row, bench_generate,
-                       dw, dr, plat)
+            run_sglang(args, sglang_python, hf_dir, work, cfg, buckets, views, sglang_modes, add_row,
+                       bench_generate, dw, dr, plat)
         destroy_parallel()
         mem_end = memcpy_gbps()
 
     print(f"\nweight sync, {size:.3f} GB, {args.bucket_mb} MB buckets; steady = median of {args.repeats} after the "
           f"first. Limits: memcpy {max(mem, mem_end):.2f} GB/s (start {mem:.2f}, end {mem_end:.2f}), disk write "
-          f"{dw:.2f} / read {dr:.2f} GB/s; 'export' = the steady export's share of the mode's steady time")
+          f"{dw:.2f} / read {dr:.2f} GB/s, gloo broadcast of one {args.bucket_mb} MB tensor {gloo:.2f} GB/s "
+          f"(distributed's ceiling); 'export' = the steady views export's share of the mode's steady time")
     mem = max(mem, mem_end)
-    export = next((r[2] for r in rows if r[0] == "export"), None)
+    export = next((r[2] for r in rows if r[0] == "export:views"), None)
     print(f"{'mode':<24}{'first s':>8}{'steady s':>9}{'GB/s':>7}{'% memcpy':>9}{'% disk':>7}{'export':>7}")
     for mode, first, steady, disk_ref in rows:
         gbps = size / steady
         pd = f"{100 * gbps / disk_ref:.0f}%" if disk_ref else ""
-        pe = f"{100 * export / steady:.0f}%" if export and not mode.endswith(("export", "reload")) else ""
+        pe = f"{100 * export / steady:.0f}%" if export and not mode.startswith(("export", "  disk: server")) else ""
         print(f"{mode:<24}{first:>8.2f}{steady:>9.2f}{gbps:>7.2f}{100 * gbps / mem:>8.0f}%{pd:>7}{pe:>7}")
     print(f"\ngeneration: {args.prompts} prompts x n={args.n}, {args.prompt_len} prompt + {args.new_tokens} new "
           f"tokens, temperature 1, EOS ignored")
@@ -233,7 +278,8 @@ def main() -> None:
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def run_sglang(args, python, hf_dir, work, cfg, buckets, modes, add_row, bench_generate, dw, dr, plat) -> None:
+def run_sglang(args, python, hf_dir, work, cfg, buckets, views, modes, add_row, bench_generate, dw, dr,
+               plat) -> None:
     import psutil
 
     from megappo.rollout.sglang_fleet import SGLangFleet
@@ -271,10 +317,10 @@ def run_sglang(args, python, hf_dir, work, cfg, buckets, modes, add_row, bench_g
         for mode in modes:
             if mode == "distributed":
                 add_row("sglang:distributed", timed_syncs(
-                    lambda: around(lambda v: fleet.update_weights(buckets(), version=v)), args.repeats))
+                    lambda: around(lambda v: fleet.update_weights(views(), version=v)), args.repeats))
             elif mode == "tensor":
                 add_row("sglang:tensor", timed_syncs(
-                    lambda: around(lambda v: fleet.update_weights_from_tensor(buckets(), version=v)), args.repeats))
+                    lambda: around(lambda v: fleet.update_weights_from_tensor(views(), version=v)), args.repeats))
             elif mode == "disk":
                 write_t, load_t = [], []
 
