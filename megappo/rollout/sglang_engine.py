@@ -71,6 +71,53 @@ def _distributed_body(bucket: Bucket, group_name: str, version: int,
     return body, [t.contiguous() for _, t in bucket]
 
 
+def _join_all(posts: list, what: str, *, check: bool = True) -> None:
+    """Wait for every background post in `posts` and empty it; then (check) raise the first failure. Either way no
+    request is left running, so nothing it reads is released under it."""
+    errors = []
+    for post in posts:
+        try:
+            _joined(*post, what)
+        except RuntimeError as e:
+            errors.append(e)
+    posts.clear()
+    if errors and check:
+        raise errors[0]
+
+
+def begin_update(engines: Sequence["SGLangEngine"]) -> None:
+    for e in engines:
+        _checked(http_json(e.url + "/begin_weight_update", {"selector": "all"}, timeout=e.sync_timeout,
+                           api_key=e.api_key), "begin_weight_update")
+
+
+def end_update(engines: Sequence["SGLangEngine"]) -> None:
+    for e in engines:
+        _checked(http_json(e.url + "/end_weight_update", {}, timeout=e.sync_timeout, api_key=e.api_key),
+                 "end_weight_update")
+
+
+def broadcast_buckets(engines: Sequence["SGLangEngine"], buckets: Iterable[Bucket], group: Any, group_name: str,
+                      version: int, staging: list) -> None:
+    """One weight update of every server of `engines` (all of them ranks of `group`, this process rank 0): each
+    bucket is announced to each server, then broadcast once (`_distributed_body`, its flat buffer kept in
+    `staging`). The servers load a bucket while the next one is packed."""
+    import torch.distributed as dist
+
+    begin_update(engines)
+    pending: list = []
+    for bucket in buckets:
+        # the previous broadcast has completed (its buffer is free) while the servers load that bucket
+        body, tensors = _distributed_body(bucket, group_name, version, staging)
+        _join_all(pending, "update_weights_from_distributed")
+        pending = [_post_in_background(e.url + "/update_weights_from_distributed", body, e.sync_timeout,
+                                       e.api_key) for e in engines]
+        for t in tensors:
+            dist.broadcast(t, src=0, group=group)
+    _join_all(pending, "update_weights_from_distributed")
+    end_update(engines)
+
+
 class SGLangEngine:
     def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1, api_key: Optional[str] = None,
                  sync_timeout: float = 60):
@@ -175,28 +222,11 @@ class SGLangEngine:
 
     def update_weights(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
         """Stream checkpoint-named tensors (buckets, as `iter_hf_weights` yields them) into the server."""
-        import torch.distributed as dist
 
         if self._group is None:
             self.connect_weight_group()
         version = self.weight_version + 1 if version is None else version
-        _checked(http_json(self.url + "/begin_weight_update", {"selector": "all"}, timeout=self.sync_timeout,
-                           api_key=self.api_key), "begin_weight_update")
-        pending = None
-        for bucket in buckets:
-            # the previous broadcast has completed, so its buffer is free; the server loads the previous bucket
-            # meanwhile
-            body, tensors = _distributed_body(bucket, self._group_name, version, self._staging)
-            if pending is not None:
-                _joined(*pending, "update_weights_from_distributed")
-            pending = _post_in_background(self.url + "/update_weights_from_distributed", body, self.sync_timeout,
-                                          self.api_key)
-            for t in tensors:
-                dist.broadcast(t, src=0, group=self._group)
-        if pending is not None:
-            _joined(*pending, "update_weights_from_distributed")
-        _checked(http_json(self.url + "/end_weight_update", {}, timeout=self.sync_timeout, api_key=self.api_key),
-                 "end_weight_update")
+        broadcast_buckets([self], buckets, self._group, self._group_name, version, self._staging)
         self.weight_version = version
         return version
 

@@ -21,24 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _checked, _distributed_body, _joined,
-                                           _post_in_background)
+from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
+                                           begin_update, broadcast_buckets, end_update)
 from megappo.rollout.weight_staging import SharedStaging
 from megappo.rollout.sglang_server import free_port, http_json, is_healthy
-
-
-def _join_all(posts: list, what: str, *, check: bool = True) -> None:
-    """Wait for every background post in `posts` and empty it; then (check) raise the first failure. Either way no
-    request is left running, so nothing it reads is released under it."""
-    errors = []
-    for post in posts:
-        try:
-            _joined(*post, what)
-        except RuntimeError as e:
-            errors.append(e)
-    posts.clear()
-    if errors and check:
-        raise errors[0]
 
 
 def _auth(engine: SGLangEngine) -> dict:
@@ -244,26 +230,14 @@ class SGLangFleet:
 
     def update_weights(self, buckets: Iterable[Bucket], *, version: Optional[int] = None) -> int:
         """Stream checkpoint-named tensors into every server of the group: each bucket is announced to each server,
-        then broadcast once (one flat buffer, see `SGLangEngine.update_weights`)."""
-        import torch.distributed as dist
+        then broadcast once (`sglang_engine.broadcast_buckets`)."""
 
         if self._group is None or self._group_servers != self.live():
             self.close_weight_group()
             self.connect_weight_group()
         version = self.weight_version + 1 if version is None else version
         engines = [self.engines[k] for k in self._group_servers]
-        self._begin(engines)
-        pending: list = []
-        for bucket in buckets:
-            # the previous broadcast has completed (its buffer is free) while the servers load that bucket
-            body, tensors = _distributed_body(bucket, self._group_name, version, self._flat_staging)
-            _join_all(pending, "update_weights_from_distributed")
-            pending = [_post_in_background(e.url + "/update_weights_from_distributed", body, e.sync_timeout,
-                                           **_auth(e)) for e in engines]
-            for t in tensors:
-                dist.broadcast(t, src=0, group=self._group)
-        _join_all(pending, "update_weights_from_distributed")
-        self._end(engines)
+        broadcast_buckets(engines, buckets, self._group, self._group_name, version, self._flat_staging)
         self.weight_version = version
         return version
 
@@ -277,7 +251,7 @@ class SGLangFleet:
         version = self.weight_version + 1 if version is None else version
         engines = [self.engines[k] for k in self.live()]
         staging = self._shm_staging
-        self._begin(engines)
+        begin_update(engines)
         pending: list[list] = [[] for _ in staging.buffers]  # per slot: the posts still reading it
         kept: list = [None] * len(pending)  # per slot: CUDA tensors sent as they are, alive until answered
         try:
@@ -298,19 +272,9 @@ class SGLangFleet:
             raise
         for posts in pending:
             _join_all(posts, "update_weights_from_tensor")
-        self._end(engines)
+        end_update(engines)
         self.weight_version = version
         return version
-
-    def _begin(self, engines: list[SGLangEngine]) -> None:
-        for e in engines:
-            _checked(http_json(e.url + "/begin_weight_update", {"selector": "all"}, timeout=e.sync_timeout,
-                               **_auth(e)), "begin_weight_update")
-
-    def _end(self, engines: list[SGLangEngine]) -> None:
-        for e in engines:
-            _checked(http_json(e.url + "/end_weight_update", {}, timeout=e.sync_timeout, **_auth(e)),
-                     "end_weight_update")
 
     # -- around a sync ---------------------------------------------------------------------------------------------
     def pause(self) -> None:
