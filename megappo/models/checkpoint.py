@@ -8,7 +8,8 @@ exist with the recorded size, so a truncated copy fails naming the file, and eve
 allow-list (`megappo.models.safe_pickle`), so a checkpoint from elsewhere cannot run code when it is loaded.
 
 Layout of the state dict: `{"model": ...}` (or `"model0"`, `"model1"`... one per virtual pipeline chunk), optional
-`"optimizer"`, and plain Python `"scheduler_state"` / `"extra"` saved once by rank 0.
+`"optimizer"` (or, for an optimizer that never stepped, `"optimizer_fresh"`: see `megappo.models.optim_state`), and
+plain Python `"scheduler_state"` / `"extra"` saved once by rank 0.
 
 dist_checkpointing's writer spawns worker processes: scripts that save must guard their entry point with
 `if __name__ == "__main__":`.
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megappo.models.builder import unwrap
+from megappo.models.optim_state import ensure_state, fresh_state, is_fresh, load_state, reset_to_fresh
 from megappo.parallel import lost_peer, reduce_over_ranks, union_over_ranks
 
 MARKER_FILE = "megappo_checkpoint.json"
@@ -88,62 +90,6 @@ def _model_sharded_state_dict(model_chunks: list[nn.Module], metadata: dict) -> 
     if len(model_chunks) == 1:
         return {"model": unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
     return {f"model{i}": unwrap(m).sharded_state_dict(metadata=metadata) for i, m in enumerate(model_chunks)}
-
-
-def _ensure_optimizer_state(optimizer: Any) -> None:
-    """Give a fresh DistributedOptimizer its Adam state before loading into it.
-
-    megatron-core 0.16's DistributedOptimizer.state_dict() without Apex/TE reads each param's "step" and asserts
-    there is one; a never-stepped torch Adam has none. megatron's own dummy initialisation (a zero-gradient step)
-    creates the tensors that the load then overwrites in place.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
-        inner = getattr(opt, "optimizer", None)
-        if init is not None and inner is not None and len(inner.state) == 0:
-            init()
-
-
-def _load_optimizer_state(optimizer: Any, state: Any) -> None:
-    """`optimizer.load_state_dict(state)`, working around two megatron-core 0.16 bugs of the torch-Adam path.
-
-    1. megatron-core 0.16's DistributedOptimizer without Apex/TE keeps torch Adam's per-parameter "step" in the
-    optimizer state, restores it from the param groups, but `_set_main_param_and_optimizer_states` then copies every
-    state key from the loaded per-parameter tensors, which never contain "step" (KeyError). For the duration of the
-    load, each DistributedOptimizer instance copies only the keys the checkpoint has.
-    2. See below: the restored "step" tensor is shared by all parameters.
-    """
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if original is None or not hasattr(opt, "_get_main_param_and_optimizer_states"):
-            continue
-
-        def set_states(model_param, tensors, _opt=opt, _original=original):
-            if "step" in tensors:
-                return _original(model_param, tensors)
-            dst = _opt._get_main_param_and_optimizer_states(model_param)
-            missing = [k for k in tensors if k not in dst]
-            if missing:
-                raise CheckpointError(f"optimizer state keys {missing} of the checkpoint are unknown to this optimizer")
-            for key, value in tensors.items():
-                dst[key].copy_(value)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        optimizer.load_state_dict(state)
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states  # back to the class method
-    # The same load assigns ONE "step" tensor object to every parameter's state; torch Adam increments each
-    # parameter's step in place, so a shared tensor would advance once per parameter per step and skew Adam's bias
-    # correction. Give each parameter its own copy.
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", None)
-        for param_state in getattr(inner, "state", {}).values():
-            if torch.is_tensor(param_state.get("step")):
-                param_state["step"] = param_state["step"].clone()
 
 
 def _check_shapes(state: dict, directory: str, info: dict, model_chunks: list[nn.Module]) -> None:
@@ -227,12 +173,17 @@ def save_model_checkpoint(
     rank0_step(lambda: os.makedirs(tmp, exist_ok=False), f"creating {tmp}")
     metadata = _metadata(dp_cp_group)
     state = _model_sharded_state_dict(model_chunks, metadata)
-    if optimizer is not None:
+    fresh = optimizer is not None and is_fresh(optimizer)  # never stepped: nothing megatron could load back
+    if fresh:
+        state["optimizer_fresh"] = fresh_state(optimizer)
+    elif optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=False, metadata=metadata)
     state["scheduler_state"] = scheduler_state
     state["extra"] = extra
     try:
-        dist_checkpointing.save(state, tmp, content_metadata={"megappo_format": FORMAT_VERSION})
+        from megappo.models.save_strategy import save_strategy  # no helper process outlives the run
+        dist_checkpointing.save(state, tmp, sharded_strategy=save_strategy(),
+                                content_metadata={"megappo_format": FORMAT_VERSION})
     except Exception as e:
         # torch's CheckpointException (a BaseException, not caught here) is the shard writes' failure, agreed by
         # every rank. Anything else came from one rank's own step (rank 0 alone writes common.pt and
@@ -247,7 +198,7 @@ def save_model_checkpoint(
     _barrier()
 
     def publish() -> None:
-        write_marker(tmp, model_chunks, has_optimizer=optimizer is not None)
+        write_marker(tmp, model_chunks, has_optimizer=optimizer is not None, optimizer_fresh=fresh)
         old = None
         if os.path.exists(directory):
             old = f"{tmp}.old"
@@ -260,10 +211,14 @@ def save_model_checkpoint(
     return directory
 
 
-def write_marker(directory: str, model_chunks: list[nn.Module], *, has_optimizer: bool) -> None:
-    """Write `megappo_checkpoint.json` (role, layout at save, family, vocab) into a just-saved checkpoint."""
+def write_marker(directory: str, model_chunks: list[nn.Module], *, has_optimizer: bool,
+                 optimizer_fresh: bool = False) -> None:
+    """Write `megappo_checkpoint.json` (role, layout at save, family, vocab) into a just-saved checkpoint.
+    `optimizer_fresh`: the optimizer had never stepped, and the checkpoint holds no state of it to load."""
     info = dict(_describe_chunks(model_chunks), format=FORMAT_VERSION, saved_at=time.time(),
                 world_size=dist.get_world_size() if dist.is_initialized() else 1, has_optimizer=has_optimizer)
+    if has_optimizer:
+        info["optimizer_state"] = "fresh" if optimizer_fresh else "saved"
     with open(os.path.join(directory, MARKER_FILE), "w") as f:
         json.dump(info, f, indent=1)
 
@@ -392,8 +347,9 @@ def load_model_checkpoint(
         raise CheckpointError(f"{directory} has no optimizer state; load with optimizer=None")
     metadata = _metadata(dp_cp_group)
     state = _model_sharded_state_dict(model_chunks, metadata)
-    if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
+    fresh = optimizer is not None and info.get("optimizer_state") == "fresh"
+    if optimizer is not None and not fresh:
+        ensure_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=True, metadata=metadata)
     _check_shapes(state, directory, info, model_chunks)
     try:
@@ -415,6 +371,8 @@ def load_model_checkpoint(
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         unwrap(chunk).load_state_dict(loaded[key], strict=not missing)
-    if optimizer is not None:
-        _load_optimizer_state(optimizer, loaded["optimizer"])
+    if fresh:
+        reset_to_fresh(optimizer, loaded.get("optimizer_fresh"))
+    elif optimizer is not None:
+        load_state(optimizer, loaded["optimizer"])
     return LoadedCheckpoint(directory, loaded.get("scheduler_state"), loaded.get("extra"), info, missing)
