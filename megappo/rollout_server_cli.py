@@ -1,11 +1,13 @@
 """`megappo rollout-server`: one SGLang server for a trainer on other nodes (Slurm/Ray layouts with server nodes).
 
-It starts the server under megappo's watchdog (the server dies with this command, whatever kills it), writes
-`{"url": ..., "api_key": ...}` to `--url-file` (mode 0600, atomically) once the server answers as ours, and then
-waits. SIGTERM or SIGINT stops the server, removes the URL file and exits 0; a server that dies on its own exits 1
-with its log's tail. The trainer takes the URLs with `actor_rollout_ref.rollout.server_urls=[...]` and the key with
-`actor_rollout_ref.rollout.api_key_file=F` (a file holding it: `--api-key-file F` here, so the key is on no
-command line; launch/slurm/train_sglang.sbatch does all three).
+Runs one SGLang server (`--python -m sglang.launch_server`) for a trainer on other nodes, under megappo's
+watchdog (the server dies with this command, whatever kills it). Once the server answers as ours, it writes
+`{"url": ..., "api_key": ...}` to `--url-file` (mode 0600, atomically) and waits. SIGTERM or SIGINT stops the
+server, removes the URL file and exits 0; a server that dies on its own exits 1 with its log's tail; a --python
+without SGLang exits 2 before anything starts. The trainer takes the URLs with
+`actor_rollout_ref.rollout.server_urls=[...]` and the key with `actor_rollout_ref.rollout.api_key_file=F` (a file
+holding it: `--api-key-file F` here, so the key is on no command line; launch/slurm/train_sglang.sbatch does all
+three).
 
 Registration imports only argparse.
 """
@@ -62,6 +64,15 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"megappo rollout-server: --api-key-file: {e}", file=sys.stderr)
             return 2
+    from megappo.trainer.preflight import SGLANG_CPU_VENV, SGLANG_INSTALL, sglang_missing
+
+    problem = sglang_missing(args.python)
+    if problem:
+        which = "--python" if args.python != sys.executable else "--python (unset: this python)"
+        print(f"megappo rollout-server: the server would run on {which}, but {problem}; install it there "
+              f"(`{args.python} -m {SGLANG_INSTALL}`), or pass --python PYTHON, a python that has it (on CPU, "
+              f"`{SGLANG_CPU_VENV}` makes one and prints the line to use)", file=sys.stderr)
+        return 2
     cuda = _has_cuda()
     extra = list(args.extra) + (["--tp", str(args.tp)] if args.tp > 1 else [])
     server = SGLangServer(args.model, python=args.python, port=args.port, cuda=cuda,

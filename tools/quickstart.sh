@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# megappo's main CPU job until the PPO trainer lands: every stage that exists, on real data and a real model.
+# A tour of megappo's stages around training, on real data and a real model. Training itself:
+# `megappo train --config recipes/cpu/tiny_ppo.yaml` (the main CPU job), or step 3's command without --dry-run.
 #   1. GSM8K jsonl -> train/test Parquet in verl's schema
 #   2. a tiny random-weight Qwen2 model with a trained tokenizer, as a Hugging Face directory
 #   3. validate the tiny PPO recipe against that data and model (config, layout, batch sizes, files)

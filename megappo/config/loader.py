@@ -273,7 +273,8 @@ def _unknown_key(key: str, bad: int, parent: type, source: str) -> str:
 
 
 def suggest_key(key: str, bad: int, parent: type) -> Optional[str]:
-    """The closest valid dotted key: a sibling typo, the same name in another group, or the closest full path."""
+    """The closest valid dotted key: a sibling typo, the same name in another group, or the closest key under the
+    longest dotted prefix the two share (the same section first), falling back to the closest full path."""
     parts = key.split(".")
     prefix = ".".join(parts[:bad])
     keys = all_keys(MegappoConfig)
@@ -291,11 +292,19 @@ def suggest_key(key: str, bad: int, parent: type) -> Optional[str]:
     same_name = [k for k in keys if k.rsplit(".", 1)[-1] == parts[-1]]
     if same_name:
         return max(same_name, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())
-    # 3. the closest full path elsewhere (siblings were judged by name above; the shared prefix would inflate
-    #    their score here)
-    others = [k for k in keys if not k.startswith(prefix + ".")] if prefix else keys
-    close = difflib.get_close_matches(key, others, n=1, cutoff=0.6)
-    return close[0] if close and not key.startswith(close[0] + ".") else None
+    # 3. the closest key in the nearest enclosing section: the rest of the path is compared with the keys under
+    #    the longest dotted prefix first, then with those one level up (less the section already judged, whose
+    #    shared prefix would inflate their score), and so on to the top level. None: the message lists the
+    #    section's keys instead
+    for level in range(bad, -1, -1):
+        section, judged = ".".join(parts[:level]), ".".join(parts[:level + 1]) + "."
+        rest = ".".join(parts[level:])
+        under = {k[len(section) + 1:] if section else k: k for k in keys
+                 if (not section or k.startswith(section + ".")) and (level == bad or not k.startswith(judged))}
+        close = difflib.get_close_matches(rest, list(under), n=1, cutoff=0.6)
+        if close and not key.startswith(under[close[0]] + "."):
+            return under[close[0]]
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------------------

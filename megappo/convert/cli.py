@@ -67,8 +67,8 @@ def register(subparsers) -> None:
                         "classification checkpoint, score.weight -> value head (default actor)")
     h.add_argument("--force", action="store_true", help=_FORCE_HELP)
     h.add_argument("--bucket-size", default="512MB",
-                   help="weights produced and written at a time per rank, e.g. 512MB, 2GB; peak memory is about twice "
-                        "this plus the largest tensor (default 512MB)")
+                   help="weights produced and written at a time per rank, e.g. 512MB, 2GB; peak memory is about one "
+                        "bucket plus the largest tensor, not the model (default 512MB)")
     _layout_args(h)
     h.set_defaults(func=_hf_to_mcore)
 

@@ -12,6 +12,7 @@ function is wrapped in `CustomRewardFn`, which pickles as (path, name) and re-im
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import sys
@@ -49,12 +50,28 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
     return wrap
 
 
+# Built-in rewards that live with their tasks: (module, function returning {data_source: reward function}). They
+# are registered on the first look-up that misses (and on every listing), never at import time: the tasks' modules
+# may then import megappo.rewards freely, in either order. The GSM8K reward (below) is registered here and imports
+# its scoring module when first called.
+_BUILTINS = (("megappo.tasks.synthetic", "builtin_rewards"),)
+
+
+def _load_builtins() -> None:
+    for module, attr in _BUILTINS:
+        for source, fn in getattr(importlib.import_module(module), attr)().items():
+            _REGISTRY.setdefault(source, fn)
+
+
 def registered_data_sources() -> list[str]:
+    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def get_reward_fn(data_source: str) -> RewardFn:
     """The registered reward function for `data_source`; a KeyError-like error listing the known ones otherwise."""
+    if data_source not in _REGISTRY:
+        _load_builtins()
     try:
         return _REGISTRY[data_source]
     except KeyError:
@@ -81,9 +98,6 @@ def gsm8k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_i
     from megappo.rewards import gsm8k
 
     return gsm8k.compute_score(solution_str, ground_truth)
-
-
-import megappo.tasks.synthetic  # noqa: E402,F401  registers the built-in synthetic tasks' data_sources
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ pick the answer it already ranks first. (So validate by sampling at temperature 
 from the start.) A REINFORCE check outside the trainer (Adam at lr 1e-3, 64 samples a step,
 responses of at most 4 tokens) takes the temperature-1 reward from ~0.23 to ~0.8 in 15 steps.
 
-This module imports neither torch nor pyarrow until `prepare_task` runs: reward worker processes import it (through
-`megappo.rewards.registry`) to find `synthetic_reward`.
+This module imports neither torch nor pyarrow until `prepare_task` runs: reward worker processes import it (on
+`megappo.rewards.registry`'s first look-up of a reward, through `builtin_rewards`) to find `synthetic_reward`.
 """
 from __future__ import annotations
 
@@ -50,8 +50,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional
-
-from megappo.rewards.registry import register_reward
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +185,6 @@ def get_task(name: str) -> SyntheticTask:
 # ---------------------------------------------------------------------------------------------------------------
 # reward
 # ---------------------------------------------------------------------------------------------------------------
-@register_reward(*(t.data_source for t in TASKS.values()))
 def synthetic_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None
                      ) -> float:
     """1.0 when the response is exactly the answer (surrounding whitespace and EOS/pad tokens aside), else 0.0."""
@@ -195,6 +192,12 @@ def synthetic_reward(data_source: str, solution_str: str, ground_truth: Any, ext
     for token in SPECIAL_TOKENS:
         text = text.replace(token, " ")
     return 1.0 if text.strip() == str(ground_truth).strip() else 0.0
+
+
+def builtin_rewards() -> dict[str, Any]:
+    """{data_source: reward function} of every task: `megappo.rewards.registry` registers them on its first look-up
+    (this module does not import the registry, so neither imports the other at import time)."""
+    return {t.data_source: synthetic_reward for t in TASKS.values()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,16 +3,24 @@
 `preflight(cfg)` runs the configuration's own rules (`megappo.config.validate`) and then the checks that need the
 rest of megappo: each role's parallel layout against the world size and the model's head, layer and expert counts
 (read from `<model.path>/config.json` when it is there), the rollout's tensor-parallel size, and how batches split
-into mini- and micro-batches over data-parallel ranks. With check_files it also reads the schema of every Parquet
-file and imports the custom reward function. With data.synthetic.name set, the trainer writes the model and the
-Parquet files itself: the task must exist, and neither is read. Each message names the key, what is wrong and the fix.
+into mini- and micro-batches over data-parallel ranks, and the prompt plus response budget against the model's
+max_position_embeddings. With check_files it also reads the schema of every Parquet file, imports the custom reward
+function, checks that trainer.default_local_dir can be created and written, and, when the trainer starts SGLang
+servers, that their python (rollout.server_python) has SGLang. With data.synthetic.name set, the trainer writes
+the model and the Parquet files itself: the task must exist, and neither is read. Each message names the key, what
+is wrong and the fix.
 
 Light to import: no torch, megatron or pyarrow until a check needs them.
 """
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -28,6 +36,7 @@ class ModelDims:
     num_key_value_heads: Optional[int] = None
     num_layers: Optional[int] = None
     num_experts: Optional[int] = None  # 0 when config.json was read and names no experts
+    max_position_embeddings: Optional[int] = None
 
 
 def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -45,7 +54,10 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
         _check_synthetic_task(cfg.data.synthetic.name, errors)
     if world_size >= 1:
         _check_parallel_and_batches(cfg, world_size, errors, check_files)
+    _check_sequence_length(cfg, errors)
     if check_files:
+        errors += _output_dir_errors(cfg)
+        _check_sglang(cfg, errors)
         _check_api_key_file(cfg.actor_rollout_ref.rollout.api_key_file, errors)
         if not uses_synthetic_task(cfg):
             _check_parquet_schemas(cfg, errors)
@@ -77,15 +89,134 @@ def read_model_dims(path: Optional[str]) -> Optional[ModelDims]:
     heads = hf.get("num_attention_heads")
     experts = next((hf[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)), 0)
     return ModelDims(num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads") or heads,
-                     num_layers=hf.get("num_hidden_layers"), num_experts=experts)
+                     num_layers=hf.get("num_hidden_layers"), num_experts=experts,
+                     max_position_embeddings=hf.get("max_position_embeddings"))
+
+
+# how to make a small model to point a recipe at (recipes/gsm8k/tiny_cpu.yaml needs one)
+MAKE_TINY_MODEL = "python -m megappo.testing model --family qwen2 --out DIR"
 
 
 def _check_model_path(key: str, path: Optional[str], errors: list[str], check_files: bool) -> None:
     if not path:
         errors.append(f"{key}: is not set; set {key}=DIR, a Hugging Face model directory (config.json + weights)")
-    elif check_files:
-        _need(errors, (Path(os.path.expanduser(path)) / "config.json").is_file(), key,
-              f"'{path}' has no config.json", "point it at a local Hugging Face model directory")
+    elif check_files and not (Path(os.path.expanduser(path)) / "config.json").is_file():
+        fix = "point it at a local Hugging Face model directory"
+        if not os.path.exists(os.path.expanduser(path)):
+            fix += f" (for a tiny test model to try a recipe with: `{MAKE_TINY_MODEL}`)"
+        errors.append(f"{key}: '{path}' has no config.json; {fix}")
+
+
+def _check_sequence_length(cfg: MegappoConfig, errors: list[str]) -> None:
+    """A prompt plus its response must fit the actor's positions (max_position_embeddings): longer ones are cut
+    or misread by the tokenizer and the rotary embedding, and training goes on with broken samples."""
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    if uses_synthetic_task(cfg):
+        from megappo.tasks import TASKS
+
+        task = TASKS.get(cfg.data.synthetic.name)
+        limit = task.model.get("max_position_embeddings") if task is not None else None
+        where = f"the synthetic task {cfg.data.synthetic.name}'s model"
+    else:
+        try:
+            dims = read_model_dims(arr.model.path)
+        except ConfigError:
+            return  # an unreadable config.json is named by the layout check
+        limit = dims.max_position_embeddings if dims is not None else None
+        where = f"the actor's model ({arr.model.path}/config.json)"
+    override = (arr.model.override_config or {}).get("max_position_embeddings")
+    if isinstance(override, int):
+        limit, where = override, "actor_rollout_ref.model.override_config.max_position_embeddings"
+    total = data.max_prompt_length + data.max_response_length
+    if isinstance(limit, int) and limit > 0 and total > limit:
+        errors.append(
+            f"data.max_prompt_length + data.max_response_length: {data.max_prompt_length} + "
+            f"{data.max_response_length} = {total} tokens exceed max_position_embeddings={limit} of {where}; "
+            f"lower data.max_prompt_length and/or data.max_response_length to a total of at most {limit}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the output directory and the SGLang server's python
+# ------------------------------------------------------------------------------------------------------------------
+def output_dir_problem(path: str) -> Optional[str]:
+    """Why the directory `path` cannot be created or written (None when it can), without creating it: the
+    nearest existing ancestor takes a probe directory, created and removed at once. An existing directory is asked
+    (access(2), which also knows read-only mounts) and left untouched: it may be another run's, which the directory
+    lock (`megappo.trainer.run_lock`) is about to refuse."""
+    target = os.path.abspath(os.path.expanduser(path))
+    existing = target
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return (f"'{path}' cannot be created: '{existing}' is a file" if existing != target
+                else f"'{path}' is a file, not a directory")
+    if existing == target:
+        if os.access(target, os.W_OK | os.X_OK):
+            return None
+        read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+        return f"'{path}' cannot be written ({'a read-only file system' if read_only else 'no permission'})"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megappo-write-check-", dir=existing))
+    except OSError as e:
+        why = {errno.EACCES: "no permission", errno.EPERM: "not permitted", errno.EROFS: "a read-only file system",
+               errno.ENOSPC: "no space left"}.get(e.errno, e.strerror or type(e).__name__)
+        return f"'{path}' cannot be created in '{existing}' ({why})"
+    return None
+
+
+def _output_dir_errors(cfg: MegappoConfig) -> list[str]:
+    problem = output_dir_problem(cfg.trainer.default_local_dir)
+    return [f"trainer.default_local_dir: {problem}; set trainer.default_local_dir=DIR to a directory you can write "
+            "(on storage every node shares, for more than one node)"] if problem else []
+
+
+def require_output_dir(cfg: MegappoConfig) -> None:
+    """Raise ConfigError naming trainer.default_local_dir when the run could not create or write it (for
+    `megappo.trainer.build.setup`, before it writes there; `preflight` with check_files runs the same check)."""
+    errors = _output_dir_errors(cfg)
+    if errors:
+        raise ConfigError(errors)
+
+
+SGLANG_INSTALL = 'pip install "megappo[sglang]"'
+SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
+
+
+@functools.lru_cache(maxsize=None)
+def sglang_missing(python: str) -> Optional[str]:
+    """Why `python` cannot run an SGLang server (None when it can): it does not start, or has no `sglang` package.
+
+    Cheap: the package is looked up, not imported (a few hundred milliseconds; the answer is kept per python)."""
+    probe = "import importlib.util, sys; sys.exit(3 if importlib.util.find_spec('sglang') is None else 0)"
+    try:
+        # as the server sees it (megappo.rollout.sglang_server): this environment, less PYTHONPATH
+        done = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"'{python}' cannot be run ({e})"
+    if done.returncode == 3:
+        return f"'{python}' has no sglang package (No module named 'sglang')"
+    if done.returncode:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        return f"'{python}' cannot be run ({tail[0]})"
+    return None
+
+
+def _check_sglang(cfg: MegappoConfig, errors: list[str]) -> None:
+    """The servers the trainer starts (rollout.name=sglang without server_urls) run on server_python: it must have
+    SGLang. Servers given by URL are someone else's; the hf engine needs none."""
+    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
+    if r.name != "sglang" or r.server_urls:
+        return
+    python = r.server_python or sys.executable
+    problem = sglang_missing(python)
+    if problem:
+        which = key if r.server_python else f"{key} (unset: this python)"
+        errors.append(
+            f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
+            f"install it there (`{python} -m {SGLANG_INSTALL}`), or set {key}=PYTHON to a python that has it "
+            f"(on CPU, `{SGLANG_CPU_VENV}` makes one and prints the line to use), or use "
+            "actor_rollout_ref.rollout.name=hf")
 
 
 def _check_api_key_file(path: Optional[str], errors: list[str]) -> None:

@@ -76,7 +76,8 @@ def test_dry_run_validates_files(runnable, tmp_path, capsys):
 
 def test_dry_run_of_a_synthetic_task_needs_no_files(capsys):
     assert main(["train", "--dry-run", "--config", "gsm8k/tiny_cpu", "data.synthetic.name=digit_max",
-                 "data.synthetic.num_train_prompts=16", "data.train_files=/nowhere.parquet"]) == 0
+                 "data.synthetic.num_train_prompts=16", "data.train_files=/nowhere.parquet",
+                 "data.max_prompt_length=64", "data.max_response_length=8"]) == 0  # the task model has 128 positions
     assert "synthetic task digit_max" in capsys.readouterr().out
 
 

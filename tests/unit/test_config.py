@@ -395,7 +395,8 @@ def test_config_imports_nothing_of_megappo_outside_config():
 # ------------------------------------------------------------------------------------------------------------------
 SYNTHETIC = ["data.synthetic.name=digit_max", "data.train_batch_size=8",
              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "data.synthetic.num_train_prompts=64",
-             "trainer.n_gpus_per_node=2"]
+             "trainer.n_gpus_per_node=2",
+             "data.max_prompt_length=16", "data.max_response_length=4"]  # within the task model's 128 positions
 
 
 def test_synthetic_task_needs_no_model_or_data_files(tmp_path):

@@ -40,9 +40,12 @@ def test_a_router_over_started_servers_is_valid():
     assert cfg.actor_rollout_ref.rollout.router == "sglang"
 
 
-def test_the_api_key_comes_from_its_file_and_a_bad_file_is_named(tmp_path):
+def test_the_api_key_comes_from_its_file_and_a_bad_file_is_named(tmp_path, monkeypatch):
     """rollout.api_key_file keeps the key off command lines (launch/slurm/train_sglang.sbatch writes one)."""
     from megappo.trainer.preflight import preflight
+
+    # this environment has no SGLang (its own check is tests/unit/test_preflight_edges.py): only the key is checked
+    monkeypatch.setattr("megappo.trainer.preflight.sglang_missing", lambda python: None)
     from megappo.trainer.rollout_servers import configured_api_key
 
     key_file = tmp_path / "api_key"

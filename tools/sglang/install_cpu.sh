@@ -4,6 +4,9 @@
 #
 #   bash tools/sglang/install_cpu.sh VENV      # then: VENV/bin/python tools/sglang/check.py --hf HF_DIR
 #
+# It ends by printing the override that points the trainer's servers at it
+# (actor_rollout_ref.rollout.server_python=VENV/bin/python, absolute) and the `megappo rollout-server --python`.
+#
 # Why each step (see also the SGLang notes in the project's shared notes):
 # - torch 2.13.0+cpu first; every other package with --no-deps, because sglang pins a CUDA torch 2.14.1 that
 #   would otherwise replace it (sglang runs on 2.13.0).
@@ -25,3 +28,7 @@ mkdir -p "$site/sgl_kernel"
 cp "$here/sgl_kernel_stub.py" "$site/sgl_kernel/__init__.py"
 "$venv/bin/python" "$here/patch_torchvision.py" "$site"
 "$venv/bin/python" -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+py=$(cd "$venv" && pwd)/bin/python
+echo "SGLang server python: $py; use it with"
+echo "  megappo train ... actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.server_python=$py"
+echo "  megappo rollout-server --python $py ..."
