@@ -334,6 +334,10 @@ class TrainerConfig:
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: newest checkpoint in default_local_dir
     resume_from_path: Optional[str] = None  # checkpoint to load when resume_mode is resume_path
     default_local_dir: Optional[str] = None  # resolved: checkpoints/{project_name}/{experiment_name}
+    # A run owns default_local_dir (a lock on <dir>/.megappo.lock): a second run on it exits 1 naming the holder, or
+    # first waits up to this many seconds for it to go. 0 (interactive): fail at once; launch/slurm/*.sbatch set 300,
+    # so a requeued job waits out its previous incarnation's last seconds.
+    dir_lock_wait_s: float = 0.0
     project_name: str = "megappo_examples"
     experiment_name: str = "gsm8k"
     # metrics.jsonl in default_local_dir is always written; these are the other sinks

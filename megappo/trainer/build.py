@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -22,9 +23,10 @@ from megappo.trainer import checkpointing, settings
 from megappo.trainer.guard import KLGuard
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.phases import Run
-from megappo.trainer.preflight import preflight
+from megappo.trainer.preflight import preflight, require_output_dir
 from megappo.trainer.roles import build_roles, describe
 from megappo.trainer.rollout import RolloutWorker
+from megappo.trainer.run_lock import AlreadyFinished, DirLocked, RunLock, finished_message
 
 
 @dataclass
@@ -38,6 +40,7 @@ class TrainState:
     logger: MetricsLogger
     local_dir: str
     resumed: bool = False  # started from a checkpoint (of this or an earlier process)
+    lock: Optional[RunLock] = None  # rank 0's hold on local_dir, released by teardown
 
     def batches(self) -> Iterator[Any]:
         """The training batches from the saved position on, epoch after epoch."""
@@ -118,29 +121,38 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
     ps = init_parallel(ParallelLayout.from_megatron_config(cfg.actor_rollout_ref.actor.megatron), platform,
                        seed=cfg.actor_rollout_ref.actor.megatron.seed)
     local_dir = os.path.abspath(os.path.expanduser(t.default_local_dir))
-    _synthetic(cfg, local_dir)
-    preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
-    from transformers import AutoTokenizer
-
-    tok_path = cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path
-    tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    loader, val_loader = _data(cfg, tokenizer)
-    total = t.total_training_steps or t.total_epochs * len(loader)
-    roles = build_roles(cfg, ps, platform, total)
-    kl = cfg.algorithm.kl_ctrl
-    run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
-              scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
-              pad_token_id=loader.dataset.pad_token_id,
-              kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
-                                                horizon=kl.horizon),
-              batching=settings.batching(cfg), sampling=settings.sampling(cfg),
-              actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
-              critic_loss=critic_loss_fn(settings.critic_loss(cfg)),
-              guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
-    run.guard.remember_base(run)
-    run.guard.apply(run)
-    state = TrainState(0, total, loader, val_loader, None, local_dir)  # type: ignore[arg-type]
+    require_output_dir(cfg)  # a clear error before the lock creates local_dir (`megappo train` checked it too)
+    lock = _own_dir(local_dir, t.dir_lock_wait_s)  # before anything in local_dir is read, written or removed
+    run = state = None
     try:
+        if t.total_training_steps:  # the end is known before the synthetic task is (re)built: nothing is written
+            _stop_if_finished(cfg, local_dir, t.total_training_steps)
+        _synthetic(cfg, local_dir)
+        preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
+        from transformers import AutoTokenizer
+
+        tok_path = (cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path
+                    or cfg.actor_rollout_ref.model.path)
+        tokenizer = AutoTokenizer.from_pretrained(tok_path,
+                                                  trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        loader, val_loader = _data(cfg, tokenizer)
+        total = t.total_training_steps or t.total_epochs * len(loader)
+        if not t.total_training_steps:
+            _stop_if_finished(cfg, local_dir, total)
+        roles = build_roles(cfg, ps, platform, total)
+        kl = cfg.algorithm.kl_ctrl
+        run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
+                  scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
+                  pad_token_id=loader.dataset.pad_token_id,
+                  kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
+                                                    horizon=kl.horizon),
+                  batching=settings.batching(cfg), sampling=settings.sampling(cfg),
+                  actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
+                  critic_loss=critic_loss_fn(settings.critic_loss(cfg)),
+                  guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
+        run.guard.remember_base(run)
+        run.guard.apply(run)
+        state = TrainState(0, total, loader, val_loader, None, local_dir, lock=lock)  # type: ignore[arg-type]
         _resume(run, state)
         if dist.get_rank() == 0:
             print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
@@ -149,9 +161,49 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                                      start_step=state.step, resumed=state.resumed,
                                      run_name=(t.project_name, t.experiment_name))
     except BaseException:
-        teardown(run, state)  # the engine (an SGLang server) and reward workers are already running
+        if run is not None:
+            teardown_run(run, state)  # the engine (an SGLang server) and reward workers are already running
+        if lock is not None:
+            lock.release()  # fit's teardown gets no state from a failed setup; an in-process caller may go on
         raise
     return run, state
+
+
+def _own_dir(local_dir: str, wait_s: float) -> Optional[RunLock]:
+    """Rank 0 locks `local_dir` (waiting up to `wait_s` for another run to let go), every rank learns the outcome
+    after each try: a second run's ranks all leave, rank 0 with DirLocked (exit status 1, naming the holder), the
+    others quietly with status 1. Collective; returns rank 0's lock (None elsewhere)."""
+    rank0 = dist.get_rank() == 0
+    lock = RunLock(local_dir) if rank0 else None
+    start = time.monotonic()
+    verdict = ["wait"]
+    # one broadcast per try (about a second): the other ranks never sit in one collective for the whole wait,
+    # which may be longer than the process groups' timeout
+    while verdict[0] == "wait":
+        if rank0:
+            verdict[0] = lock.poll(start + max(0.0, wait_s))
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] == "ok":
+        return lock
+    if rank0:
+        message = lock.locked_message(time.monotonic() - start)
+        lock.close()
+        raise DirLocked(message)
+    raise SystemExit(1)
+
+
+def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int) -> None:
+    """A run started again over a finished one (trainer.resume_mode=auto, the same number of steps) says so and
+    ends every rank with status 0 (AlreadyFinished), before it builds a model or writes a file: no summary, no step,
+    no second export or empty TensorBoard file. Collective."""
+    if cfg.trainer.resume_mode != "auto":  # disable trains again; resume_path continues where it is told
+        return
+    message = [finished_message(local_dir, total) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        if dist.get_rank() == 0:
+            print(message[0], file=sys.stderr, flush=True)
+        raise AlreadyFinished(message[0])
 
 
 def _resume(run: Run, state: TrainState) -> None:
@@ -199,11 +251,19 @@ def rollback(run: Run, state: TrainState, step: int, reason: str) -> None:
 
 
 def teardown(run: Optional[Run], state: Optional[TrainState]) -> None:
-    """Stop every process and file the run started; safe to call after a failed setup."""
+    """Stop every process and file the run started, then let go of its directory; safe to call after a failed
+    setup."""
+    teardown_run(run, state)
+    if state is not None and state.lock is not None:
+        state.lock.release()  # last: the run's files are closed and its helpers stopped
+    destroy_parallel(destroy_process_group=True)
+
+
+def teardown_run(run: Optional[Run], state: Optional[TrainState]) -> None:
+    """The logger, rollout engine and reward workers (not the process groups or the directory's lock)."""
     if state is not None and state.logger is not None:
         state.logger.close()
     if run is not None:
         run.rollout.close()
         if run.scorer is not None:
             run.scorer.close()
-    destroy_parallel(destroy_process_group=True)
