@@ -57,6 +57,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"megappo train: {e}", file=sys.stderr)
+        return 1
+    launched = not (args.print_config or args.dry_run)
+    # first the launch against the config: the checks below plan for the config's world size
+    mismatch = launched and launch_mismatch(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, os.environ)
+    if mismatch:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank finds it; one says it
+            print(f"megappo train: {mismatch}", file=sys.stderr)
+        return 1
+    try:
         # --print-config needs no model or data on this machine; its output is only ever a valid configuration
         preflight(cfg, check_files=False if args.print_config else None)
     except ConfigError as e:
@@ -73,17 +84,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"megappo train: config OK ({t.nnodes} node(s) x {t.n_gpus_per_node} rank(s), {model}); "
               "--dry-run, not training")
         return 0
-    t = cfg.trainer
-    expected, started = t.nnodes * t.n_gpus_per_node, int(os.environ.get("WORLD_SIZE", "1"))
-    if started != expected:
-        print(f"megappo train: the config asks for {expected} ranks (trainer.nnodes={t.nnodes} x "
-              f"trainer.n_gpus_per_node={t.n_gpus_per_node}) but {started} were started; launch with "
-              f"`torchrun --nproc-per-node {t.n_gpus_per_node} -m megappo.cli train ...` on each node "
-              "(launch/torchrun.sh does it), or set trainer.n_gpus_per_node/nnodes to match", file=sys.stderr)
-        return 1
     from megappo import trainer
     from megappo.models.checkpoint import CheckpointError
+    from megappo.platform.child_reaper import die_with_launcher
     from megappo.trainer.guard import EXIT_STOPPED, RunStopped
+
+    die_with_launcher()  # under torchrun: a rank outlives no launcher (torchrun puts each rank in its own session)
 
     try:
         result = trainer.fit(cfg)
@@ -98,3 +104,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"megappo train: {e}", file=sys.stderr)
         return EXIT_STOPPED
     return result if isinstance(result, int) else 0
+
+
+def launch_mismatch(nnodes: int, per_node: int, environ) -> str | None:
+    """Why the ranks torchrun started (WORLD_SIZE, LOCAL_WORLD_SIZE in `environ`) do not fit the config's
+    trainer.nnodes x trainer.n_gpus_per_node, naming the fix; None when they fit.
+
+    Under torchrun the launch is taken as meant (the user typed --nnodes and --nproc-per-node): the message gives
+    the keys' values that match it. Without torchrun (one process) it says how to launch the config's ranks."""
+    def ranks(n: int) -> str:
+        return f"{n} rank" if n == 1 else f"{n} ranks"
+
+    expected = nnodes * per_node
+    asked = (f"the config asks for {ranks(expected)} (trainer.nnodes={nnodes} x "
+             f"trainer.n_gpus_per_node={per_node})")
+    world = int(environ.get("WORLD_SIZE") or 1)
+    if world == expected:
+        return None
+    if "WORLD_SIZE" not in environ:
+        return (f"{asked} but 1 were started (one process, no torchrun); launch with `torchrun --nproc-per-node "
+                f"{per_node} --nnodes {nnodes} -m megappo.cli train ...` on each node (launch/torchrun.sh does it), "
+                "or set trainer.nnodes=1 trainer.n_gpus_per_node=1")
+    local = int(environ.get("LOCAL_WORLD_SIZE") or world)
+    if local < 1 or world % local:  # nodes with different rank counts: no pair of keys describes it
+        return (f"{asked} but torchrun started {ranks(world)}, not the same number on every node; launch "
+                f"`torchrun --nproc-per-node {per_node}` on each of {nnodes} node(s)")
+    nodes = world // local
+    fix = " ".join(f"{k}={v}" for k, v, mine in (("trainer.nnodes", nodes, nnodes),
+                                                ("trainer.n_gpus_per_node", local, per_node)) if v != mine)
+    return (f"{asked} but torchrun started {ranks(world)} ({nodes} node(s) x {local} per node); to train on the "
+            f"ranks as launched, add {fix} to the command (or launch `torchrun --nproc-per-node {per_node}` on "
+            f"each of {nnodes} node(s))")

@@ -4,8 +4,8 @@ Saving a built model holds all of it in memory, and megatron's torch_dist writer
 writes. Here the model is built on the meta device instead (no storage), and its `sharded_state_dict()` still
 describes every tensor of the checkpoint: key, global shape, offset, replica. The tensors are then produced a bucket
 at a time by a callback (e.g. sliced out of Hugging Face safetensors), saved with megatron's own
-`dist_checkpointing.save` into a sub-folder, and released, so peak memory is about one bucket (twice, with the
-writer's staging copy) plus the largest tensor.
+`dist_checkpointing.save` into a sub-folder, and released, so peak memory is about one bucket plus the largest
+tensor (measured: a 763 MB model with 32/160/320 MB buckets peaked at 653/780/743 MB).
 
 The buckets' torch_dist metadata are merged into one `.metadata` whose entries point at the buckets' data files,
 renamed next to it: the result holds the same keys, global shapes and chunks as one save of the whole model would,
@@ -154,6 +154,8 @@ def save_streamed(state: dict, directory: str, materialise: Callable[[torch.Tens
     import torch.distributed.checkpoint as dcp
     from megatron.core import dist_checkpointing
 
+    from megappo.models.save_strategy import save_strategy  # no helper process outlives the conversion
+
     rank, world = _world()
     items = list(_flatten(state))
     tensors = [(p, v) for p, v in items if _tensor_data(v) is not None]
@@ -167,7 +169,7 @@ def save_streamed(state: dict, directory: str, materialise: Callable[[torch.Tens
     if world > 1:
         dist.barrier()
     dist_checkpointing.save(_nest([(p, v) for p, v in items if _tensor_data(v) is None]), subs[0],
-                            content_metadata=content_metadata)
+                            sharded_strategy=save_strategy(), content_metadata=content_metadata)
     n_tensors = n_bytes = 0
     for bucket, sub in zip(buckets, subs[1:]):
         writes = _write_items([(p, _materialised(v, materialise)) for p, v in bucket])

@@ -11,8 +11,8 @@ Layout of the state dict: `{"model": ...}` (or `"model0"`, `"model1"`... one per
 `"optimizer"` (or, for an optimizer that never stepped, `"optimizer_fresh"`: see `megappo.models.optim_state`), and
 plain Python `"scheduler_state"` / `"extra"` saved once by rank 0.
 
-dist_checkpointing's writer spawns worker processes: scripts that save must guard their entry point with
-`if __name__ == "__main__":`.
+Saves go through `megappo.models.save_strategy`: megatron's writer with forked shard workers that die with the saving
+process, and no multiprocessing manager (which would outlive a killed run).
 """
 from __future__ import annotations
 
