@@ -5,8 +5,10 @@ SGLang server would: it starts from a HF directory (the conversion code's output
 as checkpoint-named tensors (`update_weights(iter_hf_weights(...))`), so conversion and weight sync run wherever it
 does. Requests and completions mirror SGLang's (`SamplingParams`, `Completion`).
 
-Batches are left-padded; positions are counted from each row's first real token, so a row's tokens and log-probs do
-not depend on what it was batched with (up to float summation order).
+Batches are left-padded; positions are counted from each row's first real token, and each sampled row draws from its
+own generator, seeded with the sample's seed (`megappo.rollout.seeds`: the request's seed, the prompt's index in the
+step's batch and the sample's index), so a row's tokens and log-probs do not depend on what it was batched with, nor
+on how the batch was split over requests (up to float summation order).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from megappo.rollout.hf_weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
+from megappo.rollout.seeds import row_seeds
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -35,7 +38,7 @@ class HFEngine:
     """Generate from a HF causal LM in this process; update its weights in place.
 
     model_path: a Hugging Face directory. dtype: the compute dtype (fp32 on CPU). max_num_seqs: sequences per forward
-    batch. seed: the engine's sampling stream (a request's own `seed` overrides it). trust_remote_code: let
+    batch. seed: the engine's sampling stream, which seeds a request without a `seed` of its own. trust_remote_code: let
     transformers run Python code shipped with the model (config `auto_map`); off, only its own classes load.
     """
 
@@ -66,24 +69,47 @@ class HFEngine:
 
     # -- generation ------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions for each prompt (token ids), grouped by prompt in request order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 prompt_offset: int = 0) -> list[list[Completion]]:
+        """`params.n` completions for each prompt (token ids), grouped by prompt in request order.
+
+        prompt_offset: the index of `prompts[0]` in the step's batch; sample j of prompt k is drawn with the seed
+        `sample_seed(params.seed, prompt_offset + k, j, n)` (the engine's stream draws a request seed when
+        `params.seed` is None), so a share of the batch samples what the whole batch would."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        gen = self.generator
-        if params.seed is not None:
-            gen = torch.Generator(self.device).manual_seed(params.seed)
+        seed = params.seed
+        if seed is None and not params.is_greedy:
+            seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator, device=self.generator.device))
+        seeds = row_seeds(seed, len(prompts), params.n, prompt_offset)
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_num_seqs):
-            done += self._generate_batch(rows[start:start + self.max_num_seqs], params, gen)
+            stop = start + self.max_num_seqs
+            done += self._generate_batch(rows[start:stop], params, seeds[start:stop])
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for c in done:
             grouped[c.prompt_index].append(c)
         return grouped
 
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, gens: Optional[list[torch.Generator]],
+                finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of each row and its log-prob: greedy over the whole batch, else each unfinished row with
+        its own generator (a finished row's token is padding, and its generator is not used again)."""
+        if gens is None:
+            return sample_next(logits, params)
+        tok = torch.full((logits.shape[0],), self.pad_id, dtype=torch.long, device=logits.device)
+        logp = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+        live = (~finished).nonzero().flatten().tolist()
+        drawn = [sample_next(logits[r:r + 1], params, gens[r]) for r in live]
+        if drawn:
+            index = torch.tensor(live, dtype=torch.long, device=logits.device)
+            tok[index] = torch.cat([t for t, _ in drawn])
+            logp[index] = torch.cat([lp for _, lp in drawn])
+        return tok, logp
+
     def _generate_batch(self, rows: list[tuple[int, list[int]]], params: SamplingParams,
-                        gen: torch.Generator) -> list[Completion]:
+                        seeds: Sequence[Optional[int]]) -> list[Completion]:
         b, p = len(rows), max(len(ids) for _, ids in rows)
         ids = torch.full((b, p), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, p), dtype=torch.long)
@@ -99,8 +125,9 @@ class HFEngine:
         tokens, logps = [], []
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         length = torch.zeros(b, dtype=torch.long, device=self.device)
+        gens = None if params.is_greedy else [torch.Generator(self.device).manual_seed(s) for s in seeds]
         for _ in range(params.max_new_tokens):
-            tok, logp = sample_next(out.logits[:, -1], params, gen)
+            tok, logp = self._sample(out.logits[:, -1], params, gens, finished)
             tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
             logps.append(logp)

@@ -1,8 +1,9 @@
 """A rollout engine that is a client of an SGLang server (or router): the same calls as `HFEngine`.
 
 Requests go to SGLang's native `POST /generate` with token ids (no text round trip); a prompt's `n` samples are sent
-as `n` rows, each with its own `sampling_seed` when the request has a seed. SGLang honours those seeds only when
-the server runs with `--enable-deterministic-inference` (SGLang 0.5.23); otherwise sampling is not repeatable.
+as `n` rows, each with its own `sampling_seed` when the request has a seed (the sample's seed, `megappo.rollout.seeds`,
+as the in-process engine uses it). SGLang honours those seeds only when the server runs with
+`--enable-deterministic-inference` (SGLang 0.5.23); otherwise sampling is not repeatable.
 Weights reload from a Hugging Face directory (`/update_weights_from_disk`) or stream from the trainer
 (`update_weights`): the trainer and the server's TP ranks share a process group (`init_weight_group`), and for each
 bucket the server is told the names, dtypes and shapes while the trainer broadcasts the bucket, packed into one flat
@@ -19,6 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang_server import free_port, http_json, register_api_key
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -135,7 +137,7 @@ class SGLangEngine:
         self._group_name = "megappo_weight_sync"
         self._staging: list = []  # update_weights' flat send buffer, reused across syncs
 
-    def _sampling_params(self, params: SamplingParams, row: int) -> dict[str, Any]:
+    def _sampling_params(self, params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
         sp: dict[str, Any] = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": 0.0 if params.is_greedy else params.temperature,
@@ -146,35 +148,40 @@ class SGLangEngine:
         }
         if params.stop_token_ids:
             sp["stop_token_ids"] = list(params.stop_token_ids)
-        if params.seed is not None:
-            sp["sampling_seed"] = params.seed + row
+        if seed is not None:
+            sp["sampling_seed"] = seed
         return sp
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt (token ids), grouped by prompt in request order."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 prompt_offset: int = 0) -> list[list[Completion]]:
+        """`params.n` completions per prompt (token ids), grouped by prompt in request order. prompt_offset: the
+        index of `prompts[0]` in the step's batch, which the samples' seeds follow (as in `HFEngine.generate`)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
         grouped: list[list[Completion]] = [[] for _ in prompts]
-        for c in self.generate_rows([prompts[i] for i in rows], rows, list(range(len(rows))), params):
+        for c in self.generate_rows([prompts[i] for i in rows], rows, seeds, params):
             grouped[c.prompt_index].append(c)
         return grouped
 
     def generate_rows(self, input_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
-                      seed_rows: Sequence[int], params: SamplingParams, *, batched: bool = True) -> list[Completion]:
-        """One completion per row: `input_ids[k]` sampled with seed `params.seed + seed_rows[k]` (a row keeps its
-        seed whichever server answers it). Raises RuntimeError naming the server when it fails, aborts a row, or
-        answers with another number of rows than it was asked (which would silently drop samples).
+                      seeds: Sequence[Optional[int]], params: SamplingParams, *,
+                      batched: bool = True) -> list[Completion]:
+        """One completion per row: `input_ids[k]` sampled with seed `seeds[k]` (the sample's seed, `row_seeds`;
+        None: unseeded), so a row keeps its seed whichever server answers it. Raises RuntimeError naming the server
+        when it fails, aborts a row, or answers with another number of rows than it was asked (which would silently
+        drop samples).
 
         `batched=False` sends exactly one row as a plain (non-list) request: sglang-router takes only those (its
         request type has one `sampling_params` map, so a batch could not keep per-row seeds)."""
         if batched:
             body = {"input_ids": [list(p) for p in input_ids],
-                    "sampling_params": [self._sampling_params(params, r) for r in seed_rows]}
+                    "sampling_params": [self._sampling_params(params, seed) for seed in seeds]}
         else:
             if len(input_ids) != 1:
                 raise ValueError("an unbatched request holds exactly one row")
-            body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seed_rows[0])}
+            body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seeds[0])}
         body.update(return_logprob=True, logprob_start_len=-1)
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):

@@ -2,10 +2,12 @@
 
 `generate` cuts a batch's rows (a prompt's `n` samples are `n` rows) into one contiguous share per live server and
 sends the shares in parallel. A share that fails (connection refused, timeout, an aborted row, an answer with the
-wrong number of rows) goes again to another live server; every row keeps its sampling seed (`seed + row`), so a
-retried sample is the one the failed server would have drawn (with SGLang's deterministic inference). A server
-that fails and then does not answer `/health` is dropped with a warning; `revive`, when given, may restart it (the
-caller then gives it the current weights) before it serves again. The result holds every row exactly once or the
+wrong number of rows) goes again to another live server; every row keeps its sampling seed (the sample's seed,
+`megappo.rollout.seeds.sample_seed`: the request's seed, its prompt's index in the step's batch and its sample index),
+so a retried sample is the one the failed server would have drawn, and a sample does not depend on which server,
+request or data-parallel rank draws it (with SGLang's deterministic inference). A server that fails and then does
+not answer `/health` is dropped with a warning; `revive`, when given, may restart it (the caller then gives it the
+current weights) before it serves again. The result holds every row exactly once or the
 call raises. With `router_url` (sglang-router in front of the servers) every row is a request of its own to the
 router, which picks the server; failed rows are sent again.
 
@@ -21,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
                                            begin_update, broadcast_buckets, end_update)
 from megappo.rollout.weight_staging import SharedStaging
@@ -91,18 +94,21 @@ class SGLangFleet:
         return [k for k, ok in enumerate(self.alive) if ok]
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt, grouped by prompt in request order, each row exactly once."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 prompt_offset: int = 0) -> list[list[Completion]]:
+        """`params.n` completions per prompt, grouped by prompt in request order, each row exactly once.
+        prompt_offset: the index of `prompts[0]` in the step's batch, which the samples' seeds follow."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
         done: dict[int, Completion] = {}
         pending = list(range(len(rows)))
         errors: list[str] = []
         self._check_health_if_due()
         for _ in range(self.max_attempts):
             if self.router is not None:
-                pending = self._send_via_router(pending, prompts, rows, params, done, errors)
+                pending = self._send_via_router(pending, prompts, rows, seeds, params, done, errors)
                 if not pending:
                     break
                 self.retried_rows += len(pending)
@@ -111,7 +117,7 @@ class SGLangFleet:
             if not servers:
                 break
             shares = [pending[j::len(servers)] for j in range(len(servers))]  # interleaved: both see each prompt
-            results = self._send(servers, shares, prompts, rows, params)
+            results = self._send(servers, shares, prompts, rows, seeds, params)
             pending = []
             for k, share, result in zip(servers, shares, results):
                 if isinstance(result, BaseException):
@@ -135,7 +141,7 @@ class SGLangFleet:
             grouped[rows[r]].append(done[r])
         return grouped
 
-    def _send(self, servers: list[int], shares: list[list[int]], prompts, rows, params) -> list[Any]:
+    def _send(self, servers: list[int], shares: list[list[int]], prompts, rows, seeds, params) -> list[Any]:
         """Each server's share in a thread of its own; a result per server, or the exception it raised."""
         results: list[Any] = [None] * len(servers)
 
@@ -143,7 +149,7 @@ class SGLangFleet:
             share = shares[j]
             try:
                 results[j] = self.engines[k].generate_rows([prompts[rows[r]] for r in share], [rows[r] for r in share],
-                                                           share, params) if share else []
+                                                           [seeds[r] for r in share], params) if share else []
             except Exception as e:  # noqa: BLE001 - the share is retried elsewhere, the error reported
                 results[j] = e
 
@@ -154,13 +160,14 @@ class SGLangFleet:
             t.join()
         return results
 
-    def _send_via_router(self, pending: list[int], prompts, rows, params, done: dict, errors: list) -> list[int]:
+    def _send_via_router(self, pending: list[int], prompts, rows, seeds, params, done: dict,
+                         errors: list) -> list[int]:
         """Each pending row as a request of its own to the router (which spreads them over its workers and retries
         a failed one elsewhere); the rows that still failed."""
         router = self.router
 
         def one(r: int) -> Completion:
-            return router.generate_rows([prompts[rows[r]]], [rows[r]], [r], params, batched=False)[0]
+            return router.generate_rows([prompts[rows[r]]], [rows[r]], [seeds[r]], params, batched=False)[0]
 
         failed = []
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(pending)))) as pool:

@@ -342,8 +342,10 @@ def validate(run: Run, val_batches) -> dict[str, float]:
     """Generate with `rollout.val_kwargs` (greedy by default) on the validation prompts; mean score per source."""
     params = settings.sampling(run.cfg, validate=True, seed=run.cfg.data.seed)
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # score sum, length sum, count
+    offset = 0  # every validation prompt its own seeds, whatever val_batch_size splits them into
     for prompts in val_batches:
-        samples = run.rollout.generate(prompts, params)
+        samples = run.rollout.generate(prompts, params, prompt_offset=offset)
+        offset += len(prompts)
         scores, _ = rule_scores(run, samples, watch=False)
         for ds, s, r in zip(samples.data_sources, scores, samples.response_ids):
             t = totals[ds]

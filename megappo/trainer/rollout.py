@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
@@ -110,15 +109,19 @@ class RolloutWorker:
                 **self.rollout.engine_kwargs}
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: PromptBatch, params: SamplingParams) -> Samples:
-        """The responses to every prompt of `prompts` (the global batch), identical on every rank."""
+    def generate(self, prompts: PromptBatch, params: SamplingParams, prompt_offset: int = 0) -> Samples:
+        """The responses to every prompt of `prompts` (the global batch), identical on every rank.
+
+        Each sample is drawn with its own seed, from `params.seed`, its prompt's index (`prompt_offset` + its index
+        in `prompts`: validation's later batches continue the count) and its sample index (`megappo.rollout.seeds`),
+        whichever data-parallel rank generates it: the samples, and so the step, are those of one rank generating
+        the whole batch."""
         part = _dp_slice(len(prompts), self.ps)
         local: list = [None]
         if self.holder:
             ids = [prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
                    for b in range(part.start, part.stop)]
-            seed = None if params.seed is None else params.seed + 7919 * self.ps.dp_rank
-            local = [self.engine.generate(ids, replace(params, seed=seed)) if ids else []]
+            local = [self.engine.generate(ids, params, prompt_offset=prompt_offset + part.start) if ids else []]
         completions: list[list[Completion]] = _broadcast_objects(local, self.ps.mp_group)[0]
         if self.ps.dp_size > 1:
             gathered: list = [None] * self.ps.dp_size

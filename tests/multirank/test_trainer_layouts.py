@@ -1,5 +1,7 @@
 """The same PPO run on one rank and under torchrun: TP2xPP2 on 4 gloo ranks and DP2 on 2 ranks log the metrics of
-the one-rank run and end at the same weights (global token counts, whitening and KL over data-parallel ranks)."""
+the one-rank run and end at the same weights (global token counts, whitening and KL over data-parallel ranks), with
+greedy rollouts and with sampled ones (each sample drawn with its own seed: the step's, its prompt's index in the
+batch and its sample index, whichever rank draws it)."""
 from __future__ import annotations
 
 import os
@@ -98,3 +100,54 @@ def test_dp2_with_responses_of_different_lengths_on_each_rank(tmp_path):
     # one sample per rank, and they differ in length (so the ranks' R differ)
     assert rows[0]["response/length_max"] != rows[0]["response/length_mean"]
     assert all(r["critic/vf_explained_var"] is not None for r in rows)
+
+
+# the main CPU job (recipes/cpu/tiny_ppo.yaml): sampled rollouts and validation (temperature 1), n = 2 samples a prompt
+SAMPLED_RECIPE = "cpu/tiny_ppo"
+EXACT = ("reward/mean", "reward/max", "reward/min", "response/length_mean", "response/length_max",
+         "response/clip_ratio")  # token-level: the same samples give the same numbers, bit for bit
+SAMPLED_KEYS = ("reward/std", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss",
+                "critic/grad_norm", "kl/mean", "rollout/logprob_diff_mean", "advantages/mean", "returns/mean")
+
+
+def _sampled_overrides(out) -> list[str]:
+    return [f"trainer.default_local_dir={out}", "trainer.total_training_steps=3", "trainer.val_before_train=true",
+            "trainer.test_freq=3", "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64",
+            "data.synthetic.num_val_prompts=16", "data.train_batch_size=16", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def single_sampled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_sampled")
+    assert fit(load_config(SAMPLED_RECIPE, _sampled_overrides(out))) == 0
+    return out
+
+
+@pytest.mark.parametrize("nproc,layout", [
+    # and validation in two batches: a later batch's prompts continue the seed count, as in one batch
+    (2, ["data.val_batch_size=8"]),
+    # two replicas of a TP2 actor: each replica's first rank generates its half and sends it to its TP peer
+    (4, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]),
+], ids=["dp2", "dp2_tp2"])
+def test_dp2_with_sampling_matches_one_rank(single_sampled, tmp_path, nproc, layout):
+    """Sampled rollouts (and sampled validation) on two data-parallel ranks draw the one-rank run's samples: the
+    same rewards and lengths exactly, the same losses within float tolerance (reductions sum in another order)."""
+    _torchrun(nproc, [*_sampled_overrides(tmp_path), f"trainer.n_gpus_per_node={nproc}", *layout],
+              recipe=SAMPLED_RECIPE)
+    a, b = read_metrics(str(single_sampled)), read_metrics(str(tmp_path))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    val = sorted(k for k in a[0] if k.startswith("val/"))
+    assert val and sorted(k for k in a[-1] if k.startswith("val/")) == val
+    for ra, rb in zip(a, b):
+        step = ra["step"]
+        for k in (val if step in (0, 3) else ()):
+            assert rb[k] == ra[k], f"step {step} {k}"  # validation samples at temperature 1 too
+        if step == 0:
+            continue
+        for k in EXACT:
+            assert rb[k] == ra[k], f"step {step} {k}"
+        for k in SAMPLED_KEYS:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {step} {k}"
+    # it did sample: not every response alike (greedy answers would all be right, reward/mean 1)
+    assert any(0 < r["reward/mean"] < 1 for r in a[1:])

@@ -2,6 +2,8 @@
 and weight updates (by checkpoint name, fused MoE experts included) against a model loaded from the same files."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -79,3 +81,35 @@ def test_bad_weight_updates_fail_clearly(hf_model_dir):
                                 engine.model.model.layers[0].mlp.experts.down_proj[0].clone())], complete=True)
     with pytest.raises(FileNotFoundError, match="config.json"):
         HFEngine("/nonexistent")
+
+
+def _tokens(groups):
+    return [[c.output_ids for c in g] for g in groups]
+
+
+def test_a_sample_depends_on_its_seed_prompt_index_and_sample_index_not_on_its_batch(hf_model_dir):
+    """Sample j of the batch's prompt i is drawn with its own seed (`sample_seed`): a data-parallel share of the
+    batch (`prompt_offset`), other batch mates, another forward-batch size or another engine (rank) draw the same
+    tokens for it."""
+    hf_dir = hf_model_dir("qwen2")
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    whole = HFEngine(hf_dir).generate(PROMPTS, sampled)
+    assert len({tuple(t) for g in _tokens(whole) for t in g}) > 3  # it does sample (not all rows alike)
+    # the two shares of a two-rank split, each on an engine of its own, with other forward-batch sizes
+    first = HFEngine(hf_dir, max_num_seqs=2).generate(PROMPTS[:1], sampled, prompt_offset=0)
+    rest = HFEngine(hf_dir, max_num_seqs=4).generate(PROMPTS[1:], sampled, prompt_offset=1)
+    assert _tokens(first + rest) == _tokens(whole)
+    for got, want in zip(first + rest, whole):
+        for a, b in zip(got, want):
+            assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < 1e-5
+    # other batch mates (a longer prompt pads the batch differently) at the same index: the same samples
+    mates = HFEngine(hf_dir).generate([[4, 4, 4, 4, 4, 4, 4, 4, 4], PROMPTS[1]], sampled)
+    assert _tokens(mates)[1] == _tokens(whole)[1]
+    # another index (or seed) is another draw
+    moved = HFEngine(hf_dir).generate([PROMPTS[1]], sampled, prompt_offset=2)
+    assert _tokens(moved)[0] != _tokens(whole)[1]
+    # without a seed the engine's stream seeds the request: engines built alike sample alike, request by request
+    unseeded = replace(sampled, seed=None)
+    a, b = HFEngine(hf_dir, seed=3), HFEngine(hf_dir, seed=3)
+    assert [_tokens(a.generate(PROMPTS, unseeded)) for _ in range(2)] == \
+        [_tokens(b.generate(PROMPTS, unseeded)) for _ in range(2)]
