@@ -2,7 +2,7 @@
 the run recovers and finishes; a spike that keeps coming stops the run with its last good checkpoint; the epoch
 early stop skips PPO epochs; a reward function that keeps failing stops the run and is named.
 
-Faults are injected around the real update phase (phases.update_actor): a NaN loss, or a learning rate 10000x the
+Faults are injected around the real update phase (phases.update_actor): a NaN loss, or a learning rate 100000x the
 configured one for that update."""
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def _inject(monkeypatch, fault: str, at_step: int, times: int = 1) -> list[int]:
                 return real(run, exp, step)
             finally:
                 run.actor_loss = good
-        groups = run.roles.actor.optimizer.param_groups  # "spike": this update at 10000x the learning rate
+        groups = run.roles.actor.optimizer.param_groups  # "spike": this update at 100000x the learning rate
         saved = [(g["max_lr"], g["min_lr"]) for g in groups]
         for g in groups:
-            g["max_lr"], g["min_lr"] = g["max_lr"] * 10000, g["min_lr"] * 10000
+            g["max_lr"], g["min_lr"] = g["max_lr"] * 100000, g["min_lr"] * 100000
         run.roles.actor.scheduler.step(0)
         try:
             return real(run, exp, step)

@@ -94,7 +94,9 @@ def test_dp2_with_responses_of_different_lengths_on_each_rank(tmp_path):
                   "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
                   "trainer.save_freq=-1", "data.synthetic.warm_start_steps=0", "data.synthetic.num_train_prompts=16",
                   "data.synthetic.num_val_prompts=4", "data.train_batch_size=2",
-                  "actor_rollout_ref.actor.ppo_mini_batch_size=2"], recipe="recipes/cpu/tiny_ppo.yaml")
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                  "data.seed=7"],  # a draw whose step 1 samples end at different lengths
+              recipe="recipes/cpu/tiny_ppo.yaml")
     rows = read_metrics(str(tmp_path))
     assert [r["step"] for r in rows] == [1, 2]
     # one sample per rank, and they differ in length (so the ranks' R differ)
