@@ -194,8 +194,8 @@ def _own_dir(local_dir: str, wait_s: float) -> Optional[RunLock]:
 
 def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int) -> None:
     """A run started again over a finished one (trainer.resume_mode=auto, the same number of steps) says so and
-    ends every rank with status 0 (AlreadyFinished), before it builds a model or writes a file: no summary, no step,
-    no second export or empty TensorBoard file. Collective."""
+    raises AlreadyFinished on every rank (`fit` returns 0), before it builds a model or writes a file: no summary,
+    no step, no second export or empty TensorBoard file. Collective."""
     if cfg.trainer.resume_mode != "auto":  # disable trains again; resume_path continues where it is told
         return
     message = [finished_message(local_dir, total) if dist.get_rank() == 0 else None]

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import replace
+from typing import Optional
 
 from megappo.config.schema import MegappoConfig
 from megappo.trainer import checkpointing, phases
@@ -11,12 +13,14 @@ from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
 from megappo.trainer.phases import Run
 from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest, write_status
+from megappo.trainer.run_lock import AlreadyFinished
 from megappo.trainer.rollout import step_seed
 
 
 def fit(cfg: MegappoConfig) -> int:
-    """Train; returns 0 when done, EXIT_REQUEUE when stopped by a signal or the deadline (after saving).
-    Raises RunStopped when the KL guard or the reward watch ends the run."""
+    """Train; returns 0 when done, EXIT_REQUEUE when stopped by a signal or the deadline (after saving; or, when the
+    step in progress fails after a signal, leaving the last checkpoint). Raises RunStopped when the KL guard or the
+    reward watch ends the run."""
     run = state = stop = None
     try:
         run, state = setup(cfg)
@@ -32,7 +36,7 @@ def fit(cfg: MegappoConfig) -> int:
         batches = state.batches()
         while state.step < state.total_steps:
             step = state.step + 1
-            metrics = train_step(run, next(batches), step)
+            metrics = train_step(run, next(batches), step, stop if step < state.total_steps else None)
             if reason := phases.guard_verdict(run, metrics, step):
                 state.logger.log(step, {**metrics, "guard/rolled_back": 1.0})
                 rollback(run, state, step, reason)
@@ -57,18 +61,36 @@ def fit(cfg: MegappoConfig) -> int:
         checkpointing.export_actor(run, os.path.join(state.local_dir, "hf", "actor"))
         write_status(state.local_dir, "finished", state.step)
         return 0
+    except AlreadyFinished:  # said by rank 0: nothing to train, nothing written
+        return 0
     except RunStopped as e:
         if state is not None:
             write_status(state.local_dir, "stopped", state.step, reason=str(e))
         raise
+    except Exception as e:
+        if stop is None or stop.signal is None or state is None:
+            raise
+        # Slurm's preemption SIGTERM reaches every process of the job. The servers and reward workers this run
+        # started ignore it (they stop when the run stops them), but a helper it did not start can die of it: the
+        # servers of rollout.server_urls (a `megappo rollout-server` step stops its server on SIGTERM), a Ray
+        # cluster it joined. Then the step in progress is lost, the last checkpoint stands, and the run is still
+        # requeued as preempted rather than failed.
+        traceback.print_exc()
+        saved = checkpointing.latest_step(state.local_dir)
+        write_status(state.local_dir, "preempted", state.step, checkpoint=saved,
+                     reason=f"{stop.signal} received; then the run failed ({type(e).__name__}: {e}); it resumes "
+                     + (f"from the checkpoint of step {saved}" if saved is not None else "from the start"))
+        return EXIT_REQUEUE
     finally:
         if stop is not None:
             stop.uninstall()
         teardown(run, state)  # after a failed setup (run None): the process groups
 
 
-def train_step(run: Run, prompts, step: int) -> dict[str, float]:
-    """One PPO step on a batch of prompts; returns the step's metrics."""
+def train_step(run: Run, prompts, step: int, stop: Optional[StopRequest] = None) -> dict[str, float]:
+    """One PPO step on a batch of prompts; returns the step's metrics. A run that will stop after this step
+    (`stop`, asked of every rank; None on the last step) does not sync the weights it is about to save
+    (`RolloutWorker.skip_sync`)."""
     cfg, timer, m = run.cfg, Timer(), {}
     with timer("step"):
         with timer("rollout"):
@@ -97,7 +119,8 @@ def train_step(run: Run, prompts, step: int) -> dict[str, float]:
             with timer("update_actor"):
                 m.update(phases.update_actor(run, exp, step))
             with timer("weight_sync"):
-                m.update(phases.sync_weights(run))
+                stopping = stop is not None and stop.reason() is not None
+                m.update(run.rollout.skip_sync() if stopping else phases.sync_weights(run))
     m.update(reward_metrics)
     m.update(phases.step_metrics(run, exp))
     m.update(timer.metrics())

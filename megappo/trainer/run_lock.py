@@ -41,13 +41,8 @@ class DirLocked(ConfigError):
         ValueError.__init__(self, message)
 
 
-class AlreadyFinished(SystemExit):
-    """The directory holds a finished run: nothing to do. A SystemExit with status 0, so `megappo train` (and every
-    rank under torchrun) ends successfully without training; library callers may catch it."""
-
-    def __init__(self, message: str):
-        super().__init__(0)
-        self.message = message
+class AlreadyFinished(Exception):
+    """The directory holds a finished run: nothing to do (`fit` returns 0 without training)."""
 
 
 class RunLock:
