@@ -11,6 +11,7 @@ import signal
 import sys
 from typing import Any, Callable, NamedTuple
 
+from megappo.platform.job_signals import ignore_job_signals
 
 class Outcome(NamedTuple):
     """One sample's result, small enough to send over a pipe."""
@@ -79,7 +80,9 @@ def worker_main(conn, fn: Callable) -> None:
 
     The worker leads its own process group so that killing a hung one also kills whatever it started (a sandbox,
     a compiler). It announces itself with ("ready", None) once the function is loaded, or ("load_error", msg).
+    It ignores the job-wide signals (started with them blocked): the trainer stops it, with SIGKILL at the latest.
     """
+    ignore_job_signals()
     os.setpgrp()
     _die_with_parent()
     # The parent handles Ctrl-C and closes workers; a worker in its own group does not see the terminal's SIGINT.

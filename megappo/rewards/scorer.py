@@ -9,6 +9,11 @@ completes. Backends:
 - "ray": Ray tasks, at most `num_workers` in flight, on the cluster at `ray_address` ("auto" joins a running one)
   or on a local one started here; a task past its deadline is cancelled with force (its worker process is killed).
 - "serial": in this process, for debugging. Exceptions are caught but a timeout cannot be enforced.
+
+Workers are the trainer's helpers: Slurm's job-wide signals (SIGTERM, SIGINT, SIGUSR1 to every process of the job,
+as on preemption) must not end them while the trainer finishes its step. Process workers and a Ray started here
+begin with those signals blocked (`job_signals_blocked`), and process workers ignore them; `close()` ends them with
+SIGKILL (Ray: after a second's SIGTERM), and a worker dies with the trainer (its parent-death SIGKILL).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from megappo.platform.job_signals import JOB_SIGNALS, job_signals_blocked
 from megappo.rewards._worker import Outcome, evaluate, worker_main
 from megappo.rewards.registry import RewardFunctionError, default_compute_score
 
@@ -179,7 +185,8 @@ class _Worker:
     def __init__(self, ctx, fn: Callable):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=worker_main, args=(child_conn, fn), daemon=True, name="megappo-reward")
-        self.proc.start()
+        with job_signals_blocked():  # until worker_main ignores them
+            self.proc.start()
         child_conn.close()  # so the parent's end reads EOF when the worker dies
         self.ready = False
         self.started_at = time.monotonic()
@@ -292,23 +299,42 @@ def _noop() -> None:
     return None
 
 
+def _restore_handlers(handlers: dict) -> None:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # (ray.init installs none off the main thread)
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
 class _RayRunner:
     def __init__(self, fn: Callable, num_workers: int, address: str | None):
         import ray
 
         self._owns_ray = False
         if not ray.is_initialized():
-            if address is not None:
-                try:
-                    ray.init(address=address)
-                except ConnectionError as e:
-                    raise ConnectionError(
-                        f"reward_model.ray_address={address!r}: {e} Start the cluster first (`ray start --head`), "
-                        "or set reward_model.ray_address=null to start a local Ray here"
-                    ) from e
-            else:
-                ray.init(num_cpus=num_workers, include_dashboard=False)
-                self._owns_ray = True
+            # ray.init replaces the driver's SIGTERM handler (sys.exit), which would end the trainer at the first
+            # preemption signal instead of letting it save: the trainer's handlers are put back
+            handlers = {sig: signal.getsignal(sig) for sig in JOB_SIGNALS}
+            try:
+                if address is not None:
+                    try:
+                        ray.init(address=address)
+                    except ConnectionError as e:
+                        raise ConnectionError(
+                            f"reward_model.ray_address={address!r}: {e} Start the cluster first (`ray start "
+                            "--head`), or set reward_model.ray_address=null to start a local Ray here"
+                        ) from e
+                else:
+                    # a Ray started here is the trainer's helper: its daemons and workers inherit the job signals
+                    # blocked, and a preemption does not end them under the trainer's step
+                    with job_signals_blocked():
+                        ray.init(num_cpus=num_workers, include_dashboard=False)
+                    self._owns_ray = True
+            finally:
+                _restore_handlers(handlers)
         self.num_workers = num_workers
         self._fn_ref = ray.put(fn)
         # max_retries=0: a cancelled or crashed sample is a failed sample, not something to run again.

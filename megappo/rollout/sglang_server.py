@@ -10,6 +10,14 @@ server's whole process group when this process dies in any way (SIGKILL included
 called by `with`, an atexit hook, and a failed or interrupted `start()`, Ctrl-C included). The server's log is a
 temporary file kept only when something failed; a failed start's error ends with its last lines.
 
+Job-wide signals: the server is its parent's helper, and only its parent stops it. Slurm signals every process of a
+job step (preemption's SIGTERM, `--signal`, `scancel --signal [--full]`, srun's SIGINT), which would kill the server
+before the trainer finishes the step it is in and saves; so the watchdog and the server (its scheduler and
+detokenizer too) ignore SIGTERM, SIGINT and SIGUSR1, blocked from the fork on (`job_signals_blocked`), SGLang's own
+handlers notwithstanding (`ignore_job_signals.py` runs its launcher). `stop()` asks the watchdog through a pipe, and
+the watchdog stops the server with SIGKILL; a terminal's Ctrl-C never reached the server (its own session) and
+still interrupts the caller, whose `stop()` or death then ends it.
+
 Identity: `/health` answers without a key and whoever holds the port answers it, so a server counts as started only
 when this process's watchdog is alive, its log shows no failed bind, and the server takes its API key and refuses
 another. Each server gets a random API key unless one is given; it reaches SGLang in a 0600 config file, not on the
@@ -23,7 +31,6 @@ import ipaddress
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +41,11 @@ import urllib.parse
 import urllib.request
 from typing import Any, Optional, Sequence
 
+from megappo.platform.job_signals import job_signals_blocked
+
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+# runs `python -m sglang.launch_server ...` (or a router's `-c` launcher) with the job-wide signals ignored for good
+SHELTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ignore_job_signals.py")
 _API_KEYS: dict[str, str] = {}  # "scheme://host:port" -> the API key of the server there (set by servers, engines)
 _LIVE: dict[int, "SGLangServer"] = {}  # started, not yet stopped: the atexit hook stops them
 
@@ -236,13 +247,16 @@ class SGLangServer:
     def _start_once(self, t0: float, deadline: float) -> None:
         if not _port_is_free(self.host, self.port):
             raise PortTakenError(self.port)
-        self.proc = subprocess.Popen(
-            [self.python, "-I", REAPER, str(os.getpid()), "--grace", str(self.stop_grace_s), "--",
-             *self.cmd, *self._key_args()],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-            # its own session: Ctrl-C at the terminal and signals to the caller's process group are the caller's
-            # to handle (a trainer finishing its step needs its server); the watchdog follows the caller's death
-            start_new_session=True)
+        with job_signals_blocked():
+            self.proc = subprocess.Popen(
+                [self.python, "-I", REAPER, str(os.getpid()), "--grace", str(self.stop_grace_s),
+                 "--ignore-job-signals", "--", *self._sheltered(self.cmd), *self._key_args()],
+                stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                stdin=subprocess.PIPE,  # stop(): a line on it; a job-wide signal cannot stop the server
+                # its own session: Ctrl-C at the terminal and signals to the caller's process group are the
+                # caller's to handle (a trainer finishing its step needs its server); the watchdog follows the
+                # caller's death
+                start_new_session=True)
         _LIVE[id(self)] = self
         _register_atexit()
         register_api_key(self.url, self.api_key)
@@ -259,6 +273,12 @@ class SGLangServer:
             time.sleep(1)
         raise RuntimeError(f"SGLang server did not become healthy in {time.time() - t0:.0f} s "
                            f"(log {self.log.name}):\n{self.log_tail()}")
+
+    @staticmethod
+    def _sheltered(cmd: Sequence[str]) -> list[str]:
+        """`python -m X ...` / `python -c CODE ...` run through ignore_job_signals.py."""
+        cmd = list(cmd)
+        return [cmd[0], SHELTER, *cmd[1:]] if len(cmd) > 2 and cmd[1] in ("-m", "-c") else cmd
 
     def _answers_as_ours(self) -> bool:
         if _status(self.url + "/health", self.api_key) != 200:
@@ -309,24 +329,33 @@ class SGLangServer:
     def stop(self, keep_log: Optional[bool] = None) -> None:
         """Stop the server and its children (through the watchdog). The log is deleted unless something failed (a
         failed start, a server that had exited by itself) or `keep_log`."""
-        proc, self.proc, self._ready = self.proc, None, False
+        proc, ready, self.proc, self._ready = self.proc, self._ready, None, False
         _LIVE.pop(id(self), None)
         self._remove_key_file()
         if proc is not None:
             register_api_key(self.url, None)
             if proc.poll() is not None:  # gone before we asked: a crash, whose log tells why
                 self.failed = True
-                if self._ready:  # (a failed start says so in its error)
+                if ready:  # (a failed start says so in its error)
                     print(f"SGLang server {self.url} had exited with code {proc.returncode}; log {self.log.name}",
                           file=sys.stderr)
             else:
-                proc.send_signal(signal.SIGTERM)
+                try:  # the watchdog's stop request (it ignores SIGTERM)
+                    proc.stdin.write(b"stop\n")
+                    proc.stdin.close()
+                except OSError:  # it died meanwhile: waited for below
+                    pass
                 try:
                     proc.wait(timeout=self.stop_grace_s + 15)
                 except subprocess.TimeoutExpired:
                     self.failed = True
                     proc.kill()  # the server dies with it (its parent-death signal); its children follow
                     proc.wait()
+            if proc.stdin is not None and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
         if not self.log.closed:
             self.log.close()
         if not (self.failed if keep_log is None else keep_log):

@@ -43,3 +43,19 @@ def read_metrics(out_dir: str) -> list[dict]:
 
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+UNTIMED = ("timing/", "perf/")
+# what a skipped sync (a run that stops after this step: RolloutWorker.skip_sync) does not measure
+SYNC_COUNTS = ("rollout/weight_sync_bytes", "rollout/weight_sync_skipped", "rollout/verify_sync_max_diff")
+
+
+def comparable(want: dict, have: dict) -> tuple[dict, dict]:
+    """Two metrics rows of the same step without what may differ between an uninterrupted run and an interrupted
+    one of the same config: timings and speeds, and the weight sync's byte count and check where a stopping run
+    skipped it."""
+    drop = SYNC_COUNTS if want.get("rollout/weight_sync_skipped") or have.get("rollout/weight_sync_skipped") else ()
+
+    def keep(row: dict) -> dict:
+        return {k: v for k, v in row.items() if not k.startswith(UNTIMED) and k not in drop}
+    return keep(want), keep(have)

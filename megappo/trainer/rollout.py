@@ -173,6 +173,20 @@ class RolloutWorker:
         return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
                 "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9), **health}
 
+    def skip_sync(self) -> dict[str, float]:
+        """The sync of a run that saves and stops now: the weights get their version number (the checkpoint records
+        it, so a resumed run's versions are the uninterrupted run's) but go nowhere, and dead servers are not healed:
+        the servers are stopped after the save, and the grace time before Slurm's SIGKILL is the save's. The resumed
+        run loads the saved weights into its engines before its first rollout. The servers' health is reported as
+        it stands."""
+        self.weight_version += 1
+        if self.rollout.name != "hf" and self.holder and self.engine is not None:
+            self.engine.weight_version = self.weight_version
+        health = {} if self.servers is None else {"rollout/servers_live": float(sum(self.servers.alive)),
+                                                  "rollout/server_restarts": float(self.servers.restarts)}
+        return {"rollout/weight_version": float(self.weight_version), "rollout/weight_sync_bytes": 0.0,
+                "rollout/weight_sync_skipped": 1.0, **health}
+
     def engine_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
         """Global rank 0: each engine's log p(token_ids[k] | token_ids[:k]) for k >= 1 (rollout.verify_sync)."""
         if self.rollout.name != "hf":

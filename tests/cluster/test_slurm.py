@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megappo.testing.prompts import comparable
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "slurm" / "train.sbatch"
@@ -26,7 +28,6 @@ STEPS = 12
 OVERRIDES = [f"trainer.total_training_steps={STEPS}", "trainer.save_freq=5", "trainer.test_freq=6", "trainer.logger=[]",
              "data.train_batch_size=16", "data.synthetic.num_train_prompts=64", "data.synthetic.num_val_prompts=16",
              "data.synthetic.warm_start_steps=30", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
-UNTIMED = ("timing/", "perf/")
 JOB_TIMEOUT = 240
 
 
@@ -57,10 +58,6 @@ def _rows(out: Path) -> list[dict]:
         except json.JSONDecodeError:
             pass  # a line being written
     return rows
-
-
-def _untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(UNTIMED)}
 
 
 def _log(directory: Path, job_id: str, name: str = "megappo-train") -> str:
@@ -137,9 +134,9 @@ def test_sigusr1_before_the_time_limit_requeues_and_resumes_to_the_same_metrics(
     expected, got = _rows(reference), _rows(out)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(STEPS + 1))
     for want, have in zip(expected, got):
-        assert _untimed(have) == _untimed(want), f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(_untimed(want)) | set(_untimed(have))
-             if want.get(k) != have.get(k)})
+        want, have = comparable(want, have)
+        assert have == want, f"step {want['step']} differs: " + str(
+            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
     slurm.wait_no_leftovers()
 
 

@@ -2,6 +2,8 @@
 
 - Ctrl-C during `start()`, SIGTERM or SIGKILL of the process that started it: no process of it is left, children
   (scheduler, detokenizer) included; they are found by the test's unique port and the server's process group.
+- A job-wide signal (Slurm's preemption SIGTERM, SIGUSR1, SIGINT: to every process of the job) leaves the server,
+  its watchdog and its children running and serving; only the parent stops them, and `stop()` does so in seconds.
 - A port taken after the free-port check (another HTTP server that answers /health) is left for a new one when the
   port was chosen automatically; a taken port set by the caller is an error naming it.
 - The server's API key is required (a wrong one gets HTTP 401), and requests to it ignore a proxy in the
@@ -224,6 +226,38 @@ def test_requests_to_the_server_ignore_a_proxy(raced, monkeypatch):
     assert len(SGLangEngine(server.url).generate([[5, 6, 7]], GREEDY)[0][0].output_ids) == 4
 
 
+def _signal_state(pid: int) -> tuple[int, int]:
+    """The (blocked, ignored) signal masks of a process, from /proc."""
+    fields = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":\t" in line)
+    return int(fields["SigBlk"], 16), int(fields["SigIgn"], 16)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.e2e
+@pytest.mark.sglang
+def test_a_job_wide_signal_leaves_the_server_serving(raced):
+    """What Slurm does on preemption: the signal to every process of the job, the watchdog and the server's own
+    children included. The parent decides when its server stops (the test before it: a clean stop)."""
+    server, _, _ = raced
+    groups = _server_groups(server.port)
+    tree = [(pid, args) for pid, pgid, stat, args in _ps()
+            if not stat.startswith("Z") and (pgid in groups or pid == server.proc.pid)]
+    assert len(tree) >= 4, tree  # the watchdog, the server, its scheduler and detokenizer (and resource tracker)
+    wanted = sum(1 << (int(s) - 1) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1))
+    for pid, args in tree:
+        blocked, ignored = _signal_state(pid)
+        assert blocked & wanted == wanted or ignored & wanted == wanted, (pid, args, hex(blocked), hex(ignored))
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+        for pid, _ in tree:
+            os.kill(pid, sig)
+        time.sleep(0.5)
+    time.sleep(2)
+    alive = {pid for pid, _, stat, _ in _ps() if not stat.startswith("Z")}
+    assert [(pid, args[:120]) for pid, args in tree if pid not in alive] == [], "died of a job-wide signal"
+    assert server.proc.poll() is None
+    assert len(SGLangEngine(server.url, api_key=server.api_key).generate([[5, 6, 7]], GREEDY)[0][0].output_ids) == 4
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.e2e
 @pytest.mark.sglang
@@ -233,8 +267,10 @@ def test_a_clean_stop_deletes_the_log_and_leaves_no_process(raced):
     assert groups and _left(server.port, groups)
     t0 = time.time()
     server.stop()
-    print(f"\nstop: {time.time() - t0:.1f} s")
+    seconds = time.time() - t0
+    print(f"\nstop: {seconds:.1f} s")
     assert not _left(server.port, groups)
+    assert seconds < 10, "the server ignores SIGTERM: stop() must not wait out a grace period for it"
     assert not os.path.exists(server.log.name)
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megappo.testing.dist import free_port
+from megappo.testing.prompts import comparable
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,6 @@ STEPS = 3
 OVERRIDES = [f"trainer.total_training_steps={STEPS}", "trainer.test_freq=3", "trainer.save_freq=3",
              "trainer.logger=[]", "data.synthetic.num_train_prompts=64", "data.synthetic.num_val_prompts=16",
              "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
-UNTIMED = ("timing/", "perf/")
 TIMEOUT = 180
 
 
@@ -118,8 +118,7 @@ def test_two_nodes_log_exactly_what_one_node_logs(tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(STEPS + 1))
     assert "reward/mean" in expected[-1] and "val/megappo/digit_max/reward_mean" in expected[-1]
     for want, have in zip(expected, got):
-        want = {k: v for k, v in want.items() if not k.startswith(UNTIMED)}
-        have = {k: v for k, v in have.items() if not k.startswith(UNTIMED)}
+        want, have = comparable(want, have)
         assert have == want, f"step {want['step']} differs: " + str(
             {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
     a, b = _weights(one / "hf" / "actor"), _weights(two / "hf" / "actor")

@@ -1,0 +1,113 @@
+"""Preemption of a train.sbatch job whose trainer runs its own SGLang server and reward worker, on the local Slurm
+cluster (tests/cluster/conftest.py): `scancel --signal=TERM`, which is what slurmctld does at the start of a
+preemption's GraceTime (SIGCONT and SIGTERM to every process of every job step: torchrun.sh, torchrun, the ranks,
+and the ranks' helpers, server, its scheduler and detokenizer, and reward worker, alike). The helpers ignore it, so
+the trainer finishes its step, saves, stops them itself and exits 75; the batch script requeues the job, which
+resumes and finishes with the same per-step metrics as an uninterrupted job, without any server restarted and with
+no process left. (Not `--full`: the batch script's srun answers a SIGTERM of its own by killing the step, and
+slurmctld does not send the batch step one on preemption.)"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megappo.testing.prompts import comparable, tiny_run_overrides, write_prompt_parquet
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.sglang]
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "launch" / "slurm" / "train.sbatch"
+STEPS = 3
+JOB_TIMEOUT = 420  # an SGLang server's cold start on a loaded 2-core machine takes minutes
+
+
+def _env(slurm, tmp: Path) -> dict[str, str]:
+    """The job's environment: this interpreter's venv, a home of its own, one thread per rank."""
+    home = tmp / "home"
+    home.mkdir(exist_ok=True)
+    env = dict(slurm.env, HOME=str(home), HF_HOME=str(home / "hf"), MEGAPPO_CPU_THREADS="1", OMP_NUM_THREADS="1",
+               GPUS_PER_NODE="0", MEGAPPO_HOME=str(REPO))
+    if sys.prefix != sys.base_prefix and (Path(sys.prefix) / "bin" / "activate").exists():
+        env["MEGAPPO_VENV"] = sys.prefix
+    return env
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    rows = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return rows
+
+
+def _log(directory: Path, job_id: str) -> str:
+    path = directory / f"megappo-train-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _overrides(out: Path, model: str, train: str, sglang_python: str) -> list[str]:
+    return tiny_run_overrides(
+        str(out), model, train, steps=STEPS,
+        extra=["actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
+               "actor_rollout_ref.rollout.verify_sync=true", f"trainer.save_freq={STEPS}",
+               "reward_model.backend=process", "reward_model.num_workers=1",
+               # greedy: SGLang honours sampling seeds only with --enable-deterministic-inference, which it has no
+               # CPU attention backend for, so sampled rollouts of two runs differ; argmax ones do not
+               "actor_rollout_ref.rollout.temperature=0",
+               "data.max_response_length=32"])  # a rollout of a few seconds: the signal lands inside a step
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 60)
+def test_preemption_sigterm_to_every_process_saves_requeues_and_resumes_to_the_same_metrics(
+        slurm, sglang_python, hf_model_dir, tmp_path):
+    model = hf_model_dir("qwen2")
+    train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
+    jobs = {}
+    for name in ("reference", "preempted"):  # side by side, one on each node (--exclusive)
+        tmp = tmp_path / name
+        tmp.mkdir()
+        args = [str(TRAIN), "--config", "gsm8k/tiny_cpu", *_overrides(tmp / "run", model, train, sglang_python)]
+        job = slurm.run("sbatch", "--parsable", *args, cwd=tmp, env=_env(slurm, tmp)).stdout
+        jobs[name] = (tmp, job.strip().split(";")[0])
+    tmp, job_id = jobs["preempted"]
+    out = tmp / "run"
+
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not any(r.get("step") == 1 for r in _rows(out)):
+        state = slurm.job(job_id).get("JobState")
+        if state not in ("PENDING", "RUNNING", "CONFIGURING") or time.monotonic() > deadline:
+            pytest.fail(f"job {job_id} ({state}) never logged step 1:\n{_log(tmp, job_id)[-4000:]}")
+        time.sleep(0.05)
+    slurm.run("scancel", "--signal=TERM", job_id)  # every process of the job's steps, as preemption does
+
+    info = slurm.wait_job(job_id, JOB_TIMEOUT)
+    log = _log(tmp, job_id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
+    assert info["Restarts"] == "1", log[-5000:]  # one stop, one requeue, one resumed run that finished
+    assert "SIGTERM received: saving a checkpoint after this step" in log, log[-5000:]
+    assert "preempted after a checkpoint: requeueing job" in log and "(restart 1)" in log, log[-5000:]
+    assert "is dead" not in log and "restarting it" not in log, log[-5000:]  # no helper died, none restarted
+    ref_info = slurm.wait_job(jobs["reference"][1], JOB_TIMEOUT)
+    ref_log = _log(*jobs["reference"])
+    assert ref_info["JobState"] == "COMPLETED" and ref_info["Restarts"] == "0", ref_log[-4000:]
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+
+    expected, got = _rows(jobs["reference"][0] / "run"), _rows(out)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    # the step the signal came in finished and was saved, its sync skipped (its servers were stopped next)
+    stopped = [r["step"] for r in got if r.get("rollout/weight_sync_skipped")]
+    assert len(stopped) == 1 and stopped[0] < STEPS, got
+    assert (out / "checkpoints" / f"global_step_{stopped[0]}").is_dir()
+    for want, have in zip(expected, got):
+        want, have = comparable(want, have)
+        assert have == want, f"step {want['step']} differs: " + str(
+            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
+    for r in got:  # the resumed run's fresh server got the saved weights: it generates what the actor would
+        assert r["rollout/logprob_diff_mean"] <= 1e-3 and r.get("rollout/verify_sync_max_diff", 0.0) <= 1e-3, r
+    slurm.wait_no_leftovers()
