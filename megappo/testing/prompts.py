@@ -45,6 +45,24 @@ def read_metrics(out_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def metrics_so_far(out_dir) -> list[dict]:
+    """The rows of `<out_dir>/metrics.jsonl` of a run that may still be writing it: none before the file exists, and
+    a line being written is left out."""
+    import json
+
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
 UNTIMED = ("timing/", "perf/")
 # what a skipped sync (a run that stops after this step: RolloutWorker.skip_sync) does not measure
 SYNC_COUNTS = ("rollout/weight_sync_bytes", "rollout/weight_sync_skipped", "rollout/verify_sync_max_diff")
@@ -59,3 +77,15 @@ def comparable(want: dict, have: dict) -> tuple[dict, dict]:
     def keep(row: dict) -> dict:
         return {k: v for k, v in row.items() if not k.startswith(UNTIMED) and k not in drop}
     return keep(want), keep(have)
+
+
+def assert_same_rows(expected: list[dict], got: list[dict], ignore: tuple[str, ...] = ()) -> None:
+    """`got` logged `expected`'s steps with the same numbers (`comparable`; keys starting with `ignore` aside), and
+    names every key of the first step that differs."""
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for want, have in zip(expected, got):
+        want, have = comparable(want, have)
+        want = {k: v for k, v in want.items() if not k.startswith(ignore)}
+        have = {k: v for k, v in have.items() if not k.startswith(ignore)}
+        assert have == want, f"step {want['step']} differs: " + str(
+            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})

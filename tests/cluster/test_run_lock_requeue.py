@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megappo.testing.prompts import metrics_so_far
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "slurm" / "train.sbatch"
@@ -37,17 +39,6 @@ HOLDER = textwrap.dedent("""
     sys.stdin.readline()
     lock.release()
 """)
-
-
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    rows = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
 
 
 def _status(out: Path) -> dict:
@@ -81,7 +72,7 @@ def test_a_requeued_job_waits_for_its_lingering_previous_incarnation(slurm, tmp_
     log = tmp_path / f"megappo-train-{job_id}.out"
     holder = None
     try:
-        _until("step 1", lambda: any(r.get("step") == 1 for r in _rows(out)), slurm, job_id, log)
+        _until("step 1", lambda: any(r.get("step") == 1 for r in metrics_so_far(out)), slurm, job_id, log)
         slurm.run("scancel", "--batch", "--signal=USR1", job_id)  # what --signal=B:USR1@600 sends
         # the trainer writes "preempted" just before it lets go of the directory and exits 75; the job is requeued
         # and starts again after Slurm's credential delay (cred_expire + 1 s): the stand-in takes the lock first
@@ -108,7 +99,7 @@ def test_a_requeued_job_waits_for_its_lingering_previous_incarnation(slurm, tmp_
     assert "is free now: this run holds it" in text and "is in use by another megappo run" in text
     status = _status(out)
     assert status["status"] == "finished" and status["step"] == STEPS
-    rows = _rows(out)
+    rows = metrics_so_far(out)
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     assert all(math.isfinite(r["reward/mean"]) for r in rows[1:])
     slurm.wait_no_leftovers()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megappo.testing.prompts import comparable
+from megappo.testing.prompts import assert_same_rows, metrics_so_far
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -49,17 +49,6 @@ def _on_path(env: dict[str, str]) -> dict[str, str]:
     return dict(env, PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
 
 
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    rows = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
-
-
 def _log(directory: Path, job_id: str, name: str = "megappo-train") -> str:
     return (directory / f"{name}-{job_id}.out").read_text(errors="replace")
 
@@ -71,7 +60,7 @@ def _submit(slurm, args: list[str], cwd: Path, env: dict[str, str]) -> str:
 def _stop_at_first_step(slurm, job_id: str, out: Path, log: Path) -> None:
     """Once step 1 is logged, SIGUSR1 to the batch script only, as `--signal=B:USR1@...` delivers it."""
     deadline = time.monotonic() + JOB_TIMEOUT
-    while not any(r.get("step") == 1 for r in _rows(out)):
+    while not any(r.get("step") == 1 for r in metrics_so_far(out)):
         state = slurm.job(job_id).get("JobState")
         if state in ("COMPLETED", "FAILED", "CANCELLED") or time.monotonic() > deadline:
             text = log.read_text(errors="replace")[-4000:] if log.exists() else ""
@@ -101,7 +90,7 @@ def test_train_sbatch_from_outside_the_repository_logs_every_step(slurm, uninter
     tmp, out, job_id = uninterrupted
     log = _log(tmp, job_id)  # megappo-train-<job id>.out in the submit directory
     assert "1 node(s) x 1 rank(s)" in log, log[-3000:]
-    rows = _rows(out)
+    rows = metrics_so_far(out)
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), log[-3000:]
     for row in rows[1:]:
         for key in ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss", "actor/grad_norm"):
@@ -131,12 +120,9 @@ def test_sigusr1_before_the_time_limit_requeues_and_resumes_to_the_same_metrics(
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "finished" and status["step"] == STEPS
 
-    expected, got = _rows(reference), _rows(out)
+    expected, got = metrics_so_far(reference), metrics_so_far(out)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(STEPS + 1))
-    for want, have in zip(expected, got):
-        want, have = comparable(want, have)
-        assert have == want, f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
+    assert_same_rows(expected, got)
     slurm.wait_no_leftovers()
 
 
@@ -160,7 +146,7 @@ def test_two_nodes_both_get_the_stop_request_and_save_one_checkpoint(slurm, tmp_
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "75:0" and info["Restarts"] == "0", info
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "preempted" and 1 <= status["step"] < STEPS, status
-    rows = _rows(out)
+    rows = metrics_so_far(out)
     assert [r["step"] for r in rows] == list(range(status["step"] + 1))
     assert all(math.isfinite(r["reward/mean"]) for r in rows[1:])
     ckpt = out / "checkpoints" / f"global_step_{status['step']}"

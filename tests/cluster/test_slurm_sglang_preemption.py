@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megappo.testing.prompts import comparable, tiny_run_overrides, write_prompt_parquet
+from megappo.testing.prompts import assert_same_rows, metrics_so_far, tiny_run_overrides, write_prompt_parquet
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.sglang]
 REPO = Path(__file__).resolve().parents[2]
@@ -33,17 +33,6 @@ def _env(slurm, tmp: Path) -> dict[str, str]:
     if sys.prefix != sys.base_prefix and (Path(sys.prefix) / "bin" / "activate").exists():
         env["MEGAPPO_VENV"] = sys.prefix
     return env
-
-
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    rows = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
 
 
 def _log(directory: Path, job_id: str) -> str:
@@ -79,7 +68,7 @@ def test_preemption_sigterm_to_every_process_saves_requeues_and_resumes_to_the_s
     out = tmp / "run"
 
     deadline = time.monotonic() + JOB_TIMEOUT
-    while not any(r.get("step") == 1 for r in _rows(out)):
+    while not any(r.get("step") == 1 for r in metrics_so_far(out)):
         state = slurm.job(job_id).get("JobState")
         if state not in ("PENDING", "RUNNING", "CONFIGURING") or time.monotonic() > deadline:
             pytest.fail(f"job {job_id} ({state}) never logged step 1:\n{_log(tmp, job_id)[-4000:]}")
@@ -98,16 +87,13 @@ def test_preemption_sigterm_to_every_process_saves_requeues_and_resumes_to_the_s
     assert ref_info["JobState"] == "COMPLETED" and ref_info["Restarts"] == "0", ref_log[-4000:]
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
 
-    expected, got = _rows(jobs["reference"][0] / "run"), _rows(out)
+    expected, got = metrics_so_far(jobs["reference"][0] / "run"), metrics_so_far(out)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
     # the step the signal came in finished and was saved, its sync skipped (its servers were stopped next)
     stopped = [r["step"] for r in got if r.get("rollout/weight_sync_skipped")]
     assert len(stopped) == 1 and stopped[0] < STEPS, got
     assert (out / "checkpoints" / f"global_step_{stopped[0]}").is_dir()
-    for want, have in zip(expected, got):
-        want, have = comparable(want, have)
-        assert have == want, f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
+    assert_same_rows(expected, got)
     for r in got:  # the resumed run's fresh server got the saved weights: it generates what the actor would
         assert r["rollout/logprob_diff_mean"] <= 1e-3 and r.get("rollout/verify_sync_max_diff", 0.0) <= 1e-3, r
     slurm.wait_no_leftovers()

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megappo.config import load_config
-from megappo.testing.prompts import comparable, read_metrics, tiny_run_overrides, write_prompt_parquet
+from megappo.testing.faults import inject_fault
+from megappo.testing.prompts import assert_same_rows, read_metrics, tiny_run_overrides, write_prompt_parquet
 from megappo.trainer import fit, phases
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -34,27 +35,6 @@ def _cfg(data, out: Path, extra=()):
     return load_config("gsm8k/tiny_cpu", tiny_run_overrides(
         str(out), data["model"], data["train"], steps=STEPS,
         extra=["actor_rollout_ref.actor.optim.lr=1e-3", "critic.optim.lr=1e-3", *extra]))
-
-
-def _nan_at(monkeypatch, step: int) -> None:
-    """The first actor update of `step` gets a NaN loss: every optimizer step of it is skipped."""
-    real, done = phases.update_actor, []
-
-    def update_actor(run, exp, s):
-        if s != step or done:
-            return real(run, exp, s)
-        done.append(s)
-        good = run.actor_loss
-
-        def nan_loss(out, ctx):
-            loss, metrics = good(out, ctx)
-            return loss * float("nan"), metrics
-        run.actor_loss = nan_loss
-        try:
-            return real(run, exp, s)
-        finally:
-            run.actor_loss = good
-    monkeypatch.setattr(phases, "update_actor", update_actor)
 
 
 def _crash_in_step(monkeypatch, step: int) -> None:
@@ -79,14 +59,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _same_run(ref: Path, out: Path, rows_of_out=None) -> None:
-    expected, got = read_metrics(str(ref)), rows_of_out or read_metrics(str(out))
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for want, have in zip(expected, got):
-        want, have = comparable(want, have)
-        want = {k: v for k, v in want.items() if not k.startswith("guard/")}
-        have = {k: v for k, v in have.items() if not k.startswith("guard/")}
-        assert have == want, f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
+    assert_same_rows(read_metrics(str(ref)), rows_of_out or read_metrics(str(out)), ignore=("guard/",))
     a, b = _weights(ref / "hf" / "actor"), _weights(out / "hf" / "actor")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -110,11 +83,11 @@ CASES = {
 def test_a_run_resumed_from_a_checkpoint_of_a_fresh_optimizer_continues_exactly(case, data, tmp_path, monkeypatch):
     extra, fresh_step, fresh_roles, crash_step, nan_step = CASES[case]
     if nan_step is not None:
-        _nan_at(monkeypatch, nan_step)
+        inject_fault(monkeypatch, "nan", nan_step)
     ref = tmp_path / "uninterrupted"
     assert fit(_cfg(data, ref, extra)) == 0
     if nan_step is not None:
-        _nan_at(monkeypatch, nan_step)  # the interrupted run meets the same NaN
+        inject_fault(monkeypatch, "nan", nan_step)  # the interrupted run meets the same NaN
 
     out = tmp_path / "interrupted"
     with monkeypatch.context() as m:
@@ -134,7 +107,7 @@ def test_the_guard_rolls_a_first_step_back_to_step_0_and_retries_it_exactly(data
     extra = ["trainer.save_freq=10", *UNIT_FACTORS]
     ref = tmp_path / "uninterrupted"
     assert fit(_cfg(data, ref, extra)) == 0
-    _nan_at(monkeypatch, 1)
+    inject_fault(monkeypatch, "nan", 1)
     out = tmp_path / "rolled_back"
     assert fit(_cfg(data, out, extra)) == 0
     rows = read_metrics(str(out))

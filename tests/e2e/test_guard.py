@@ -13,7 +13,8 @@ import pytest
 
 from megappo.config import load_config
 from megappo.testing.prompts import read_metrics, tiny_run_overrides, write_prompt_parquet
-from megappo.trainer import fit, phases
+from megappo.testing.faults import inject_fault
+from megappo.trainer import fit
 from megappo.trainer.guard import RunStopped
 
 pytestmark = pytest.mark.e2e
@@ -30,45 +31,9 @@ def _cfg(data, out, steps, extra=()):
                                                             extra=["trainer.save_freq=2", *extra]))
 
 
-def _inject(monkeypatch, fault: str, at_step: int, times: int = 1) -> list[int]:
-    """Make the first `times` actor updates of step `at_step` faulty; returns the steps of all actor updates."""
-    real = phases.update_actor
-    seen: list[int] = []
-
-    def update_actor(run, exp, step):
-        seen.append(step)
-        if step != at_step or seen.count(step) > times:
-            return real(run, exp, step)
-        if fault == "nan":
-            good = run.actor_loss
-
-            def nan_loss(out, ctx):
-                loss, metrics = good(out, ctx)
-                return loss * float("nan"), metrics
-            run.actor_loss = nan_loss
-            try:
-                return real(run, exp, step)
-            finally:
-                run.actor_loss = good
-        groups = run.roles.actor.optimizer.param_groups  # "spike": this update at 100000x the learning rate
-        saved = [(g["max_lr"], g["min_lr"]) for g in groups]
-        for g in groups:
-            g["max_lr"], g["min_lr"] = g["max_lr"] * 100000, g["min_lr"] * 100000
-        run.roles.actor.scheduler.step(0)
-        try:
-            return real(run, exp, step)
-        finally:
-            for g, (hi, lo) in zip(groups, saved):
-                g["max_lr"], g["min_lr"] = hi, lo
-            run.roles.actor.scheduler.step(0)
-
-    monkeypatch.setattr(phases, "update_actor", update_actor)
-    return seen
-
-
 @pytest.mark.parametrize("fault", ["nan", "kl_spike"])
 def test_a_bad_step_is_rolled_back_and_the_run_recovers(data, tmp_path, monkeypatch, fault):
-    seen = _inject(monkeypatch, fault, at_step=3)
+    seen = inject_fault(monkeypatch, fault, at_step=3)
     out = tmp_path / fault
     assert fit(_cfg(data, out, steps=4)) == 0
     rows = read_metrics(str(out))
@@ -90,7 +55,7 @@ def test_a_bad_step_is_rolled_back_and_the_run_recovers(data, tmp_path, monkeypa
 
 
 def test_a_spike_that_keeps_coming_stops_the_run_at_its_last_good_checkpoint(data, tmp_path, monkeypatch):
-    seen = _inject(monkeypatch, "nan", at_step=3, times=99)
+    seen = inject_fault(monkeypatch, "nan", at_step=3, times=99)
     out = tmp_path / "stops"
     with pytest.raises(RunStopped) as e:
         fit(_cfg(data, out, steps=4, extra=["trainer.guard.max_retries=2"]))
@@ -103,13 +68,13 @@ def test_a_spike_that_keeps_coming_stops_the_run_at_its_last_good_checkpoint(dat
 
 
 def test_without_checkpoints_a_tripped_step_stops_the_run(data, tmp_path, monkeypatch):
-    _inject(monkeypatch, "nan", at_step=1)
+    inject_fault(monkeypatch, "nan", at_step=1)
     with pytest.raises(RunStopped, match="no checkpoint to roll back to: set trainer.save_freq"):
         fit(_cfg(data, tmp_path / "nock", steps=2, extra=["trainer.save_freq=-1"]))
 
 
 def test_guard_off_keeps_training_through_a_nan(data, tmp_path, monkeypatch):
-    _inject(monkeypatch, "nan", at_step=1)
+    inject_fault(monkeypatch, "nan", at_step=1)
     out = tmp_path / "off"
     assert fit(_cfg(data, out, steps=2, extra=["trainer.guard.enable=false"])) == 0
     rows = read_metrics(str(out))

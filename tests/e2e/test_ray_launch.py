@@ -29,6 +29,8 @@ from typing import Optional
 import psutil
 import pytest
 
+from megappo.testing.prompts import metrics_so_far
+
 from megappo.testing.dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,11 +142,6 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> int:
             proc.wait(30)
 
 
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _no_torchrun_left(out: Path) -> None:
     mine = []
     for p in psutil.process_iter():
@@ -165,7 +162,7 @@ def test_two_ray_nodes_train_preempt_and_resume(cluster, tmp_path):
     command = ["--nodes", "2", "--nproc-per-node", "1", "--", *TRAIN, f"trainer.default_local_dir={out}"]
     proc = _submit(cluster, command, log)
     deadline = time.monotonic() + 180
-    while proc.poll() is None and time.monotonic() < deadline and not any(r["step"] == 1 for r in _rows(out)):
+    while proc.poll() is None and time.monotonic() < deadline and not any(r["step"] == 1 for r in metrics_so_far(out)):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)  # what a scheduler sends before preemption
     assert _finish(proc, log, 120) == 75, log.read_text()[-4000:]
@@ -182,7 +179,7 @@ def test_two_ray_nodes_train_preempt_and_resume(cluster, tmp_path):
     assert _finish(proc, log, 180) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "[node 0] " in text and "[node 1] " in text  # both nodes' output came back, prefixed
-    rows = _rows(out)
+    rows = metrics_so_far(out)
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), text[-3000:]
     assert all(math.isfinite(r["reward/mean"]) and 0 <= r["reward/mean"] <= 1 for r in rows[1:])
     assert all(math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["critic/vf_loss"]) for r in rows[1:])
@@ -213,7 +210,7 @@ def test_a_node_that_dies_takes_the_job_down(cluster, tmp_path):
     proc = _submit(cluster, ["--nodes", "2", "--nproc-per-node", "1", "--kill-grace", "5", "--", *TRAIN,
                              "trainer.total_training_steps=50", f"trainer.default_local_dir={out}"], log)
     deadline = time.monotonic() + 180
-    while proc.poll() is None and time.monotonic() < deadline and not _rows(out):
+    while proc.poll() is None and time.monotonic() < deadline and not metrics_so_far(out):
         time.sleep(0.1)
     victim = _rank_process(out, 1)
     assert victim is not None, log.read_text()[-4000:]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megappo.testing.prompts import comparable, read_metrics
+from megappo.testing.prompts import assert_same_rows, metrics_so_far, read_metrics
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -41,19 +41,6 @@ def _env(tmp: Path) -> dict:
     home = tmp / "home"
     home.mkdir(exist_ok=True)
     return dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), MEGAPPO_CPU_THREADS="1")
-
-
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
 
 
 def _run_until(cmd: list[str], env: dict, log: Path, kill_when, timeout: float = 300) -> str:
@@ -81,7 +68,7 @@ def _after_row(out: Path, step: int, delay: float):
     seen: list[float] = []
 
     def ready() -> bool:
-        if not seen and any(r.get("step") == step for r in _rows(out)):
+        if not seen and any(r.get("step") == step for r in metrics_so_far(out)):
             seen.append(time.monotonic())
         return bool(seen) and time.monotonic() - seen[0] >= delay
     return ready
@@ -111,12 +98,9 @@ def reference(tmp_path_factory):
 
 def _same_run(ref: Path, out: Path) -> None:
     """`out` logged what `ref` logged, step for step, and ended at the same weights."""
-    expected, got = _rows(ref), _rows(out)
+    expected, got = metrics_so_far(ref), metrics_so_far(out)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(STEPS + 1))
-    for want, have in zip(expected, got):
-        want, have = comparable(want, have)
-        assert have == want, f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
+    assert_same_rows(expected, got)
     a, b = _weights(ref / "hf" / "actor"), _weights(out / "hf" / "actor")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
@@ -125,7 +109,7 @@ def _same_run(ref: Path, out: Path) -> None:
 def test_sigkill_at_any_moment_then_the_same_command_continues_exactly(reference, tmp_path):
     env = _env(tmp_path)
     out = tmp_path / "interrupted"
-    step_s = max(r["timing/step_s"] for r in _rows(reference) if r["step"] > 0)
+    step_s = max(r["timing/step_s"] for r in metrics_so_far(reference) if r["step"] > 0)
 
     log = tmp_path / "interrupted.log"
     cmd = _command(out)
@@ -170,11 +154,11 @@ def test_preemption_signal_saves_exits_75_and_the_same_command_resumes(reference
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "preempted" and sig in status["reason"]
     stopped_at = status["step"]
-    assert 1 <= stopped_at < STEPS and _rows(out)[-1]["step"] == stopped_at
+    assert 1 <= stopped_at < STEPS and metrics_so_far(out)[-1]["step"] == stopped_at
     # the signal came early in the stopped step: its weight sync was skipped (the servers are going down with the
     # job); the resumed run feeds the saved weights to its engine first, so what follows is the same run
-    skipped = [r["step"] for r in _rows(out) if r.get("rollout/weight_sync_skipped")]
-    assert skipped == [stopped_at] and _rows(out)[-1]["rollout/weight_sync_bytes"] == 0.0
+    skipped = [r["step"] for r in metrics_so_far(out) if r.get("rollout/weight_sync_skipped")]
+    assert skipped == [stopped_at] and metrics_so_far(out)[-1]["rollout/weight_sync_bytes"] == 0.0
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(stopped_at)
     assert f"{sig} received" in log.read_text()
     assert subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=600).returncode == 0
@@ -223,4 +207,4 @@ def test_disk_full_while_saving_names_the_directory_and_keeps_the_previous_check
     verify_checkpoint(str(ckpts / "global_step_3" / "actor"))
     # with room again, the same command continues from step 3
     assert subprocess.run(_command(out), cwd=REPO, env=env, capture_output=True, timeout=600).returncode == 0
-    assert [r["step"] for r in _rows(out)] == list(range(STEPS + 1))
+    assert [r["step"] for r in metrics_so_far(out)] == list(range(STEPS + 1))

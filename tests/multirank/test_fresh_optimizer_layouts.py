@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megappo.testing.dist import free_port
-from megappo.testing.prompts import comparable, read_metrics, tiny_run_overrides, write_prompt_parquet
+from megappo.testing.prompts import (assert_same_rows, metrics_so_far, read_metrics, tiny_run_overrides,
+                                     write_prompt_parquet)
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -66,16 +67,6 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-def _same_rows(expected: list[dict], got: list[dict]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    for want, have in zip(expected, got):
-        want, have = comparable(want, have)
-        want = {k: v for k, v in want.items() if not k.startswith("guard/")}
-        have = {k: v for k, v in have.items() if not k.startswith("guard/")}
-        assert have == want, f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
-
-
 def test_sigkill_in_step_1_resumes_from_the_step_0_checkpoint_exactly(data, tmp_path):
     ref = tmp_path / "uninterrupted"
     assert _finish(_start(data, ref), ref) == 0, _log(ref)
@@ -83,7 +74,7 @@ def test_sigkill_in_step_1_resumes_from_the_step_0_checkpoint_exactly(data, tmp_
     out = tmp_path / "killed"
     proc = _start(data, out)
     deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not read_metrics_safe(out):
+    while proc.poll() is None and time.monotonic() < deadline and not metrics_so_far(out):
         time.sleep(0.01)
     assert proc.poll() is None, _log(out)
     os.killpg(proc.pid, signal.SIGKILL)  # all four ranks and torchrun, in step 2 (or the end of step 1)
@@ -91,22 +82,16 @@ def test_sigkill_in_step_1_resumes_from_the_step_0_checkpoint_exactly(data, tmp_
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "0"
 
     assert _finish(_start(data, out), out) == 0, _log(out)
-    _same_rows(read_metrics(str(ref)), read_metrics(str(out)))
+    assert_same_rows(read_metrics(str(ref)), read_metrics(str(out)), ignore=("guard/",))
     a, b = _weights(ref / "hf" / "actor"), _weights(out / "hf" / "actor")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def read_metrics_safe(out: Path) -> list[dict]:
-    try:
-        return read_metrics(str(out))
-    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
-        return []
 
 
 def test_the_guard_rolls_step_1_back_to_step_0_and_retries_it_exactly(data, tmp_path):
     out = tmp_path / "strict"
     # two actor updates per step: the second one's ppo_kl is above any threshold > 0
-    rc = _finish(_start(data, out, ["actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.guard.kl_threshold=1e-12", "trainer.guard.max_retries=1",
+    rc = _finish(_start(data, out, ["actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                    "trainer.guard.kl_threshold=1e-12", "trainer.guard.max_retries=1",
                                     "trainer.guard.lr_factor=1", "trainer.guard.kl_coef_factor=1",
                                     "trainer.guard.clip_ratio_factor=1"]), out)
     # the KL guard's stop after its one retry (exit 3 from each rank; torchrun itself reports a failed worker with 1,
@@ -115,4 +100,5 @@ def test_the_guard_rolls_step_1_back_to_step_0_and_retries_it_exactly(data, tmp_
     assert json.loads((out / "run_status.json").read_text())["status"] == "stopped"
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 1] and rows[0]["guard/rolled_back"] == 1.0
-    _same_rows(rows[:1], rows[1:])  # the retry from the restored step 0 is the first try, bit for bit
+    # the retry from the restored step 0 is the first try, bit for bit
+    assert_same_rows(rows[:1], rows[1:], ignore=("guard/",))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megappo.testing.dist import free_port
-from megappo.testing.prompts import comparable
+from megappo.testing.prompts import assert_same_rows, metrics_so_far
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
@@ -81,10 +81,6 @@ def _wait_all(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
             p.wait(30)
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -114,13 +110,10 @@ def test_two_nodes_log_exactly_what_one_node_logs(tmp_path):
         ckpt = out / "checkpoints" / f"global_step_{STEPS}"
         assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
         assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
-    expected, got = _rows(one), _rows(two)
+    expected, got = metrics_so_far(one), metrics_so_far(two)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(STEPS + 1))
     assert "reward/mean" in expected[-1] and "val/megappo/digit_max/reward_mean" in expected[-1]
-    for want, have in zip(expected, got):
-        want, have = comparable(want, have)
-        assert have == want, f"step {want['step']} differs: " + str(
-            {k: (want.get(k), have.get(k)) for k in set(want) | set(have) if want.get(k) != have.get(k)})
+    assert_same_rows(expected, got)
     a, b = _weights(one / "hf" / "actor"), _weights(two / "hf" / "actor")
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the launcher said who joined before torchrun started
