@@ -58,7 +58,12 @@ ReturnToService=2
 JobRequeue=1
 KillWait=10
 {node_lines}
-PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
+# preemption as clusters configure it: a job of the urgent partition requeues debug's jobs on its nodes, which get
+# SIGTERM from slurmd and GraceTime seconds before SIGKILL
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 
@@ -144,8 +149,8 @@ def _poll(what: str, ready, timeout: float) -> None:
 
 
 def _nodes_idle(cluster: Slurm) -> bool:
-    out = cluster.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
-    return out.count("idle") == len(NODES)
+    lines = cluster.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.splitlines()
+    return {line.split()[0] for line in lines if line.split()[1:] == ["idle"]} == set(NODES)  # a line per partition
 
 
 def _stop(cluster: Slurm) -> None:

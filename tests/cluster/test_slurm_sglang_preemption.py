@@ -1,11 +1,11 @@
 """Preemption of a train.sbatch job whose trainer runs its own SGLang server and reward worker, on the local Slurm
-cluster (tests/cluster/conftest.py): `scancel --signal=TERM`, which is what slurmctld does at the start of a
-preemption's GraceTime (SIGCONT and SIGTERM to every process of every job step: torchrun.sh, torchrun, the ranks,
-and the ranks' helpers, server, its scheduler and detokenizer, and reward worker, alike). The helpers ignore it, so
-the trainer finishes its step, saves, stops them itself and exits 75; the batch script requeues the job, which
-resumes and finishes with the same per-step metrics as an uninterrupted job, without any server restarted and with
-no process left. (Not `--full`: the batch script's srun answers a SIGTERM of its own by killing the step, and
-slurmctld does not send the batch step one on preemption.)"""
+cluster (tests/cluster/conftest.py): a job of a higher-priority partition takes its node, and slurmctld preempts it
+(PreemptMode=REQUEUE, GraceTime): slurmd sends SIGCONT and SIGTERM to every process of every job step, torchrun.sh,
+torchrun, the ranks, and the ranks' helpers (server, its scheduler and detokenizer, reward worker) alike, but not to
+the batch script (measured). The helpers ignore it, so the trainer finishes its step, saves, stops them itself and
+exits 75; the job is requeued, and resumes and finishes with the same per-step metrics as an uninterrupted job, without any server restarted and with
+no process left. (The batch script's srun would answer a SIGTERM of its own by killing the step: `scancel --full`
+sends one, preemption does not.)"""
 from __future__ import annotations
 
 import json
@@ -73,10 +73,16 @@ def test_preemption_sigterm_to_every_process_saves_requeues_and_resumes_to_the_s
         if state not in ("PENDING", "RUNNING", "CONFIGURING") or time.monotonic() > deadline:
             pytest.fail(f"job {job_id} ({state}) never logged step 1:\n{_log(tmp, job_id)[-4000:]}")
         time.sleep(0.05)
-    slurm.run("scancel", "--signal=TERM", job_id)  # every process of the job's steps, as preemption does
+    # a job of the urgent partition takes the node: slurmctld preempts this one (PreemptMode=REQUEUE, GraceTime 60 s),
+    # and slurmd sends SIGTERM to every process of its steps, not to the batch script
+    urgent = tmp_path / "urgent.sh"
+    urgent.write_text(f"#!/bin/bash\n#SBATCH -p urgent --exclusive -N1 -w {slurm.job(job_id)['NodeList']} "
+                      f"-o {tmp_path}/urgent-%j.out\nsleep 1\n")
+    urgent_id = slurm.run("sbatch", "--parsable", str(urgent)).stdout.strip().split(";")[0]
 
     info = slurm.wait_job(job_id, JOB_TIMEOUT)
     log = _log(tmp, job_id)
+    assert slurm.job(urgent_id)["JobState"] == "COMPLETED"  # it took the node in between
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-5000:]
     assert info["Restarts"] == "1", log[-5000:]  # one stop, one requeue, one resumed run that finished
     assert "SIGTERM received: saving a checkpoint after this step" in log, log[-5000:]
@@ -89,10 +95,13 @@ def test_preemption_sigterm_to_every_process_saves_requeues_and_resumes_to_the_s
 
     expected, got = metrics_so_far(jobs["reference"][0] / "run"), metrics_so_far(out)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, STEPS + 1))
-    # the step the signal came in finished and was saved, its sync skipped (its servers were stopped next)
-    stopped = [r["step"] for r in got if r.get("rollout/weight_sync_skipped")]
-    assert len(stopped) == 1 and stopped[0] < STEPS, got
-    assert (out / "checkpoints" / f"global_step_{stopped[0]}").is_dir()
+    # the step the signal came in finished and was saved (besides the guard's step 0 and save_freq's last step, the
+    # one checkpoint is the preemption's), its weight sync skipped when the signal came before it (the servers were
+    # stopped next)
+    saved = sorted(int(d.name.rsplit("_", 1)[1]) for d in (out / "checkpoints").glob("global_step_*"))
+    assert len(saved) == 3 and saved[0] == 0 and saved[1] < STEPS == saved[2], saved
+    saved = saved[1:]
+    assert [r["step"] for r in got if r.get("rollout/weight_sync_skipped")] in ([], [saved[0]]), got
     assert_same_rows(expected, got)
     for r in got:  # the resumed run's fresh server got the saved weights: it generates what the actor would
         assert r["rollout/logprob_diff_mean"] <= 1e-3 and r.get("rollout/verify_sync_max_diff", 0.0) <= 1e-3, r
