@@ -36,9 +36,12 @@ from megappo.testing.dist import free_port
 REPO = Path(__file__).resolve().parents[2]
 SUBMIT = REPO / "launch" / "ray" / "submit.py"
 MARKER = "MEGAPPO_RAY_TEST"
-STEPS = 4
+# steps of about 0.1 s: enough of them that a SIGTERM sent once step 1 is logged (through Ray to every node's
+# ranks, which takes up to a second on a loaded machine) lands before the last step
+STEPS = 20
 TRAIN = ["train", "--config", "recipes/cpu/tiny_ppo.yaml", f"trainer.total_training_steps={STEPS}",
-         "trainer.test_freq=4", "trainer.save_freq=4", "trainer.logger=[]", "data.synthetic.num_train_prompts=64",
+         f"trainer.test_freq={STEPS}", f"trainer.save_freq={STEPS}", "trainer.logger=[]",
+         "data.synthetic.num_train_prompts=64",
          "data.synthetic.num_val_prompts=16", "data.train_batch_size=16",
          "actor_rollout_ref.actor.ppo_mini_batch_size=8", "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
 
