@@ -1,0 +1,84 @@
+"""The synchronous trainer's numbers do not move when its code is reorganised: two short runs of the CPU recipes are
+compared, metric by metric, with rows stored before the rollout-engine interface and the typed run state landed
+(tests/data/sync_reference/).
+
+- `tiny_ppo`: the main job (GAE critic, KL in the reward, adaptive controller), validation and checkpoints every 3
+  steps, and a KL spike injected at step 4, which the guard rolls back to step 3 and retries with its scaled lr, KL
+  coefficient and clip ratio.
+- `tiny_grpo`: GRPO with the KL loss.
+
+Bit for bit: float results depend on the CPU's instruction set (vector widths change summation order), so the rows
+are compared exactly where the CPU is the one that stored them, and the test is skipped elsewhere. Timings, and what
+describes the machine rather than the run, are left out. `MEGAPPO_WRITE_REFERENCE=1` stores the rows again (only
+for a change that is meant to move the numbers; say so in its commit)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import pytest
+
+from megappo.config import load_config
+from megappo.testing.faults import inject_fault
+from megappo.testing.prompts import read_metrics
+from megappo.trainer import fit
+
+pytestmark = pytest.mark.e2e
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "sync_reference"
+RUNS = {
+    "tiny_ppo": ("cpu/tiny_ppo", ["trainer.total_training_steps=6", "trainer.save_freq=3", "trainer.test_freq=3",
+                                  "algorithm.kl_ctrl.type=adaptive", "data.synthetic.warm_start_steps=100"]),
+    "tiny_grpo": ("cpu/tiny_grpo", ["trainer.total_training_steps=4", "trainer.save_freq=-1",
+                                    "data.synthetic.warm_start_steps=100"]),
+}
+MACHINE_KEYS = ("timing/", "perf/")
+
+
+def _cpu() -> str:
+    """The CPU model and its vector extensions: what float summation order depends on."""
+    flags, model = "", platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "fma"))))
+                    break
+    except OSError:
+        pass
+    import torch
+
+    return f"{model} | {flags} | torch {torch.__version__}"
+
+
+def _rows(out: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(MACHINE_KEYS)} for row in read_metrics(str(out))]
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_sync_trainer_metrics_are_the_stored_ones(name, tmp_path, monkeypatch):
+    recipe, overrides = RUNS[name]
+    stored = REFERENCE / f"{name}.json"
+    writing = os.environ.get("MEGAPPO_WRITE_REFERENCE") == "1"
+    if not writing:
+        reference = json.loads(stored.read_text())
+        if reference["cpu"] != _cpu():
+            pytest.skip(f"stored on {reference['cpu']!r}; this CPU is {_cpu()!r}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if name == "tiny_ppo":
+        inject_fault(monkeypatch, "kl_spike", at_step=4)
+    out = tmp_path / name
+    assert fit(load_config(recipe, [f"trainer.default_local_dir={out}", "trainer.logger=[]", *overrides])) == 0
+    rows = _rows(out)
+    if name == "tiny_ppo":
+        assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 4, 5, 6]  # step 4 rolled back once
+    if writing:
+        stored.write_text(json.dumps({"cpu": _cpu(), "rows": rows}, indent=1) + "\n")
+        return
+    assert [sorted(r) for r in rows] == [sorted(r) for r in reference["rows"]]
+    for got, want in zip(rows, reference["rows"]):
+        diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        assert not diff, f"step {want['step']}: {diff}"
