@@ -279,6 +279,10 @@ class FixedKLController:
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
+    def rescale(self, factor: float) -> None:
+        """Multiply the coefficient (the KL guard's scale after a rollback)."""
+        self.value *= factor
+
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
 
@@ -306,6 +310,10 @@ class AdaptiveKLController:
 
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value, "target_kl": self.target, "horizon": self.horizon}
+
+    def rescale(self, factor: float) -> None:
+        """Multiply the coefficient (the KL guard's scale after a rollback); the controller moves on from there."""
+        self.value *= factor
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         # Only the coefficient is state; target and horizon come from the (possibly edited) config of the run.
@@ -387,10 +395,13 @@ def policy_loss(
     agg_mode: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-surrogate PPO loss with asymmetric clip range and dual clip (Ye et al. 2020).
 
     log_probs, old_log_probs, advantages, mask: [B, T]. Returns (scalar loss, metrics).
+    is_weights: [B, T] importance weights of the rollout correction (`rollout_correction.py`), detached, multiplying
+    each token's (dual-)clipped loss before aggregation (verl 0.9.1); the metrics ignore them.
     Per token: ratio r = exp(clamp(logp - old, -20, 20)); loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
     for A < 0 that is further capped at -A clip_c, so a huge ratio on a bad token cannot dominate the batch.
     Metrics (detached scalars): ``pg_clipfrac`` fraction of tokens where the clipped term is larger,
@@ -419,6 +430,8 @@ def policy_loss(
         clipfrac_lower = masked_mean(dual_active.to(ratio.dtype), m)
     else:
         clipfrac_lower = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    if is_weights is not None:
+        pg_losses = pg_losses * torch.where(m, is_weights.detach().to(pg_losses.dtype), zero)
 
     loss = aggregate_loss(pg_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     metrics = {
