@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"megappo rollout-server: --api-key-file: {e}", file=sys.stderr)
             return 2
-    from megappo.trainer.preflight import SGLANG_CPU_VENV, SGLANG_INSTALL, sglang_missing
+    from megappo.rollout.sglang_deploy import SGLANG_CPU_VENV, SGLANG_INSTALL, sglang_missing
 
     problem = sglang_missing(args.python)
     if problem:

@@ -33,6 +33,26 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction between the rollout engine's policy (the log-probs it reported) and the trainer's old
+    policy (recomputed), as verl 0.9.1's `algorithm.rollout_correction` (megappo/algos/rollout_correction.py). The
+    gap is an older policy (async_training) or the engine's own kernels and precision. `rollout_corr/*` diagnostics
+    (KL, perplexity ratio, chi-square) are logged every step whether or not a correction is on."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None  # importance weights old / rollout, per token or row
+    # a number or "U": truncated IS (weights capped at U); "L_U": IcePop (weights outside [L, U] set to 0)
+    rollout_is_threshold: Union[float, str, None] = 2.0
+    rollout_is_batch_normalize: bool = False  # divide the weights by their batch mean
+    # rejection sampling: comma-separated tests a token (or its row) must pass, e.g. "seq_mean_k1", "token_k3";
+    # each of token_kN, seq_sum_kN, seq_mean_kN (N = 1, 2, 3) and seq_max_k2, seq_max_k3
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Union[float, str, None] = None  # one bound for every test, or one per test, comma-separated
+    # true: no recompute, old log-probs are the rollout's and the correction runs inside the loss (loss_type)
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass_mode only
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0  # discount factor for GAE
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
@@ -41,6 +61,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards
     kl_penalty: KLKind = "kl"  # the KL estimator used for the in-reward penalty
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -135,8 +156,9 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    # hf: megappo's in-process engine (works on CPU); sglang: an SGLang server per rollout replica (GPU).
-    name: Literal["hf", "sglang"] = "hf"
+    # The engine (megappo/rollout/registry.py): hf, megappo's in-process engine (works on CPU); sglang, SGLang
+    # servers the trainer starts (or server_urls), shared by every data-parallel replica.
+    name: str = "hf"
     n: int = 1  # responses sampled per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -350,6 +372,19 @@ class TrainerConfig:
     save_before_deadline: Optional[str] = None
 
 
+@dataclass
+class AsyncTrainingConfig:
+    """Rollouts that overlap training (megappo/trainer/rollout_source.py; verl's `async_training` names).
+
+    sync: each step generates its batch, then trains. one_step_off: the batch of step k+1 is generated, with the
+    weights step k started from, while step k trains; its samples are one update behind the policy that trains on
+    them (off-policy by one step: see algorithm.rollout_correction). Overlap needs the engine beside the trainer:
+    actor_rollout_ref.hybrid_engine=false (the in-process engine then runs in its own process with
+    rollout.engine_kwargs.threads CPU threads; SGLang servers are always separate processes)."""
+
+    mode: Literal["sync", "one_step_off"] = "sync"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # root
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,3 +397,4 @@ class MegappoConfig:
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

@@ -249,9 +249,6 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
           f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
     _need(errors, r.name == "sglang" or not r.server_urls, f"{p}.server_urls",
           f"names running SGLang servers but {p}.name={r.name}", f"set {p}.name=sglang, or drop the URLs")
-    _need(errors, r.name == "sglang" or r.weight_sync in ("auto", "tensor"), f"{p}.weight_sync",
-          f"is {r.weight_sync} but the in-process hf engine takes the weights in memory",
-          f"use {p}.weight_sync=auto, or {p}.name=sglang")
     _need(errors, r.name == "sglang" or r.router == "none", f"{p}.router",
           f"is {r.router} but {p}.name={r.name} (a router fronts SGLang servers)",
           f"set {p}.name=sglang, or {p}.router=none")

@@ -31,6 +31,7 @@ class TrainInputs:
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R] value targets
     values: Optional[torch.Tensor] = None  # [B, R] critic values at rollout time (value clipping)
+    rollout_is_weights: Optional[torch.Tensor] = None  # [B, R] old / rollout importance weights (rollout correction)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

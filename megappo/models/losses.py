@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megappo import algos
+from megappo.algos.rollout_correction import RolloutCorrection, bypass_policy_loss
 from megappo.models.compute import LossFn, MicroBatchContext, ModelOutputs
 
 
@@ -26,6 +27,9 @@ class ActorLossSettings:
     use_kl_loss: bool = False  # loss += kl_loss_coef * KL(actor || ref)
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
+    # algorithm.rollout_correction with bypass_mode: old log-probs are the rollout's and the correction (IS weights,
+    # rejection) runs here, per micro-batch, with the current policy's detached log-probs as old
+    bypass: Optional[RolloutCorrection] = None
 
 
 @dataclass(frozen=True)
@@ -45,15 +49,23 @@ def _token_share(mask: torch.Tensor, ctx: MicroBatchContext) -> float:
 
 def actor_loss_fn(s: ActorLossSettings) -> LossFn:
     """Clipped (and dual-clip) surrogate + optional KL loss - entropy bonus. Needs log-probs and entropy
-    (`train_step(..., calculate_entropy=True)`) and train inputs old_log_probs, advantages (and ref_log_probs).
-    Metrics (shares, see `train_step`): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss."""
+    (`train_step(..., calculate_entropy=True)`) and train inputs old_log_probs, advantages (and ref_log_probs;
+    rollout_is_weights when algorithm.rollout_correction.rollout_is multiplies each token's loss).
+    Metrics (shares, see `train_step`): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss; with
+    bypass_mode also the micro-batches' rollout_corr/* diagnostics."""
 
     def loss_fn(out: ModelOutputs, ctx: MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         t, mask = ctx.batch.train, ctx.batch.response_mask
-        pg_loss, pg_metrics = algos.policy_loss(
-            out.log_probs, t.old_log_probs, t.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high,
-            clip_c=s.clip_c, agg_mode=s.agg_mode, num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs,
-        )
+        counts = {"num_tokens": ctx.global_num_tokens, "num_seqs": ctx.global_num_seqs}
+        if s.bypass is not None:
+            pg_loss, pg_metrics = bypass_policy_loss(
+                out.log_probs, t.old_log_probs, t.advantages, mask, s.bypass, clip_low=s.clip_low,
+                clip_high=s.clip_high, clip_c=s.clip_c, agg_mode=s.agg_mode, **counts)
+            pg_metrics = {k: torch.as_tensor(v) for k, v in pg_metrics.items()}
+        else:
+            pg_loss, pg_metrics = algos.policy_loss(
+                out.log_probs, t.old_log_probs, t.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high,
+                clip_c=s.clip_c, agg_mode=s.agg_mode, is_weights=t.rollout_is_weights, **counts)
         share = _token_share(mask, ctx)
         metrics = {k: v * share for k, v in pg_metrics.items()}  # token means within the micro-batch
         metrics["pg_loss"] = pg_loss.detach()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from megappo.rollout.base import LocalDeployment, RolloutEngine
 from megappo.rollout.hf_weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
 from megappo.rollout.seeds import row_seeds
@@ -34,7 +36,7 @@ def _eos_ids(model) -> set[int]:
     return ids
 
 
-class HFEngine:
+class HFEngine(RolloutEngine):
     """Generate from a HF causal LM in this process; update its weights in place.
 
     model_path: a Hugging Face directory. dtype: the compute dtype (fp32 on CPU). max_num_seqs: sequences per forward
@@ -61,6 +63,7 @@ class HFEngine:
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.weight_version = 0
         self._weights = HFWeightLoader(self.model)
+        self._abort = threading.Event()  # abort(): ends the generation in flight at its next decode step
         # transformers 5 renamed the KV cache argument (past_key_values -> cache); logits_to_keep=1 spares the
         # prompt's full-vocabulary logits
         accepted = inspect.signature(self.model.forward).parameters
@@ -83,14 +86,25 @@ class HFEngine:
             seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator, device=self.generator.device))
         seeds = row_seeds(seed, len(prompts), params.n, prompt_offset)
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
+        self._abort.clear()  # an abort() before this call ended an earlier one
         done: list[Completion] = []
         for start in range(0, len(rows), self.max_num_seqs):
             stop = start + self.max_num_seqs
+            if self._abort.is_set():  # aborted: the forward batches not started yet end empty
+                done += [Completion(prompt_index=i, output_ids=[], log_probs=[], finish_reason="abort",
+                                    weight_version=self.weight_version) for i, _ in rows[start:stop]]
+                continue
             done += self._generate_batch(rows[start:stop], params, seeds[start:stop])
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for c in done:
             grouped[c.prompt_index].append(c)
         return grouped
+
+    def abort(self) -> None:
+        """End the generation in flight (call it from another thread): its unfinished rows return at the next decode
+        step with the tokens they have, finish_reason "abort"; forward batches not started return empty ones. A
+        no-op when nothing is in flight (the next `generate` starts afresh)."""
+        self._abort.set()
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, gens: Optional[list[torch.Generator]],
                 finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +140,11 @@ class HFEngine:
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         length = torch.zeros(b, dtype=torch.long, device=self.device)
         gens = None if params.is_greedy else [torch.Generator(self.device).manual_seed(s) for s in seeds]
+        aborted = False
         for _ in range(params.max_new_tokens):
+            if self._abort.is_set():
+                aborted = True
+                break
             tok, logp = self._sample(out.logits[:, -1], params, gens, finished)
             tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
             tokens.append(tok)
@@ -140,10 +158,14 @@ class HFEngine:
             cache = out["cache"] if "cache" in out else out.past_key_values
             out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: cache}, **self._extra_kw)
-        tok_mat, logp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+        if tokens:
+            tok_mat, logp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+        else:  # aborted before the first token
+            tok_mat = logp_mat = [[] for _ in range(b)]
+        unfinished = "abort" if aborted else "length"
         return [
             Completion(prompt_index=i, output_ids=tok_mat[r][:n], log_probs=logp_mat[r][:n],
-                       finish_reason="stop" if bool(finished[r]) else "length", weight_version=self.weight_version)
+                       finish_reason="stop" if bool(finished[r]) else unfinished, weight_version=self.weight_version)
             for r, ((i, _), n) in enumerate(zip(rows, length.tolist()))
         ]
 
@@ -171,6 +193,10 @@ class HFEngine:
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
+    def load_weights(self, buckets: Iterable[NamedTensors], *, version: int, mode: str = "tensor") -> int:
+        """The trainer's weight sync: the buckets' tensors copied into the model as they arrive (views suffice)."""
+        return self.update_weights(buckets, version=version)
+
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
         """Load a HF directory's safetensors (same architecture) into the running model."""
         from megappo.convert.hf_io import HFCheckpoint
@@ -180,3 +206,33 @@ class HFEngine:
             return self.update_weights(((n, ckpt.read(n)) for n in ckpt.files), version=version)
         finally:
             ckpt.close()
+
+    @torch.no_grad()
+    def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
+        """[log p(token_ids[k] | token_ids[:k]) for k >= 1] of the one model this engine holds."""
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, :-1].float()
+        return [torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()]
+
+    def close(self) -> None:
+        self.shutdown_submitter()
+        self.model = None
+
+
+def deploy(cfg, ps, platform) -> LocalDeployment:
+    """rollout.name=hf: one engine per data-parallel replica, on its first rank, loaded from the actor's Hugging
+    Face directory; each holder loads the weights into its own engine. In the trainer's process
+    (actor_rollout_ref.hybrid_engine, the default), else in a process of its own beside it (`hf_process.py`), which
+    generates while the trainer trains (async_training)."""
+    import torch.distributed as dist
+
+    arr = cfg.actor_rollout_ref
+    if not arr.hybrid_engine:
+        from megappo.rollout import hf_process
+
+        return hf_process.deploy(cfg, ps, platform)
+    return LocalDeployment(
+        dist.get_rank(ps.mp_group) == 0,
+        lambda: HFEngine(arr.model.path, dtype=platform.dtype, device=platform.device,
+                         max_num_seqs=arr.rollout.max_num_seqs, seed=cfg.data.seed,
+                         trust_remote_code=arr.model.trust_remote_code))

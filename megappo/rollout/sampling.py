@@ -59,7 +59,7 @@ class Completion:
     prompt_index: int  # index of its prompt in the request
     output_ids: list[int]  # the response tokens, the stop token included when one ended it
     log_probs: list[float]  # per output token, under softmax(logits / params.logprob_temperature)
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str  # "stop" (EOS or a stop token), "length", or "abort" (engine.abort(): the tokens it had)
     weight_version: int = 0  # the engine's weights when it was sampled
     extra: dict = field(default_factory=dict)
 

@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
@@ -36,7 +37,7 @@ def _auth(engine: SGLangEngine) -> dict:
     return {"api_key": key} if key else {}
 
 
-class SGLangFleet:
+class SGLangFleet(RolloutEngine):
     def __init__(self, urls: Sequence[str], *, timeout: float = 600, tp_size: int = 1, max_attempts: int = 3,
                  revive: Optional[Callable[[int], bool]] = None, engine_kwargs: Optional[dict] = None,
                  master_address: str = "127.0.0.1", backend: str = "gloo", router_url: Optional[str] = None,
@@ -282,6 +283,28 @@ class SGLangFleet:
         end_update(engines)
         self.weight_version = version
         return version
+
+    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed") -> int:
+        """The trainer's weight sync: one broadcast per bucket (distributed) or by handle (tensor: colocated)."""
+        send = self.update_weights_from_tensor if mode == "tensor" else self.update_weights
+        return send(buckets, version=version)
+
+    def needs_copies(self, mode: str) -> bool:
+        # CUDA IPC hands the servers the tensors' own memory: views of the parameters would change under them
+        return mode == "tensor" and self.backend == "nccl"
+
+    def abort(self) -> None:
+        """Abort every request in flight on every live server; each answers with the tokens it has."""
+        for k in self.live():
+            e = self.engines[k]
+            http_json(e.url + "/abort_request", {"abort_all": True}, timeout=e.sync_timeout, **_auth(e))
+
+    def close(self) -> None:
+        self.shutdown_submitter()
+        try:
+            self.close_weight_group()
+        except Exception:  # noqa: BLE001 - the group of a server that is going away
+            pass
 
     # -- around a sync ---------------------------------------------------------------------------------------------
     def pause(self) -> None:

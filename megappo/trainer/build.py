@@ -6,8 +6,7 @@ import copy
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,34 +21,11 @@ from megappo.platform.layout import ParallelLayout
 from megappo.trainer import checkpointing, settings
 from megappo.trainer.guard import KLGuard
 from megappo.trainer.metrics import MetricsLogger
-from megappo.trainer.phases import Run
 from megappo.trainer.preflight import preflight, require_output_dir
 from megappo.trainer.roles import build_roles, describe
 from megappo.trainer.rollout import RolloutWorker
 from megappo.trainer.run_lock import AlreadyFinished, DirLocked, RunLock, finished_message
-
-
-@dataclass
-class TrainState:
-    """Where the run is: the last finished step, the data position and the outputs."""
-
-    step: int  # steps finished (0: none)
-    total_steps: int
-    loader: Any  # PromptLoader over the training prompts
-    val_loader: Optional[Any]
-    logger: MetricsLogger
-    local_dir: str
-    resumed: bool = False  # started from a checkpoint (of this or an earlier process)
-    lock: Optional[RunLock] = None  # rank 0's hold on local_dir, released by teardown
-
-    def batches(self) -> Iterator[Any]:
-        """The training batches from the saved position on, epoch after epoch."""
-        while True:
-            yield from self.loader
-
-    def state_dict(self, run: Run) -> dict:
-        return {"dataloader": self.loader.state_dict(), "kl_ctrl": run.kl_ctrl.state_dict(),
-                "guard": run.guard.state_dict(), "weight_version": run.rollout.weight_version}
+from megappo.trainer.state import Run, TrainState
 
 
 def _threads_per_rank() -> None:
@@ -141,18 +117,17 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
             _stop_if_finished(cfg, local_dir, total)
         roles = build_roles(cfg, ps, platform, total)
         kl = cfg.algorithm.kl_ctrl
+        state = TrainState(0, total, loader, val_loader, local_dir=local_dir, lock=lock,
+                           kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
+                                                             horizon=kl.horizon),
+                           guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
         run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
                   scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
-                  pad_token_id=loader.dataset.pad_token_id,
-                  kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
-                                                    horizon=kl.horizon),
-                  batching=settings.batching(cfg), sampling=settings.sampling(cfg),
-                  actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
-                  critic_loss=critic_loss_fn(settings.critic_loss(cfg)),
-                  guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
-        run.guard.remember_base(run)
-        run.guard.apply(run)
-        state = TrainState(0, total, loader, val_loader, None, local_dir, lock=lock)  # type: ignore[arg-type]
+                  pad_token_id=loader.dataset.pad_token_id, batching=settings.batching(cfg),
+                  sampling=settings.sampling(cfg), actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
+                  critic_loss=critic_loss_fn(settings.critic_loss(cfg)), state=state,
+                  correction=settings.rollout_correction(cfg))
+        apply_guard_scales(run)
         _resume(run, state)
         if dist.get_rank() == 0:
             print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
@@ -223,17 +198,21 @@ def restore(run: Run, state: TrainState, directory: str, *, rollback: bool = Fal
     rollout engine's weights. A resume also takes the guard's state from it; a rollback keeps the guard's newer
     scales (that is the point of rolling back)."""
     saved = checkpointing.load(run, directory)
-    state.step = int(saved["step"])
-    state.loader.load_state_dict(saved["dataloader"])
-    run.kl_ctrl.load_state_dict(saved["kl_ctrl"])
-    saved_guard = saved.get("guard") or {}
-    if not rollback:
-        run.guard.load_state_dict(saved_guard)
-    run.guard.apply(run, scale_of_restored_kl=float(saved_guard.get("kl_scale", 1.0)))
-    # the engine gets the restored weights under their own version number (not a new one), so a resumed run's
+    state.load_state_dict(saved, keep_guard=rollback)
+    apply_guard_scales(run, scale_of_restored_kl=float((saved.get("guard") or {}).get("kl_scale", 1.0)))
+    # the engines get the restored weights under their own version number (not a new one), so a resumed run's
     # rollout/weight_version is the uninterrupted run's
-    run.rollout.weight_version = int(saved.get("weight_version", 0)) - 1
-    run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)
+    run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config, state.weight_version)
+
+
+def apply_guard_scales(run: Run, scale_of_restored_kl: float = 1.0) -> None:
+    """Put the KL guard's scales into effect after setup, a resume or a rollback, each by its owner: the actor's
+    learning rates and the loss are set from their built values; the KL controller, whose value moves (adaptive),
+    is rescaled from the value just restored, which was saved under `scale_of_restored_kl`."""
+    scales = run.guard.scales()
+    run.roles.actor.scale_lr(scales.lr)
+    run.state.kl_ctrl.rescale(scales.kl / scale_of_restored_kl)
+    run.actor_loss = actor_loss_fn(settings.actor_loss(run.cfg, clip_scale=scales.clip, kl_scale=scales.kl))
 
 
 def rollback(run: Run, state: TrainState, step: int, reason: str) -> None:

@@ -29,6 +29,7 @@ class Samples:
     data_sources: list[str]  # N
     ground_truths: list[Any]  # N
     extra_infos: list[dict]  # N
+    weight_versions: list[int]  # N, the version of the actor's weights that generated it (staleness)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -36,7 +37,7 @@ class Samples:
     @classmethod
     def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]]) -> "Samples":
         """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
-        out = cls([], [], [], [], [], [], [], [])
+        out = cls([], [], [], [], [], [], [], [], [])
         for b, group in enumerate(completions):
             ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
             for c in group:
@@ -48,6 +49,7 @@ class Samples:
                 out.data_sources.append(prompts.data_sources[b])
                 out.ground_truths.append(prompts.ground_truths[b])
                 out.extra_infos.append(prompts.extra_infos[b])
+                out.weight_versions.append(int(c.weight_version))
         return out
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from dataclasses import replace
 from typing import Optional
 
 from megappo.config.schema import MegappoConfig
@@ -11,17 +10,17 @@ from megappo.trainer import checkpointing, phases
 from megappo.trainer.build import rollback, setup, teardown
 from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
-from megappo.trainer.phases import Run
 from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest, write_status
 from megappo.trainer.run_lock import AlreadyFinished
-from megappo.trainer.rollout import step_seed
+from megappo.trainer.rollout_source import RolloutSource, rollout_source
+from megappo.trainer.state import Run
 
 
 def fit(cfg: MegappoConfig) -> int:
     """Train; returns 0 when done, EXIT_REQUEUE when stopped by a signal or the deadline (after saving; or, when the
     step in progress fails after a signal, leaving the last checkpoint). Raises RunStopped when the KL guard or the
     reward watch ends the run."""
-    run = state = stop = None
+    run = state = stop = source = None
     try:
         run, state = setup(cfg)
         t = run.cfg.trainer
@@ -32,15 +31,16 @@ def fit(cfg: MegappoConfig) -> int:
         if not state.resumed and t.val_before_train and validates:
             state.logger.log(0, phases.validate(run, state.val_loader))
         if not state.resumed and run.guard.cfg.enable and t.save_freq > 0:
-            checkpointing.save(run, state.local_dir, 0, state.state_dict(run), None)  # what a rollback returns to
-        batches = state.batches()
+            checkpointing.save(run, state.local_dir, 0, state.state_dict(), None)  # what a rollback returns to
+        source = rollout_source(run, state)
         while state.step < state.total_steps:
             step = state.step + 1
-            metrics = train_step(run, next(batches), step, stop if step < state.total_steps else None)
+            metrics = train_step(run, source, step, stop if step < state.total_steps else None)
             if reason := phases.guard_verdict(run, metrics, step):
                 state.logger.log(step, {**metrics, "guard/rolled_back": 1.0})
+                source.close()  # the batch in flight is the undone policy's
                 rollback(run, state, step, reason)
-                batches = state.batches()
+                source = rollout_source(run, state)
                 continue
             last = step == state.total_steps
             if validates and t.test_freq > 0 and (step % t.test_freq == 0 or last):
@@ -51,11 +51,11 @@ def fit(cfg: MegappoConfig) -> int:
             timer = Timer()
             with timer("save"):
                 if saved:
-                    checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
+                    checkpointing.save(run, state.local_dir, step, state.state_dict(), t.max_ckpt_to_keep)
             stop.timed(metrics["timing/step_s"], timer.seconds["save"])
             if not last and (why := stop.reason()):
                 if not saved:
-                    checkpointing.save(run, state.local_dir, step, state.state_dict(run), t.max_ckpt_to_keep)
+                    checkpointing.save(run, state.local_dir, step, state.state_dict(), t.max_ckpt_to_keep)
                 write_status(state.local_dir, "preempted", step, reason=why)
                 return EXIT_REQUEUE
         checkpointing.export_actor(run, os.path.join(state.local_dir, "hf", "actor"))
@@ -84,17 +84,21 @@ def fit(cfg: MegappoConfig) -> int:
     finally:
         if stop is not None:
             stop.uninstall()
+        if source is not None:
+            source.close()  # nothing in flight when the engines stop
         teardown(run, state)  # after a failed setup (run None): the process groups
 
 
-def train_step(run: Run, prompts, step: int, stop: Optional[StopRequest] = None) -> dict[str, float]:
-    """One PPO step on a batch of prompts; returns the step's metrics. A run that will stop after this step
-    (`stop`, asked of every rank; None on the last step) does not sync the weights it is about to save
+def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRequest] = None) -> dict[str, float]:
+    """One PPO step on the samples `source` gives for it; returns the step's metrics. A run that will stop after
+    this step (`stop`, asked of every rank; None on the last step) does not sync the weights it is about to save
     (`RolloutWorker.skip_sync`)."""
     cfg, timer, m = run.cfg, Timer(), {}
     with timer("step"):
         with timer("rollout"):
-            samples = phases.rollout(run, prompts, replace(run.sampling, seed=step_seed(cfg.data.seed, step)))
+            samples, rollout_metrics = source.take(step)
+            m.update(rollout_metrics)
+            m.update(phases.staleness(run, samples))
         with timer("reward"):
             scores, reward_metrics = (None, {}) if cfg.reward_model.enable else phases.rule_scores(run, samples)
         exp = phases.make_experience(run, samples, scores)
@@ -111,6 +115,7 @@ def train_step(run: Run, prompts, step: int, stop: Optional[StopRequest] = None)
                 phases.values(run, exp)
         with timer("adv"):
             m.update(phases.token_rewards(run, exp))
+            m.update(phases.rollout_correction(run, exp))
             phases.advantages(run, exp)
         if run.roles.critic is not None:
             with timer("update_critic"):
@@ -120,7 +125,10 @@ def train_step(run: Run, prompts, step: int, stop: Optional[StopRequest] = None)
                 m.update(phases.update_actor(run, exp, step))
             with timer("weight_sync"):
                 stopping = stop is not None and stop.reason() is not None
-                m.update(run.rollout.skip_sync() if stopping else phases.sync_weights(run))
+                m.update(source.around_sync(step, lambda: phases.sync_weights(run), stopping))
+                if stopping:
+                    run.state.weight_version += 1
+                    m.update(run.rollout.skip_sync(run.state.weight_version))
     m.update(reward_metrics)
     m.update(phases.step_metrics(run, exp))
     m.update(timer.metrics())

@@ -8,17 +8,16 @@
 - After `max_retries` rollbacks without getting past the tripped step, the run stops (RunStopped) and names its
   last good checkpoint.
 
-Pure bookkeeping plus `apply`, which sets the scaled values on the run's optimizer, KL controller and loss.
+Pure bookkeeping: `scales()` says what to scale, and their owners apply them (`build.apply_guard_scales`: the
+actor's learning rates, the KL controller, the actor loss).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from dataclasses import asdict, dataclass
+from typing import Optional
 
 from megappo.config.schema import GuardConfig
-from megappo.models.losses import actor_loss_fn
-from megappo.trainer import settings
 
 
 class RunStopped(RuntimeError):
@@ -42,13 +41,24 @@ class GuardState:
     tripped_at: int = 0  # the step that tripped last (0: none)
 
 
+@dataclass(frozen=True)
+class Scales:
+    """Multipliers of the settings as configured."""
+
+    lr: float = 1.0  # the actor's learning rate (max and min of every param group and of the schedule)
+    kl: float = 1.0  # the KL coefficient: kl_ctrl (in the reward) and kl_loss_coef (as a loss)
+    clip: float = 1.0  # the clip ratio, low and high
+
+
 class KLGuard:
     def __init__(self, cfg: GuardConfig, *, can_roll_back: bool):
         self.cfg = cfg
         self.can_roll_back = can_roll_back  # the run saves checkpoints
         self.state = GuardState()
-        self._base_lrs: list[tuple[float, float]] = []  # each actor param group's (max_lr, min_lr) as built
-        self._base_scheduler: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def scales(self) -> Scales:
+        s = self.state
+        return Scales(lr=s.lr_scale, kl=s.kl_scale, clip=s.clip_scale)
 
     @property
     def epoch_kl_stop(self) -> Optional[float]:
@@ -104,29 +114,3 @@ class KLGuard:
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         self.state = GuardState(**(state or {}))
-
-    # --------------------------------------------------------------------------------------------------------------
-    # applying the scales
-    # --------------------------------------------------------------------------------------------------------------
-    def remember_base(self, run: Any) -> None:
-        """Record the actor's learning rates as built, before anything loads or scales them."""
-        opt, sched = run.roles.actor.optimizer, run.roles.actor.scheduler
-        self._base_lrs = [(g.get("max_lr", sched.max_lr), g.get("min_lr", sched.min_lr)) for g in opt.param_groups]
-        self._base_scheduler = (sched.max_lr, sched.min_lr, sched.init_lr)
-
-    def apply(self, run: Any, scale_of_restored_kl: float = 1.0) -> None:
-        """Put the scales into effect after setup, a resume or a rollback. The learning rates and the loss are set
-        from their built values; the KL controller, whose value moves (adaptive), is rescaled from the value just
-        restored, which was saved under `scale_of_restored_kl`."""
-        s, sched = self.state, run.roles.actor.scheduler
-        # by position: loading an optimizer state replaces the param group dicts
-        for group, (max_lr, min_lr) in zip(run.roles.actor.optimizer.param_groups, self._base_lrs, strict=True):
-            group["max_lr"], group["min_lr"] = max_lr * s.lr_scale, min_lr * s.lr_scale
-        max_lr, min_lr, init_lr = self._base_scheduler
-        sched.max_lr, sched.min_lr, sched.init_lr = max_lr * s.lr_scale, min_lr * s.lr_scale, init_lr * s.lr_scale
-        sched.step(0)  # recompute the param groups' current lr
-        run.kl_ctrl.value *= s.kl_scale / scale_of_restored_kl
-        base = settings.actor_loss(run.cfg)
-        run.actor_loss = actor_loss_fn(replace(base, clip_low=base.clip_low * s.clip_scale,
-                                               clip_high=base.clip_high * s.clip_scale,
-                                               kl_loss_coef=base.kl_loss_coef * s.kl_scale))

@@ -8,47 +8,23 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megappo import algos
-from megappo.config.schema import MegappoConfig
+from megappo.algos import rollout_correction as correction
 from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.parallel import ParallelState, gather_over_ranks, reduce_over_ranks, reduce_tensor
-from megappo.platform.device import Platform
-from megappo.rewards.scorer import RewardScorer, ScoreItem
-from megappo.rollout.sampling import SamplingParams
+from megappo.rewards.scorer import ScoreItem
 from megappo.trainer import settings
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
 )
 from megappo.trainer.guard import RunStopped
-from megappo.trainer.roles import Roles, on_device
-from megappo.trainer.rollout import RolloutWorker
-
-
-@dataclass
-class Run:
-    """What every phase reads: the config, the process groups, the models and the services around them."""
-
-    cfg: MegappoConfig
-    ps: ParallelState
-    platform: Platform
-    roles: Roles
-    rollout: RolloutWorker
-    scorer: Optional[RewardScorer]  # rule rewards, on global rank 0 only
-    tokenizer: Any
-    pad_token_id: int
-    kl_ctrl: Any  # algos.FixedKLController | AdaptiveKLController
-    batching: settings.Batching
-    sampling: SamplingParams
-    actor_loss: Any  # LossFn (the guard rebuilds it with its scaled clip ratio and KL coefficient)
-    critic_loss: Any  # LossFn
-    guard: Any = None  # guard.KLGuard
-    reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
+from megappo.trainer.roles import on_device
+from megappo.trainer.state import Run
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -83,8 +59,11 @@ def masked_mean_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> fl
 # ------------------------------------------------------------------------------------------------------------------
 # rollout and rewards
 # ------------------------------------------------------------------------------------------------------------------
-def rollout(run: Run, prompts, params: SamplingParams) -> Samples:
-    return run.rollout.generate(prompts, params)
+def staleness(run: Run, samples: Samples) -> dict[str, float]:
+    """How many weight updates behind the policy that trains on them the samples were generated (0 in sync mode,
+    1 after the first step of one_step_off)."""
+    behind = [run.state.weight_version - v for v in samples.weight_versions]
+    return {"async/staleness_mean": sum(behind) / max(len(behind), 1), "async/staleness_max": float(max(behind, default=0))}
 
 
 def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Optional[list[float]], dict[str, float]]:
@@ -163,6 +142,11 @@ def ref_log_probs(run: Run, exp: Experience) -> None:
 
 
 def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
+    """The actor's log-probs of the samples before this step's update (the PPO ratio's denominator); with
+    algorithm.rollout_correction.bypass_mode, the engine's, not recomputed."""
+    if run.correction.bypass_mode:
+        exp.train.old_log_probs = exp.rollout_log_probs.clone()
+        return {}
     exp.train.old_log_probs, _ = compute_log_probs(
         run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
         temperature=run.sampling.logprob_temperature)
@@ -202,6 +186,45 @@ def token_rewards(run: Run, exp: Experience) -> dict[str, float]:
     return metrics
 
 
+def rollout_correction(run: Run, exp: Experience) -> dict[str, float]:
+    """Off-policy correction between the engine's policy and the old one (algorithm.rollout_correction, verl's
+    place for it: after the in-reward KL, before advantages): importance weights for the actor loss, tokens rejected
+    from the response mask (so from advantages, losses and token counts too), and the `rollout_corr/*` diagnostics,
+    which are logged every step (with bypass_mode the loss computes them per micro-batch instead)."""
+    corr = run.correction
+    if corr.bypass_mode:
+        return {}
+    t = exp.train
+    if corr.rollout_is is None and corr.rollout_rs is None:
+        local = correction.compute_rollout_corr_metrics(t.old_log_probs, exp.rollout_log_probs, exp.mask)
+    else:
+        weights, mask, local = correction.compute_rollout_correction(
+            t.old_log_probs, exp.rollout_log_probs, exp.mask, corr, sum_across=dp_sum_tensor(run.ps))
+        t.rollout_is_weights = weights
+        exp.batch.response_mask = mask
+    return _dp_metrics(local, run.ps)
+
+
+def _dp_metrics(local: dict[str, float], ps: ParallelState) -> dict[str, float]:
+    """Each rank's metrics of its share made one number per step: the largest `*_max`, the smallest `*_min`, the
+    mean of the others over the ranks that have them (a rank without a valid token reports none)."""
+    if ps.dp_size == 1:
+        return local
+    everyone = gather_objects_dp(local, ps)
+    keys = sorted({k for m in everyone for k in m})
+    out = {}
+    for k in keys:
+        values = [m[k] for m in everyone if k in m]
+        out[k] = max(values) if k.endswith("_max") else min(values) if k.endswith("_min") else sum(values) / len(values)
+    return out
+
+
+def gather_objects_dp(obj: Any, ps: ParallelState) -> list:
+    out: list = [None] * ps.dp_size
+    dist.all_gather_object(out, obj, group=ps.dp_group)
+    return out
+
+
 def advantages(run: Run, exp: Experience) -> None:
     alg, mask, t = run.cfg.algorithm, exp.mask, exp.train
     if alg.adv_estimator == "gae":
@@ -233,8 +256,8 @@ def _train(run: Run, role, exp: Experience, loss_fn, micro, *, count: int, epoch
             m = train_step(role.chunks, role.optimizer, role.scheduler, exp.batch.select(idx), loss_fn,
                            parallel_state=run.ps, micro=micro, calculate_entropy=lm,
                            temperature=run.sampling.logprob_temperature if lm else 1.0, platform=run.platform)
-            for k, v in m.metrics.items():
-                history[f"{prefix}/{k}"].append(v)
+            for k, v in m.metrics.items():  # a loss's own namespaced metrics (rollout_corr/*) keep their names
+                history[k if "/" in k else f"{prefix}/{k}"].append(v)
             history[f"{prefix}/grad_norm"].append(m.grad_norm)
             history[f"{prefix}/update_skipped"].append(0.0 if m.update_successful else 1.0)
             epoch_kl.append(m.metrics.get("ppo_kl", 0.0))
@@ -273,7 +296,7 @@ def update_actor(run: Run, exp: Experience, step: int) -> dict[str, float]:
     b = run.batching
     return _train(run, run.roles.actor, exp, run.actor_loss, b.actor_train, count=b.actor_mini_batches,
                   epochs=b.actor_epochs, shuffle=b.actor_shuffle, step=step, prefix="actor", lm=True,
-                  kl_stop=run.guard.epoch_kl_stop if run.guard is not None else None)
+                  kl_stop=run.guard.epoch_kl_stop)
 
 
 def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[str]:
@@ -286,7 +309,9 @@ def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[st
 
 
 def sync_weights(run: Run) -> dict[str, float]:
-    metrics = run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config)
+    version = run.state.weight_version + 1
+    metrics = run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config, version)
+    run.state.weight_version = version
     if run.cfg.actor_rollout_ref.rollout.verify_sync:
         metrics.update(verify_sync(run))
     return metrics
@@ -312,7 +337,7 @@ def verify_sync(run: Run, length: int = 16) -> dict[str, float]:
     ro = run.cfg.actor_rollout_ref.rollout
     atol = ro.verify_sync_atol or (1e-3 if run.platform.dtype == torch.float32 else 5e-2)
     if not diff <= atol:
-        raise RuntimeError(f"rollout.verify_sync: after syncing weight version {run.rollout.weight_version}, the "
+        raise RuntimeError(f"rollout.verify_sync: after syncing weight version {run.state.weight_version}, the "
                            f"rollout engine's log-probs differ from the trainer's by {diff:.3g} (> {atol}): the "
                            "engine does not hold the actor's weights. Check the weight sync mode "
                            "(actor_rollout_ref.rollout.weight_sync) and the model's name mapping")

@@ -55,9 +55,12 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     if world_size >= 1:
         _check_parallel_and_batches(cfg, world_size, errors, check_files)
     _check_sequence_length(cfg, errors)
+    known_engine = _check_engine_name(cfg, errors)
+    _check_placement(cfg, errors)
     if check_files:
         errors += _output_dir_errors(cfg)
-        _check_sglang(cfg, errors)
+        if known_engine:
+            _check_engine(cfg, errors)
         _check_api_key_file(cfg.actor_rollout_ref.rollout.api_key_file, errors)
         if not uses_synthetic_task(cfg):
             _check_parquet_schemas(cfg, errors)
@@ -178,45 +181,48 @@ def require_output_dir(cfg: MegappoConfig) -> None:
         raise ConfigError(errors)
 
 
-SGLANG_INSTALL = 'pip install "megappo[sglang]"'
-SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
+def _check_engine_name(cfg: MegappoConfig, errors: list[str]) -> bool:
+    """rollout.name is a registered engine (`megappo/rollout/registry.py`) and rollout.weight_sync one of its
+    transports; False when the name is unknown."""
+    from megappo.rollout.registry import sync_modes, unknown_engine
+
+    r, p = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
+    if unknown_engine(r.name):
+        errors.append(unknown_engine(r.name))
+        return False
+    modes = sync_modes(r.name)
+    _need(errors, r.weight_sync == "auto" or r.weight_sync in modes, f"{p}.weight_sync",
+          f"is {r.weight_sync} but the {r.name} engine takes the weights by {', '.join(modes)}",
+          f"use {p}.weight_sync=auto (= {modes[0]})" + ("" if "disk" in modes else f", or {p}.name=sglang"))
+    return True
 
 
-@functools.lru_cache(maxsize=None)
-def sglang_missing(python: str) -> Optional[str]:
-    """Why `python` cannot run an SGLang server (None when it can): it does not start, or has no `sglang` package.
+def _check_placement(cfg: MegappoConfig, errors: list[str]) -> None:
+    """Where the rollout runs for async_training.mode. Overlap needs the engine beside the trainer
+    (actor_rollout_ref.hybrid_engine=false): the in-process engine then runs in its own process; SGLang servers are
+    processes of their own, but on GPU the ones the trainer starts share the trainer's GPUs, so they must be given by
+    rollout.server_urls (started on their own GPUs or nodes: launch/slurm/train_sglang.sbatch)."""
+    arr, mode = cfg.actor_rollout_ref, cfg.async_training.mode
+    r = arr.rollout
+    if mode != "sync" and arr.hybrid_engine:
+        errors.append(f"async_training.mode={mode} generates while the trainer trains, so the rollout engine must "
+                      "run beside it, not inside it: set actor_rollout_ref.hybrid_engine=false (the in-process "
+                      "engine then runs in a process of its own; give it CPU threads with "
+                      "actor_rollout_ref.rollout.engine_kwargs.threads)")
+    if not arr.hybrid_engine and r.name == "sglang" and not r.server_urls and cfg.trainer.device == "cuda":
+        errors.append("actor_rollout_ref.hybrid_engine=false with SGLang on GPU: the servers the trainer starts "
+                      "would share its GPUs; start them on their own GPUs or nodes and name them in "
+                      "actor_rollout_ref.rollout.server_urls (launch/slurm/train_sglang.sbatch does), or set "
+                      "actor_rollout_ref.hybrid_engine=true with async_training.mode=sync")
 
-    Cheap: the package is looked up, not imported (a few hundred milliseconds; the answer is kept per python)."""
-    probe = "import importlib.util, sys; sys.exit(3 if importlib.util.find_spec('sglang') is None else 0)"
-    try:
-        # as the server sees it (megappo.rollout.sglang_server): this environment, less PYTHONPATH
-        done = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, timeout=60, env={**os.environ, "PYTHONPATH": ""})
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"'{python}' cannot be run ({e})"
-    if done.returncode == 3:
-        return f"'{python}' has no sglang package (No module named 'sglang')"
-    if done.returncode:
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
-        return f"'{python}' cannot be run ({tail[0]})"
-    return None
 
+def _check_engine(cfg: MegappoConfig, errors: list[str]) -> None:
+    """The rollout engine's own check (`rollout.registry.preflight`: SGLang's servers need a python with SGLang)."""
+    from megappo.rollout.registry import preflight as engine_preflight
 
-def _check_sglang(cfg: MegappoConfig, errors: list[str]) -> None:
-    """The servers the trainer starts (rollout.name=sglang without server_urls) run on server_python: it must have
-    SGLang. Servers given by URL are someone else's; the hf engine needs none."""
-    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
-    if r.name != "sglang" or r.server_urls:
-        return
-    python = r.server_python or sys.executable
-    problem = sglang_missing(python)
+    problem = engine_preflight(cfg)
     if problem:
-        which = key if r.server_python else f"{key} (unset: this python)"
-        errors.append(
-            f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
-            f"install it there (`{python} -m {SGLANG_INSTALL}`), or set {key}=PYTHON to a python that has it "
-            f"(on CPU, `{SGLANG_CPU_VENV}` makes one and prints the line to use), or use "
-            "actor_rollout_ref.rollout.name=hf")
+        errors.append(problem)
 
 
 def _check_api_key_file(path: Optional[str], errors: list[str]) -> None:

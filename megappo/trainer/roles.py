@@ -29,6 +29,25 @@ class Role:
     optimizer: Any = None
     scheduler: Any = None
     offloaded: bool = field(default=False, repr=False)
+    # the learning rates as built, before anything loads or scales them: each param group's (max_lr, min_lr), and
+    # the schedule's (max_lr, min_lr, init_lr)
+    base_lrs: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    base_schedule: tuple[float, float, float] = field(default=(0.0, 0.0, 0.0), repr=False)
+
+    def remember_lrs(self) -> None:
+        opt, sched = self.optimizer, self.scheduler
+        self.base_lrs = [(g.get("max_lr", sched.max_lr), g.get("min_lr", sched.min_lr)) for g in opt.param_groups]
+        self.base_schedule = (sched.max_lr, sched.min_lr, sched.init_lr)
+
+    def scale_lr(self, scale: float) -> None:
+        """Set the learning rates to `scale` times those as built (after a load: loading an optimizer state
+        replaces the param group dicts, so they are set by position)."""
+        sched = self.scheduler
+        for group, (max_lr, min_lr) in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["max_lr"], group["min_lr"] = max_lr * scale, min_lr * scale
+        max_lr, min_lr, init_lr = self.base_schedule
+        sched.max_lr, sched.min_lr, sched.init_lr = max_lr * scale, min_lr * scale, init_lr * scale
+        sched.step(0)  # recompute the param groups' current lr
 
 
 @dataclass
@@ -71,7 +90,9 @@ def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: Parallel
     opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)
-    return Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt))
+    role = Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt))
+    role.remember_lrs()
+    return role
 
 
 def _frozen(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> Role:

@@ -6,9 +6,10 @@ layer and the math never see a config object.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megappo.algos.rollout_correction import RolloutCorrection
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
 from megappo.models.losses import ActorLossSettings, CriticLossSettings
@@ -16,11 +17,20 @@ from megappo.models.optim import OptimSettings
 from megappo.rollout.sampling import SamplingParams
 
 
-def actor_loss(cfg: MegappoConfig) -> ActorLossSettings:
+def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.0) -> ActorLossSettings:
+    """The actor loss's settings, with the KL guard's scales of the clip ratio and the KL loss coefficient."""
     a = cfg.actor_rollout_ref.actor
-    return ActorLossSettings(clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_c=a.clip_ratio_c,
-                             agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
-                             kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
+    correction = rollout_correction(cfg)
+    bypass = correction if correction.bypass_mode else None
+    return ActorLossSettings(clip_low=a.clip_ratio_low * clip_scale, clip_high=a.clip_ratio_high * clip_scale,
+                             clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
+                             use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef * kl_scale,
+                             kl_loss_type=a.kl_loss_type, bypass=bypass)
+
+
+def rollout_correction(cfg: MegappoConfig) -> RolloutCorrection:
+    """algorithm.rollout_correction as the math's settings (checked: a bad value raises ValueError naming the key)."""
+    return RolloutCorrection(**asdict(cfg.algorithm.rollout_correction))
 
 
 def critic_loss(cfg: MegappoConfig) -> CriticLossSettings:

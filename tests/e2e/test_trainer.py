@@ -171,8 +171,8 @@ def test_verify_sync_checks_the_engine_holds_the_actor_weights(data, tmp_path, m
 
     real = RolloutWorker.sync_weights
 
-    def stale_sync(self, chunks, hf_config):  # the engine keeps its weights, plus noise
-        out = real(self, chunks, hf_config)
+    def stale_sync(self, chunks, hf_config, version):  # the engine keeps its weights, plus noise
+        out = real(self, chunks, hf_config, version)
         with torch.no_grad():
             for p in self.engine.model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)

@@ -181,7 +181,6 @@ def test_unknown_key_without_close_match_lists_the_valid_ones():
     ("data.train_batch_size=1.5", "data.train_batch_size: expected an integer"),
     ("actor_rollout_ref.actor.optim.lr=fast", "actor_rollout_ref.actor.optim.lr: expected a number"),
     ("algorithm.kl_ctrl.type=adaptiv", "algorithm.kl_ctrl.type: expected one of fixed, adaptive"),
-    ("actor_rollout_ref.rollout.name=vllm", "expected one of hf, sglang"),
     ("trainer.resume_mode=yes", "expected one of auto, disable, resume_path"),
     ("trainer.n_gpus_per_node=null", "trainer.n_gpus_per_node: expected an integer"),
     ("trainer.total_training_steps=x", "expected an integer or null"),

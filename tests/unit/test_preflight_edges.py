@@ -13,6 +13,7 @@ import pytest
 
 from megappo.cli import main
 from megappo.config import ConfigError, load_config
+from megappo.rollout import sglang_deploy as sd
 from megappo.trainer import preflight as pf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +81,7 @@ def test_sglang_missing_from_server_python_fails_fast_without_starting_servers(n
     import megappo.rollout.sglang_server as server_mod
 
     monkeypatch.setattr(server_mod.SGLangServer, "start", lambda *a, **k: pytest.fail("a server was started"))
-    pf.sglang_missing.cache_clear()
+    sd.sglang_missing.cache_clear()
     t0 = time.monotonic()
     rc = main(["train", "--config", "cpu/tiny_ppo", f"{R}.name=sglang", f"{R}.server_python={python}"])
     err = capsys.readouterr().err
@@ -93,15 +94,15 @@ def test_sglang_missing_from_server_python_fails_fast_without_starting_servers(n
 
 
 def test_sglang_is_not_probed_for_hf_or_for_servers_given_by_url(monkeypatch):
-    monkeypatch.setattr(pf, "sglang_missing", lambda python: pytest.fail(f"probed {python}"))
+    monkeypatch.setattr(sd, "sglang_missing", lambda python: pytest.fail(f"probed {python}"))
     pf.preflight(load_config("cpu/tiny_ppo", [f"{R}.name=hf", f"{R}.server_python=/nonexistent/python"]))
     pf.preflight(load_config("cpu/tiny_ppo", [f"{R}.name=sglang", f"{R}.server_urls=[http://10.0.0.1:30000]",
                                               f"{R}.server_python=/nonexistent/python"]))
 
 
 def test_a_server_python_that_cannot_run_is_named():
-    pf.sglang_missing.cache_clear()
-    assert "cannot be run" in pf.sglang_missing("/nonexistent/python")
+    sd.sglang_missing.cache_clear()
+    assert "cannot be run" in sd.sglang_missing("/nonexistent/python")
 
 
 def test_a_server_python_with_sglang_passes(tmp_path):
@@ -111,8 +112,8 @@ def test_a_server_python_with_sglang_passes(tmp_path):
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
-    pf.sglang_missing.cache_clear()
-    assert pf.sglang_missing(str(python)) is None
+    sd.sglang_missing.cache_clear()
+    assert sd.sglang_missing(str(python)) is None
     pf.preflight(load_config("cpu/tiny_ppo", [f"{R}.name=sglang", f"{R}.server_python={python}"]))
 
 

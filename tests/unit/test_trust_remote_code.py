@@ -102,6 +102,8 @@ def test_the_trainer_rollout_passes_the_config_key(remote_dir):
         cfg.actor_rollout_ref.model.trust_remote_code = True
         worker = RolloutWorker(cfg, ps, platform)
         assert type(worker.engine.model).__name__ == "EvilForCausalLM" and marker.exists()
-        assert worker._server_kwargs()["trust_remote_code"] is True  # what an SGLang server would be started with
+        from megappo.rollout.sglang_deploy import server_kwargs
+
+        assert server_kwargs(cfg, platform)["trust_remote_code"] is True  # what an SGLang server would be started with
     finally:
         destroy_parallel(destroy_process_group=True)

@@ -1,0 +1,60 @@
+"""The rollout engines by `actor_rollout_ref.rollout.name`: for each, `deploy(cfg, ps, platform)` (a
+`RolloutDeployment`, collective) and, optionally, `preflight(cfg) -> Optional[str]`, its reason to refuse the run
+before anything starts (a missing package). "module:function" strings, imported when used: naming an engine does not
+import the others, and the config's checks import no torch."""
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Optional
+
+ENGINES: dict[str, dict[str, Any]] = {
+    # in-process transformers model, one per data-parallel replica (the CPU default)
+    "hf": {"deploy": "megappo.rollout.hf_engine:deploy", "sync_modes": ("tensor",)},
+    # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
+    "sglang": {"deploy": "megappo.rollout.sglang_deploy:deploy", "preflight": "megappo.rollout.sglang_deploy:preflight",
+               "sync_modes": ("distributed", "tensor", "disk")},
+}
+# sync_modes: the values of rollout.weight_sync the engine's `load_weights` takes ("disk": `update_weights_from_disk`);
+# "auto" is the first
+
+
+def engine_names() -> list[str]:
+    return sorted(ENGINES)
+
+
+def unknown_engine(name: str) -> Optional[str]:
+    """Why `name` is no engine (None: it is one), naming the nearest."""
+    if name in ENGINES:
+        return None
+    near = difflib.get_close_matches(name, ENGINES, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine (one of {engine_names()}){hint}"
+
+
+def _entry(name: str, what: str) -> Optional[Any]:
+    reason = unknown_engine(name)
+    if reason:
+        raise ValueError(reason)
+    target = ENGINES[name].get(what)
+    if target is None:
+        return None
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def sync_modes(name: str) -> tuple[str, ...]:
+    if unknown_engine(name):
+        raise ValueError(unknown_engine(name))
+    return tuple(ENGINES[name]["sync_modes"])
+
+
+def deploy(cfg: Any, ps: Any, platform: Any) -> Any:
+    """The `RolloutDeployment` of `cfg.actor_rollout_ref.rollout.name` over the trainer's ranks; collective."""
+    return _entry(cfg.actor_rollout_ref.rollout.name, "deploy")(cfg, ps, platform)
+
+
+def preflight(cfg: Any) -> Optional[str]:
+    """The engine's reason to refuse this run (a missing package, say), or None."""
+    check = _entry(cfg.actor_rollout_ref.rollout.name, "preflight")
+    return check(cfg) if check is not None else None

@@ -1,0 +1,123 @@
+"""rollout.name=sglang over the trainer's ranks: servers started per node (or `rollout.server_urls`), one fleet
+client per data-parallel replica, weights streamed by global rank 0 into every server at once.
+
+Each replica's first rank (the holder) generates through an `SGLangFleet` over all the run's servers (itself, or
+through sglang-router); global rank 0's fleet is the sync target. Before each sync, dead servers are restarted (or
+dropped) collectively (`ServerSet.heal`, sglang_servers.py) and every client is told, so the sync that follows gives a
+restarted server the current weights.
+
+Light to import: the trainer's preflight calls `preflight` before torch is loaded.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+from megappo.rollout.base import RolloutDeployment
+
+SGLANG_INSTALL = 'pip install "megappo[sglang]"'
+SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
+SERVER_KWARGS = ("dtype", "max_total_tokens", "extra_args", "port", "host", "api_key")
+
+
+@functools.lru_cache(maxsize=None)
+def sglang_missing(python: str) -> Optional[str]:
+    """Why `python` cannot run an SGLang server (None when it can): it does not start, or has no `sglang` package.
+
+    Cheap: the package is looked up, not imported (a few hundred milliseconds; the answer is kept per python)."""
+    probe = "import importlib.util, sys; sys.exit(3 if importlib.util.find_spec('sglang') is None else 0)"
+    try:
+        # as the server sees it (megappo.rollout.sglang_server): this environment, less PYTHONPATH
+        done = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"'{python}' cannot be run ({e})"
+    if done.returncode == 3:
+        return f"'{python}' has no sglang package (No module named 'sglang')"
+    if done.returncode:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        return f"'{python}' cannot be run ({tail[0]})"
+    return None
+
+
+def preflight(cfg: Any) -> Optional[str]:
+    """The servers the trainer starts (no server_urls) run on server_python: it must have SGLang. Servers given by
+    URL are someone else's."""
+    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
+    if r.server_urls:
+        return None
+    python = r.server_python or sys.executable
+    problem = sglang_missing(python)
+    if not problem:
+        return None
+    which = key if r.server_python else f"{key} (unset: this python)"
+    return (f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
+            f"install it there (`{python} -m {SGLANG_INSTALL}`), or set {key}=PYTHON to a python that has it "
+            f"(on CPU, `{SGLANG_CPU_VENV}` makes one and prints the line to use), or use "
+            "actor_rollout_ref.rollout.name=hf")
+
+
+def server_kwargs(cfg: Any, platform: Any) -> dict:
+    """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
+    extra_args: a list of further launch_server flags)."""
+    from megappo.rollout.sglang_servers import configured_api_key
+
+    r = cfg.actor_rollout_ref.rollout
+    dtype = r.dtype or str(platform.dtype).replace("torch.", "")
+    unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
+    if unknown:
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
+                         f"use {SERVER_KWARGS} (pass other launch_server flags as extra_args: [--flag, value])")
+    return {"dtype": dtype, "trust_remote_code": cfg.actor_rollout_ref.model.trust_remote_code,
+            "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
+
+
+def deploy(cfg: Any, ps: Any, platform: Any) -> "SGLangDeployment":
+    return SGLangDeployment(cfg, ps, platform)
+
+
+class SGLangDeployment(RolloutDeployment):
+    """The run's servers (`ServerSet`, on every rank) and the holders' fleet clients."""
+
+    def __init__(self, cfg: Any, ps: Any, platform: Any):
+        import torch.distributed as dist
+
+        from megappo.rollout.sglang_fleet import SGLangFleet
+        from megappo.rollout.sglang_servers import ServerSet
+
+        r = cfg.actor_rollout_ref.rollout
+        self.servers = ServerSet(cfg, platform, server_kwargs(cfg, platform))
+        self.servers.start()
+        fleet = None
+        try:
+            if dist.get_rank(ps.mp_group) == 0:
+                fleet = SGLangFleet(
+                    self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
+                    engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s},
+                    master_address=r.weight_sync_master_address or r.server_host,
+                    backend="nccl" if platform.is_cuda else "gloo", router_url=self.servers.router_url,
+                    health_check_interval_s=r.health_check_interval_s,
+                    health_check_timeout_s=r.health_check_timeout_s)
+        except BaseException:
+            self.servers.stop()
+            raise
+        super().__init__(fleet, fleet if dist.get_rank() == 0 else None)
+
+    def prepare_sync(self) -> dict[str, float]:
+        """Collective: dead servers restarted (or dropped) and every client told."""
+        fleet = self.engine
+        dropped = {fleet.urls[k] for k, ok in enumerate(fleet.alive) if not ok} if fleet is not None else set()
+        if self.servers.heal(dropped) and fleet is not None:
+            fleet.set_servers(self.servers.urls, self.servers.alive, self.servers.router_url)
+        return self.health()
+
+    def health(self) -> dict[str, float]:
+        return {"rollout/servers_live": float(sum(self.servers.alive)),
+                "rollout/server_restarts": float(self.servers.restarts)}
+
+    def close(self) -> None:
+        super().close()  # the weight groups first: the servers' ranks go with the servers
+        self.servers.stop()

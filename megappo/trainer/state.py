@@ -1,0 +1,111 @@
+"""The run and its state.
+
+`Run` is what every phase reads: the config, the process groups, the models and the services around them (rollout,
+reward scorer), the losses. `TrainState` owns everything a checkpoint holds besides the models, optimizers and
+random streams: the step, the data position, the KL controller, the guard's scales and the version of the weights
+the rollout engines hold. A checkpoint is `TrainState.state_dict()` plus the roles' weights (checkpointing.py).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Iterator, Optional, Union
+
+from megappo.algos import AdaptiveKLController, FixedKLController
+from megappo.algos.rollout_correction import RolloutCorrection
+from megappo.config.schema import MegappoConfig
+from megappo.models.compute import LossFn
+from megappo.parallel import ParallelState
+from megappo.platform.device import Platform
+from megappo.rewards.scorer import RewardScorer
+from megappo.rollout.sampling import SamplingParams
+from megappo.trainer import settings
+from megappo.trainer.experience import Samples
+from megappo.trainer.guard import KLGuard
+from megappo.trainer.metrics import MetricsLogger
+from megappo.trainer.roles import Roles
+from megappo.trainer.rollout import RolloutWorker
+from megappo.trainer.run_lock import RunLock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megappo.data.dataset import PromptBatch
+    from megappo.data.loader import PromptLoader
+
+KLController = Union[FixedKLController, AdaptiveKLController]
+
+
+@dataclass
+class TrainState:
+    """Where the run is (checkpointed), and where it writes (not)."""
+
+    step: int  # steps finished (0: none)
+    total_steps: int
+    loader: "PromptLoader"  # the training prompts; its position is checkpointed
+    val_loader: Optional["PromptLoader"]
+    kl_ctrl: KLController  # the in-reward KL coefficient (moves when adaptive)
+    guard: KLGuard  # its scales and rollback counts are checkpointed
+    weight_version: int = 0  # the version of the actor's weights the rollout engines hold (+1 per sync)
+    # async_training: the samples generated for the next step (one_step_off), and the data position before the
+    # batch being generated when it was drawn (a resumed run generates that batch again)
+    ready: Optional[Samples] = None
+    pending_position: Optional[dict] = None
+    # not checkpointed: where the run writes
+    local_dir: str = ""
+    logger: Optional[MetricsLogger] = None
+    resumed: bool = False  # started from a checkpoint (of this or an earlier process)
+    lock: Optional[RunLock] = field(default=None, repr=False)  # rank 0's hold on local_dir, released by teardown
+
+    def batches(self) -> Iterator["PromptBatch"]:
+        """The training batches from the saved position on, epoch after epoch."""
+        while True:
+            yield from self.loader
+
+    def state_dict(self) -> dict:
+        out = {"dataloader": self.pending_position or self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+               "guard": self.guard.state_dict(), "weight_version": self.weight_version}
+        if self.ready is not None:
+            out["rollout_queue"] = {"ready": asdict(self.ready)}
+        return out
+
+    def load_state_dict(self, saved: dict, *, keep_guard: bool = False) -> None:
+        """Take a checkpoint's state; `keep_guard` (a rollback) keeps the guard's newer scales, which are the point
+        of rolling back."""
+        self.step = int(saved["step"])
+        self.loader.load_state_dict(saved["dataloader"])
+        self.kl_ctrl.load_state_dict(saved["kl_ctrl"])
+        if not keep_guard:
+            self.guard.load_state_dict(saved.get("guard") or {})
+        self.weight_version = int(saved.get("weight_version", 0))
+        ready = (saved.get("rollout_queue") or {}).get("ready")
+        self.ready = Samples(**ready) if ready is not None else None
+        self.pending_position = None
+
+
+@dataclass
+class Run:
+    """What every phase reads: the config, the process groups, the models and the services around them."""
+
+    cfg: MegappoConfig
+    ps: ParallelState
+    platform: Platform
+    roles: Roles
+    rollout: RolloutWorker
+    scorer: Optional[RewardScorer]  # rule rewards, on global rank 0 only
+    tokenizer: "PreTrainedTokenizerBase"
+    pad_token_id: int
+    batching: settings.Batching
+    sampling: SamplingParams
+    actor_loss: LossFn  # rebuilt with the guard's scaled clip ratio and KL coefficient (`apply_guard_scales`)
+    critic_loss: LossFn
+    state: TrainState
+    correction: RolloutCorrection  # algorithm.rollout_correction, checked
+    reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
+
+    @property
+    def kl_ctrl(self) -> KLController:
+        return self.state.kl_ctrl
+
+    @property
+    def guard(self) -> KLGuard:
+        return self.state.guard
