@@ -378,11 +378,25 @@ class AsyncTrainingConfig:
 
     sync: each step generates its batch, then trains. one_step_off: the batch of step k+1 is generated, with the
     weights step k started from, while step k trains; its samples are one update behind the policy that trains on
-    them (off-policy by one step: see algorithm.rollout_correction). Overlap needs the engine beside the trainer:
+    them (off-policy by one step: see algorithm.rollout_correction). fully_async: a producer keeps generating the
+    next steps' batches within a staleness budget (megappo/trainer/async_rollout.py), and the weights are synced
+    every trigger_parameter_sync_step steps. Overlap needs the engine beside the trainer:
     actor_rollout_ref.hybrid_engine=false (the in-process engine then runs in its own process with
     rollout.engine_kwargs.threads CPU threads; SGLang servers are always separate processes)."""
 
-    mode: Literal["sync", "one_step_off"] = "sync"
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    # fully_async: a step trains require_batches mini-batches (data.train_batch_size must be require_batches *
+    # actor.ppo_mini_batch_size prompts)
+    require_batches: int = 1
+    trigger_parameter_sync_step: int = 1  # fully_async: steps (local updates) between weight syncs, W
+    # fully_async: the fraction of a sync window's samples (W steps' worth) that may be generated ahead with the
+    # window before's weights: 0 none (no sample older than its window), 1 with W = 1 is one_step_off. A trained
+    # batch is then at most floor((W - 1 + floor(staleness_threshold * W)) / W) weight versions old; staler ones
+    # (generated under a looser threshold before a resume) are dropped and generated again.
+    staleness_threshold: float = 0.1
+    # fully_async: a weight sync aborts the generation in progress and continues its samples from their tokens
+    # with the new weights (instead of waiting for it); needs an engine that can abort (hf)
+    partial_rollout: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -48,6 +48,14 @@ class PromptBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def select(self, rows: list[int]) -> "PromptBatch":
+        """The prompts at `rows`, in that order (still padded to this batch's P)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        return PromptBatch(self.input_ids[index], self.attention_mask[index], self.position_ids[index],
+                           [self.raw_prompts[r] for r in rows], [self.data_sources[r] for r in rows],
+                           [self.ground_truths[r] for r in rows], [self.extra_infos[r] for r in rows],
+                           [self.abilities[r] for r in rows], self.indices[index])
+
 
 def _render(tokenizer, messages: list[list[dict]], chat_template_kwargs: dict) -> tuple[list[str], bool]:
     """Prompt texts for a batch of conversations; the bool says whether a chat template was used."""

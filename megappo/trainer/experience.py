@@ -7,7 +7,7 @@ phases fill in one after another (scores, reference and old log-probs, values, r
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
 import torch
@@ -29,15 +29,24 @@ class Samples:
     data_sources: list[str]  # N
     ground_truths: list[Any]  # N
     extra_infos: list[dict]  # N
-    weight_versions: list[int]  # N, the version of the actor's weights that generated it (staleness)
+    weight_versions: list[int]  # N, the version of the actor's weights that generated it (its first token's)
+    dataset_indices: list[int]  # N, the prompt's position in the dataset (exactly-once accounting)
+    partial: list[bool]  # N, generated across a weight sync (async_training.partial_rollout): tokens of 2 versions
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def select(self, rows: list[int]) -> "Samples":
+        return Samples(*[[getattr(self, f.name)[r] for r in rows] for f in fields(self)])
+
+    @staticmethod
+    def concat(parts: list["Samples"]) -> "Samples":
+        return Samples(*[[x for p in parts for x in getattr(p, f.name)] for f in fields(Samples)])
+
     @classmethod
     def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]]) -> "Samples":
         """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
-        out = cls([], [], [], [], [], [], [], [], [])
+        out = cls([], [], [], [], [], [], [], [], [], [], [])
         for b, group in enumerate(completions):
             ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
             for c in group:
@@ -50,6 +59,8 @@ class Samples:
                 out.ground_truths.append(prompts.ground_truths[b])
                 out.extra_infos.append(prompts.extra_infos[b])
                 out.weight_versions.append(int(c.weight_version))
+                out.dataset_indices.append(int(prompts.indices[b]))
+                out.partial.append(bool(c.extra.get("partial", False)))
         return out
 
 

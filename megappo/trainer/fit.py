@@ -51,10 +51,12 @@ def fit(cfg: MegappoConfig) -> int:
             timer = Timer()
             with timer("save"):
                 if saved:
+                    source.before_save()
                     checkpointing.save(run, state.local_dir, step, state.state_dict(), t.max_ckpt_to_keep)
             stop.timed(metrics["timing/step_s"], timer.seconds["save"])
             if not last and (why := stop.reason()):
                 if not saved:
+                    source.before_save()
                     checkpointing.save(run, state.local_dir, step, state.state_dict(), t.max_ckpt_to_keep)
                 write_status(state.local_dir, "preempted", step, reason=why)
                 return EXIT_REQUEUE
@@ -125,10 +127,7 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
                 m.update(phases.update_actor(run, exp, step))
             with timer("weight_sync"):
                 stopping = stop is not None and stop.reason() is not None
-                m.update(source.around_sync(step, lambda: phases.sync_weights(run), stopping))
-                if stopping:
-                    run.state.weight_version += 1
-                    m.update(run.rollout.skip_sync(run.state.weight_version))
+                m.update(source.around_sync(step, phases.skip_sync if stopping else phases.sync_weights))
     m.update(reward_metrics)
     m.update(phases.step_metrics(run, exp))
     m.update(timer.metrics())

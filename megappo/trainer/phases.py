@@ -317,6 +317,13 @@ def sync_weights(run: Run) -> dict[str, float]:
     return metrics
 
 
+def skip_sync(run: Run) -> dict[str, float]:
+    """The sync of a run that saves and stops after this step: the weights get their version number (the
+    checkpoint records it) but go nowhere (`RolloutWorker.skip_sync`)."""
+    run.state.weight_version += 1
+    return run.rollout.skip_sync(run.state.weight_version)
+
+
 def verify_sync(run: Run, length: int = 16) -> dict[str, float]:
     """rollout.verify_sync: the engines' log-probs of fixed tokens equal the actor's (the trainer's forward), else
     RuntimeError on every rank, naming the difference: weights that went to the wrong place, a missed bucket, a

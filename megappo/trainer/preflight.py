@@ -209,6 +209,19 @@ def _check_placement(cfg: MegappoConfig, errors: list[str]) -> None:
                       "run beside it, not inside it: set actor_rollout_ref.hybrid_engine=false (the in-process "
                       "engine then runs in a process of its own; give it CPU threads with "
                       "actor_rollout_ref.rollout.engine_kwargs.threads)")
+    a = cfg.async_training
+    if mode == "fully_async":
+        per_step = a.require_batches * arr.actor.ppo_mini_batch_size
+        _need(errors, cfg.data.train_batch_size == per_step, "data.train_batch_size",
+              f"is {cfg.data.train_batch_size} but a fully_async step trains async_training.require_batches="
+              f"{a.require_batches} mini-batches of {arr.actor.ppo_mini_batch_size} prompts", f"set it to {per_step}")
+        _need(errors, a.trigger_parameter_sync_step >= 1, "async_training.trigger_parameter_sync_step",
+              f"must be >= 1, got {a.trigger_parameter_sync_step}", "sync at least every step (1)")
+        _need(errors, a.staleness_threshold >= 0, "async_training.staleness_threshold",
+              f"must be >= 0, got {a.staleness_threshold}", "use 0 (no stale samples) or a fraction such as 0.5")
+        _need(errors, not a.partial_rollout or r.name == "hf", "async_training.partial_rollout",
+              f"needs an engine that returns aborted generations' tokens; {r.name} does not yet",
+              "set async_training.partial_rollout=false (a sync then waits for the generation in progress)")
     if not arr.hybrid_engine and r.name == "sglang" and not r.server_urls and cfg.trainer.device == "cuda":
         errors.append("actor_rollout_ref.hybrid_engine=false with SGLang on GPU: the servers the trainer starts "
                       "would share its GPUs; start them on their own GPUs or nodes and name them in "

@@ -50,10 +50,14 @@ class RolloutSource:
         """The samples step `step` trains on, and metrics of their making; collective."""
         return self.run.rollout.generate(next(self.batches), self.params(step)), {}
 
-    def around_sync(self, step: int, sync: Callable[[], dict[str, float]], stopping: bool) -> dict[str, float]:
-        """The weight-sync phase after step `step`'s update (`sync` loads the weights, unless the run stops after
-        this step); collective."""
-        return {} if stopping else sync()
+    def around_sync(self, step: int, sync: Callable[[Run], dict[str, float]]) -> dict[str, float]:
+        """The weight-sync phase after step `step`'s update: `sync(run)` loads the weights (`phases.sync_weights`, or
+        `phases.skip_sync` when the run stops after this step); collective."""
+        return sync(self.run)
+
+    def before_save(self) -> None:
+        """Before a checkpoint: the batches generated ahead are in `state.ready`, and `state.pending_position` is the
+        data position to generate the rest again from; collective."""
 
     def close(self) -> None:
         """Before a rollback or the end: nothing is left in flight (a rolled-back run makes a new source)."""
@@ -87,22 +91,23 @@ class OneStepOffSource(RolloutSource):
 
     def take(self, step: int) -> tuple[Samples, dict[str, float]]:
         metrics: dict[str, float] = {}
-        if self.state.ready is None:  # the first step (or a resume that had no batch ready): generate it now
+        if not self.state.ready:  # the first step (or a resume that had no batch ready): generate it now
             samples = self.run.rollout.generate(next(self.batches), self.params(step))
         else:
-            samples, self.state.ready = self.state.ready, None
+            samples = self.state.ready.pop(0)
         if self.pending is None and step < self.state.total_steps:
             self._launch(step + 1)  # generated with the weights this step starts from, while it trains
         return samples, metrics
 
-    def around_sync(self, step: int, sync: Callable[[], dict[str, float]], stopping: bool) -> dict[str, float]:
+    def around_sync(self, step: int, sync: Callable[[Run], dict[str, float]]) -> dict[str, float]:
+        from megappo.trainer import phases
+
         metrics: dict[str, float] = {}
         if self.pending is not None:
-            self.state.ready, metrics = self._wait()  # the engines are idle for the sync, and a checkpoint keeps it
-        if stopping:
-            return metrics
-        metrics.update(sync())
-        if step + 1 < self.state.total_steps:
+            samples, metrics = self._wait()  # the engines are idle for the sync, and a checkpoint keeps the batch
+            self.state.ready.append(samples)
+        metrics.update(sync(self.run))
+        if sync is not phases.skip_sync and step + 1 < self.state.total_steps:
             self._launch(step + 2)
         return metrics
 
@@ -122,8 +127,10 @@ class OneStepOffSource(RolloutSource):
         self.state.pending_position = None
 
 
-SOURCES = {"sync": RolloutSource, "one_step_off": OneStepOffSource}
-
-
 def rollout_source(run: Run, state: TrainState) -> RolloutSource:
-    return SOURCES[run.cfg.async_training.mode](run, state)
+    mode = run.cfg.async_training.mode
+    if mode == "fully_async":
+        from megappo.trainer.async_rollout import FullyAsyncSource
+
+        return FullyAsyncSource(run, state)
+    return OneStepOffSource(run, state) if mode == "one_step_off" else RolloutSource(run, state)

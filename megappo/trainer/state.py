@@ -46,9 +46,9 @@ class TrainState:
     kl_ctrl: KLController  # the in-reward KL coefficient (moves when adaptive)
     guard: KLGuard  # its scales and rollback counts are checkpointed
     weight_version: int = 0  # the version of the actor's weights the rollout engines hold (+1 per sync)
-    # async_training: the samples generated for the next step (one_step_off), and the data position before the
-    # batch being generated when it was drawn (a resumed run generates that batch again)
-    ready: Optional[Samples] = None
+    # async_training: the batches generated for the next steps, oldest first, and the data position before the
+    # batches still being generated (a resumed run generates them again)
+    ready: list[Samples] = field(default_factory=list)
     pending_position: Optional[dict] = None
     # not checkpointed: where the run writes
     local_dir: str = ""
@@ -64,8 +64,8 @@ class TrainState:
     def state_dict(self) -> dict:
         out = {"dataloader": self.pending_position or self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                "guard": self.guard.state_dict(), "weight_version": self.weight_version}
-        if self.ready is not None:
-            out["rollout_queue"] = {"ready": asdict(self.ready)}
+        if self.ready:
+            out["rollout_queue"] = {"ready": [asdict(samples) for samples in self.ready]}
         return out
 
     def load_state_dict(self, saved: dict, *, keep_guard: bool = False) -> None:
@@ -77,8 +77,7 @@ class TrainState:
         if not keep_guard:
             self.guard.load_state_dict(saved.get("guard") or {})
         self.weight_version = int(saved.get("weight_version", 0))
-        ready = (saved.get("rollout_queue") or {}).get("ready")
-        self.ready = Samples(**ready) if ready is not None else None
+        self.ready = [Samples(**r) for r in (saved.get("rollout_queue") or {}).get("ready", [])]
         self.pending_position = None
 
 

@@ -178,7 +178,7 @@ def test_killed_or_preempted_then_resumed_is_the_uninterrupted_run(uninterrupted
         status = json.loads((out / "run_status.json").read_text())
         assert status["status"] == "preempted"
         saved = json.loads((out / "checkpoints" / f"global_step_{status['step']}" / "trainer_state.json").read_text())
-        assert len(saved["rollout_queue"]["ready"]["response_ids"]) == 32  # the next step's batch, generated
+        assert [len(r["response_ids"]) for r in saved["rollout_queue"]["ready"]] == [32]  # the next step's batch, generated
     assert _run(out, log) == 0, log.read_text()[-4000:]
     assert_same_rows(metrics_so_far(uninterrupted), metrics_so_far(out))
     a, b = _weights(uninterrupted / "hf" / "actor"), _weights(out / "hf" / "actor")
