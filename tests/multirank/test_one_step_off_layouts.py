@@ -1,4 +1,4 @@
-"""async_training.mode=one_step_off under torchrun: DP2 (each replica's engine process generates its half of the
+"""async_training.mode=one_step_off (and fully_async on its schedule) under torchrun: DP2 (each replica's engine process generates its half of the
 next batch while the ranks train) and TP2 x PP2 (one replica, its first rank's engine) draw and train on the samples
 of the one-rank run: the same rewards and lengths exactly, the same losses within float tolerance (reductions sum in
 another order), one update behind from the second step on."""
@@ -57,11 +57,19 @@ def _torchrun(nproc: int, overrides: list[str], timeout: float = 400) -> None:
     assert proc.returncode == 0, out[-6000:]
 
 
+FULLY_AS_ONE_STEP_OFF = ["async_training.mode=fully_async", "async_training.trigger_parameter_sync_step=1",
+                         "async_training.staleness_threshold=1", "async_training.require_batches=2"]
+
+
 @pytest.mark.parametrize("nproc,layout", [
     (2, []),
     (4, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
          "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
-], ids=["dp2", "tp2pp2"])
+    # fully_async's producers (one per replica) on the one_step_off schedule: the same run
+    (2, FULLY_AS_ONE_STEP_OFF),
+    pytest.param(4, [*FULLY_AS_ONE_STEP_OFF, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"], marks=pytest.mark.long),
+], ids=["dp2", "tp2pp2", "fully_async_dp2", "fully_async_tp2pp2"])
 def test_one_step_off_layouts_train_the_one_rank_run(single, tmp_path, nproc, layout):
     _torchrun(nproc, [*_overrides(tmp_path), f"trainer.n_gpus_per_node={nproc}", *layout])
     a, b = read_metrics(str(single)), read_metrics(str(tmp_path))
