@@ -56,7 +56,8 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
         _check_parallel_and_batches(cfg, world_size, errors, check_files)
     _check_sequence_length(cfg, errors)
     known_engine = _check_engine_name(cfg, errors)
-    _check_placement(cfg, errors)
+    _check_placement(cfg, errors, launching=check_files)
+    _check_rollout_correction(cfg, errors)
     if check_files:
         errors += _output_dir_errors(cfg)
         if known_engine:
@@ -197,11 +198,12 @@ def _check_engine_name(cfg: MegappoConfig, errors: list[str]) -> bool:
     return True
 
 
-def _check_placement(cfg: MegappoConfig, errors: list[str]) -> None:
+def _check_placement(cfg: MegappoConfig, errors: list[str], launching: bool) -> None:
     """Where the rollout runs for async_training.mode. Overlap needs the engine beside the trainer
     (actor_rollout_ref.hybrid_engine=false): the in-process engine then runs in its own process; SGLang servers are
     processes of their own, but on GPU the ones the trainer starts share the trainer's GPUs, so they must be given by
-    rollout.server_urls (started on their own GPUs or nodes: launch/slurm/train_sglang.sbatch)."""
+    rollout.server_urls (started on their own GPUs or nodes: launch/slurm/train_sglang.sbatch, which fills them in
+    at launch, so a recipe is only checked for them when it is launched: `launching`)."""
     arr, mode = cfg.actor_rollout_ref, cfg.async_training.mode
     r = arr.rollout
     if mode != "sync" and arr.hybrid_engine:
@@ -222,11 +224,29 @@ def _check_placement(cfg: MegappoConfig, errors: list[str]) -> None:
         _need(errors, not a.partial_rollout or r.name == "hf", "async_training.partial_rollout",
               f"needs an engine that returns aborted generations' tokens; {r.name} does not yet",
               "set async_training.partial_rollout=false (a sync then waits for the generation in progress)")
-    if not arr.hybrid_engine and r.name == "sglang" and not r.server_urls and cfg.trainer.device == "cuda":
+    shares_gpus = r.name == "sglang" and not r.server_urls and cfg.trainer.device == "cuda"
+    if launching and not arr.hybrid_engine and shares_gpus:
         errors.append("actor_rollout_ref.hybrid_engine=false with SGLang on GPU: the servers the trainer starts "
                       "would share its GPUs; start them on their own GPUs or nodes and name them in "
                       "actor_rollout_ref.rollout.server_urls (launch/slurm/train_sglang.sbatch does), or set "
                       "actor_rollout_ref.hybrid_engine=true with async_training.mode=sync")
+
+
+def _check_rollout_correction(cfg: MegappoConfig, errors: list[str]) -> None:
+    """algorithm.rollout_correction's values (thresholds parse, options exist), as the math reads them."""
+    from dataclasses import asdict
+
+    from megappo.config.schema import RolloutCorrectionConfig
+
+    section = cfg.algorithm.rollout_correction
+    if section == RolloutCorrectionConfig():
+        return  # the defaults (torch stays unloaded)
+    from megappo.algos.rollout_correction import RolloutCorrection
+
+    try:
+        RolloutCorrection(**asdict(section))
+    except ValueError as e:
+        errors.append(str(e))
 
 
 def _check_engine(cfg: MegappoConfig, errors: list[str]) -> None:

@@ -99,7 +99,14 @@ def test_issue_defaults():
     raw = MegappoConfig()  # before resolve: the derived keys are unset
     assert raw.actor_rollout_ref.actor.clip_ratio_low is None and raw.actor_rollout_ref.actor.clip_ratio_high is None
     assert set(to_dict(cfg)) == {"data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function",
-                                 "algorithm", "trainer"}
+                                 "algorithm", "trainer", "async_training"}
+    # verl's names and defaults for the asynchronous trainer and verl 0.9.1's rollout correction (its YAML's)
+    assert dataclasses.asdict(cfg.async_training) == {
+        "mode": "sync", "require_batches": 1, "trigger_parameter_sync_step": 1, "staleness_threshold": 0.1,
+        "partial_rollout": False}
+    assert dataclasses.asdict(cfg.algorithm.rollout_correction) == {
+        "rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False, "rollout_rs": None,
+        "rollout_rs_threshold": None, "bypass_mode": False, "loss_type": "ppo_clip"}
 
 
 def test_derived_defaults_follow_their_source():
