@@ -148,10 +148,19 @@ def http_json(url: str, payload: Any = None, timeout: float = 600, api_key: Opti
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
+# SGLang's own health check: one greedy token of the prompt [0] (0 is in every vocabulary)
+_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+
+
 def is_healthy(url: str, timeout: float = 5, api_key: Optional[str] = None) -> bool:
-    """Whether the server at `url` answers GET /health within `timeout` seconds."""
+    """Whether the server at `url` generates a token within `timeout` seconds: the check SGLang's GET /health makes
+    (a one-token generation through the tokenizer manager, scheduler and detokenizer), sent as a plain /generate.
+    Not /health itself: SGLang 0.5.23's handler looks for the answer after `asyncio.sleep(1)`, so /health never
+    answers in under a second (measured 1.00 s on an idle tiny model, where the generation takes ~5 ms), and the
+    trainer asks every server before every weight sync. Unlike /health, /generate needs the server's API key
+    (`api_key`, default: the one registered for the URL)."""
     try:
-        http_json(url + "/health", timeout=timeout, api_key=api_key)
+        http_json(url + "/generate", _PROBE, timeout=timeout, api_key=api_key)
         return True
     except Exception:  # noqa: BLE001 - no answer in time, a refused connection, an error status: unhealthy
         return False
