@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import http.client
 import ipaddress
 import json
 import os
@@ -35,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -132,14 +134,106 @@ def _opener(url: str) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener()
 
 
+class _Pool:
+    """Idle keep-alive connections per server (scheme://host:port), for the servers reached without a proxy.
+
+    A new connection per request cost ~1.5 ms of a ~2.5 ms request on a local server (measured: GET /model_info
+    2.5 ms with urllib, 1.0 ms on a kept connection), and a weight sync makes ~7 requests per server. A connection
+    idle for `max_idle_s` or more is closed, not reused: SGLang's uvicorn closes its side after 5 s
+    (SGLANG_TIMEOUT_KEEP_ALIVE), and a restarted server is a new process. A request that fails on a reused
+    connection before any answer (the server closed it meanwhile) goes once more on a new one. Connections are
+    per process: a forked child starts with none."""
+
+    def __init__(self, max_idle_s: float = 2.0, keep: int = 8):
+        self.max_idle_s, self.keep = max_idle_s, keep
+        self.lock = threading.Lock()
+        self.idle: dict[str, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self.pid = os.getpid()
+
+    def take(self, origin: str) -> Optional[http.client.HTTPConnection]:
+        with self.lock:
+            if self.pid != os.getpid():  # a forked child: the parent's sockets are not ours to use
+                self.idle, self.pid = {}, os.getpid()
+            conns = self.idle.get(origin, [])
+            while conns:
+                conn, since = conns.pop()
+                if time.monotonic() - since < self.max_idle_s:
+                    return conn
+                conn.close()
+        return None
+
+    def give(self, origin: str, conn: http.client.HTTPConnection) -> None:
+        with self.lock:
+            conns = self.idle.setdefault(origin, [])
+            if self.pid == os.getpid() and len(conns) < self.keep:
+                conns.append((conn, time.monotonic()))
+                return
+        conn.close()
+
+
+_POOL = _Pool()
+# the connection was closed under a request that had not been answered: no part of the answer came
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+def _direct(url: str) -> bool:
+    """Whether `url` is reached without a proxy (`_opener`'s rule): loopback, or no proxy for it in the
+    environment."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return False
+    if _is_loopback(parts.hostname):
+        return True
+    return parts.scheme not in urllib.request.getproxies() or bool(urllib.request.proxy_bypass(parts.netloc))
+
+
+def _request_kept(url: str, data: Optional[bytes], headers: dict, timeout: float) -> tuple[int, bytes]:
+    """One request on a kept connection to the server of `url`: (status, body)."""
+    parts = urllib.parse.urlsplit(url)
+    origin = _origin(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = _POOL.take(origin)
+    while True:
+        reused = conn is not None
+        if conn is None:
+            conn = kind(parts.hostname, parts.port, timeout=timeout)
+        try:
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            conn.request("GET" if data is None else "POST", target, body=data, headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+        except _STALE:
+            conn.close()
+            if not reused:
+                raise
+            conn = None  # once more, on a new connection
+            continue
+        except BaseException:
+            conn.close()
+            raise
+        if resp.will_close:
+            conn.close()
+        else:
+            _POOL.give(origin, conn)
+        return resp.status, body
+
+
 def http_json(url: str, payload: Any = None, timeout: float = 600, api_key: Optional[str] = None) -> Any:
     """GET (payload None) or POST JSON; the decoded JSON answer. Raises RuntimeError with the server's message.
-    `api_key` (default: the one registered for the URL's server) goes as `Authorization: Bearer`."""
+    `api_key` (default: the one registered for the URL's server) goes as `Authorization: Bearer`. A server reached
+    without a proxy is asked on a kept connection (`_Pool`)."""
     data = None if payload is None else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
     key = api_key or _API_KEYS.get(_origin(url))
     if key:
         headers["Authorization"] = f"Bearer {key}"
+    if _direct(url):
+        status, body = _request_kept(url, data, headers, timeout)
+        if status >= 400:
+            raise RuntimeError(f"{url}: HTTP {status}: {body.decode(errors='replace')[:2000]}")
+        return json.loads(body or b"null")
     req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with _opener(url).open(req, timeout=timeout) as resp:
