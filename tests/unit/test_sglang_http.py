@@ -1,6 +1,7 @@
-"""`http_json` keeps connections to a server it reaches without a proxy: back-to-back requests (a weight sync makes
-~7 per server) share one TCP connection, a connection the server closed meanwhile costs a new one and no request,
-and an error status still raises with the server's message."""
+"""The HTTP client of the SGLang servers against a local stand-in. `http_json` keeps connections to a server it
+reaches without a proxy: back-to-back requests (a weight sync makes ~7 per server) share one TCP connection, a
+connection the server closed meanwhile costs a new one and no request, and an error status still raises with the
+server's message. `is_healthy` asks for one streamed token and wants the whole stream."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,8 @@ class _Server:
     def __init__(self, close_after_answer: bool = False):
         self.connections = self.requests = 0
         self.sockets: list = []
+        self.bodies: list = []
+        self.stream: bytes | None = None  # the body /generate answers with
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,13 +53,16 @@ class _Server:
                 self._answer(200, json.dumps({"path": self.path}).encode())
 
             def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                self._answer(200, json.dumps({"got": json.loads(body)}).encode())
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.bodies.append(body)
+                if self.path == "/generate" and outer.stream is not None:
+                    return self._answer(200, outer.stream)
+                self._answer(200, json.dumps({"got": body}).encode())
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.handle_error = lambda *args: None  # a connection reset by close() is expected
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def close(self):
@@ -136,3 +142,23 @@ def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
     assert not _direct("http://node7:30000/generate")  # urllib sends it to the proxy, as before
     monkeypatch.setenv("no_proxy", "node7")
     assert _direct("http://node7:30000/generate")
+
+
+@pytest.mark.parametrize("stream, healthy", [
+    (b'data: {"text": "a", "output_ids": [7], "meta_info": {"id": "x"}}\n\ndata: [DONE]\n\n', True),
+    (b'data: {"error": {"message": "bad", "code": 400}}\n\ndata: [DONE]\n\n', False),
+    (b'data: {"text": "a", "output_ids": [7]}\n\n', False),  # cut short
+    (b'{"text": "a", "output_ids": [7]}', False),  # not a stream
+])
+def test_the_health_probe_is_one_streamed_token_and_wants_the_whole_stream(pool, stream, healthy):
+    from megappo.rollout.sglang_server import is_healthy
+
+    server = _Server()
+    server.stream = stream
+    try:
+        assert is_healthy(server.url, timeout=5) is healthy
+        assert server.bodies == [{"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                                  "stream": True}]
+    finally:
+        server.close()
+    assert not is_healthy(server.url, timeout=5)  # gone
