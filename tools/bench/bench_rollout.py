@@ -327,7 +327,7 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models.builder import build_model
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.rollout import sglang_engine, sglang_fleet
+    from megappo.rollout import SamplingParams, sglang_engine, sglang_fleet
     from megappo.rollout.sglang_fleet import SGLangFleet
     from megappo.rollout.sglang_server import SGLangServer, is_healthy
     from megappo.testing.hf_models import make_hf_model
@@ -373,6 +373,7 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
                                     fleet.update_weights_from_disk(sync_dir, version=v))}
         version = 0
         table = []
+        rollout, params = [[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True)
         for m in originals:
             m.http_json = recorded(originals[m])
         try:
@@ -380,7 +381,8 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
                 per_sync = []
                 for _ in range(1 + args.floor_repeats):
                     version += 1
-                    calls.clear()
+                    fleet.generate(rollout, params)  # the step's rollout, between two syncs (the first forward
+                    calls.clear()  # after a weight update is slower: it is the rollout's, not the sync's)
                     t0 = time.perf_counter()
                     assert is_healthy(server.url)  # ServerSet.heal, before RolloutWorker._around_sync
                     probe = time.perf_counter() - t0
