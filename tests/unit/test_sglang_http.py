@@ -1,7 +1,8 @@
 """The HTTP client of the SGLang servers against a local stand-in. `http_json` keeps connections to a server it
 reaches without a proxy: back-to-back requests (a weight sync makes ~7 per server) share one TCP connection, a
 connection the server closed meanwhile costs a new one and no request, and an error status still raises with the
-server's message. `is_healthy` asks for one streamed token and wants the whole stream."""
+server's message. `is_healthy` asks for one streamed token and wants the whole stream. A disk update whose cache
+flush SGLang refused (its scheduler still counted the batch it had just run) is flushed again."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ class _Server:
         self.sockets: list = []
         self.bodies: list = []
         self.stream: bytes | None = None  # the body /generate answers with
+        self.answers: dict[str, list[tuple[int, bytes]]] = {}  # path -> the answers to give it, in order
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,6 +57,8 @@ class _Server:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.bodies.append(body)
+                if outer.answers.get(self.path):
+                    return self._answer(*outer.answers[self.path].pop(0))
                 if self.path == "/generate" and outer.stream is not None:
                     return self._answer(200, outer.stream)
                 self._answer(200, json.dumps({"got": body}).encode())
@@ -162,3 +166,32 @@ def test_the_health_probe_is_one_streamed_token_and_wants_the_whole_stream(pool,
     finally:
         server.close()
     assert not is_healthy(server.url, timeout=5)  # gone
+
+
+NOT_FLUSHED = (400, b'{"success": false, "message": "Weights were updated, but the cache was not flushed because requests '
+                    b'are still running or queued. Retract or finish them, then call /flush_cache."}')
+
+
+def test_a_refused_flush_after_a_disk_update_is_retried_until_the_scheduler_is_idle(pool, monkeypatch):
+    from megappo.rollout import sglang_engine
+    from megappo.rollout.sglang_engine import SGLangEngine
+
+    monkeypatch.setattr(sglang_engine, "_FLUSH_WITHIN_S", 0.2)
+
+    server = _Server()
+    server.answers = {"/update_weights_from_disk": [NOT_FLUSHED],
+                      "/flush_cache": [(400, b"Cache not flushed"), (200, b"Cache flushed.\n")]}
+    try:
+        engine = SGLangEngine(server.url, sync_timeout=5)
+        assert engine.update_weights_from_disk("/m", version=3) == 3 and engine.weight_version == 3
+        assert server.bodies == [{"model_path": "/m", "weight_version": "3"}, {}, {}]
+
+        server.answers = {"/update_weights_from_disk": [NOT_FLUSHED], "/flush_cache": [(400, b"busy")] * 100}
+        with pytest.raises(RuntimeError, match="cache was not flushed.*flushing the cache then failed too"):
+            engine.update_weights_from_disk("/m", version=4)
+        assert engine.weight_version == 3
+        server.answers = {"/update_weights_from_disk": [(400, b'{"success": false, "message": "no such file"}')]}
+        with pytest.raises(RuntimeError, match="no such file"):
+            engine.update_weights_from_disk("/m", version=5)
+    finally:
+        server.close()
