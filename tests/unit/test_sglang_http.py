@@ -168,8 +168,8 @@ def test_the_health_probe_is_one_streamed_token_and_wants_the_whole_stream(pool,
     assert not is_healthy(server.url, timeout=5)  # gone
 
 
-NOT_FLUSHED = (400, b'{"success": false, "message": "Weights were updated, but the cache was not flushed because requests '
-                    b'are still running or queued. Retract or finish them, then call /flush_cache."}')
+NOT_FLUSHED = (400, b'{"success": false, "message": "Weights were updated, but the cache was not flushed because '
+                    b'requests are still running or queued. Retract or finish them, then call /flush_cache."}')
 
 
 def test_a_refused_flush_after_a_disk_update_is_retried_until_the_scheduler_is_idle(pool, monkeypatch):

@@ -393,7 +393,8 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
                         fleet.resume()
                     fleet.check_version(version)
                     total = time.perf_counter() - t0
-                    parts = {name: sum(d for ep, d in calls if prefix and ep.startswith(prefix)) for name, prefix in FLOOR_CALLS}
+                    parts = {name: sum(d for ep, d in calls if prefix and ep.startswith(prefix))
+                             for name, prefix in FLOOR_CALLS}
                     parts["probe"] = probe
                     # the send's requests run beside the broadcast: 'other' is the rest (export, staging, gloo, write)
                     parts["other"] = total - sum(parts.values())
