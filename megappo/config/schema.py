@@ -183,8 +183,9 @@ class RolloutConfig:
     # sglang, started servers: how many each node's first rank starts (server i on GPUs i*tp .. i*tp+tp-1);
     # None: one per tensor_model_parallel_size GPUs of the node, one on a CPU node
     servers_per_node: Optional[int] = None
-    # sglang: every health_check_interval_s the client asks each server's /health (timeout health_check_timeout_s);
-    # a server that fails it, or a request, is restarted or dropped. The first wait is server_start_timeout_s.
+    # sglang: every health_check_interval_s the client has each server generate one token (`is_healthy`, timeout
+    # health_check_timeout_s); a server that fails it, or a request, is restarted or dropped. The first wait is
+    # server_start_timeout_s.
     health_check_interval_s: float = 30.0
     health_check_timeout_s: float = 5.0
     # sglang, started servers: a dead one is restarted before the next weight sync, which gives it the current

@@ -15,13 +15,14 @@ logits (tools/sglang/check.py measures it).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
-from megappo.rollout.sglang_server import free_port, http_json, register_api_key
+from megappo.rollout.sglang_server import _http, free_port, http_json, register_api_key
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -85,6 +86,32 @@ def _join_all(posts: list, what: str, *, check: bool = True) -> None:
     posts.clear()
     if errors and check:
         raise errors[0]
+
+
+# SGLang 0.5.23's answer when it loaded new weights but refused to flush the prefix cache built with the old ones
+_NOT_FLUSHED = "the cache was not flushed because requests are still running or queued"
+_FLUSH_WITHIN_S = 5.0  # how long _flush_when_idle keeps trying
+
+
+def _flush_when_idle(e: "SGLangEngine", what: str, error: str) -> None:
+    """Flush the server's prefix cache after an update whose own flush was refused, as SGLang's refusal says to.
+
+    The scheduler counts the batch it ran last as running until its next loop iteration: an update that reaches it
+    in the iteration right after a generation (the heal's health probe, sent moments before a disk sync, with no
+    begin_weight_update round trip between them) finds it busy, even though nothing runs (the servers are paused).
+    Each /flush_cache request is handled in an iteration of its own, so a second one finds the scheduler idle."""
+    deadline = time.monotonic() + _FLUSH_WITHIN_S
+    delay = 0.005
+    while True:
+        try:
+            _http(e.url + "/flush_cache", {}, timeout=e.sync_timeout, api_key=e.api_key)
+            return
+        except RuntimeError as refused:
+            if "HTTP 400" not in str(refused) or time.monotonic() + delay > deadline:
+                raise RuntimeError(f"SGLang {what} failed: {error}; flushing the cache then failed too: "
+                                   f"{refused}") from None
+        time.sleep(delay)
+        delay = min(2 * delay, 0.5)
 
 
 def begin_update(engines: Sequence["SGLangEngine"]) -> None:
@@ -205,10 +232,17 @@ class SGLangEngine:
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
         """Reload the server's weights from a HF directory of the same architecture."""
         version = self.weight_version + 1 if version is None else version
-        _checked(http_json(self.url + "/update_weights_from_disk",
-                           {"model_path": model_path, "weight_version": str(version)}, timeout=self.timeout,
-                           api_key=self.api_key),
-                 f"update_weights_from_disk({model_path})")
+        what = f"update_weights_from_disk({model_path})"
+        try:
+            answer = http_json(self.url + "/update_weights_from_disk",
+                               {"model_path": model_path, "weight_version": str(version)}, timeout=self.timeout,
+                               api_key=self.api_key)
+        except RuntimeError as e:
+            if _NOT_FLUSHED not in str(e):
+                raise
+            _flush_when_idle(self, what, str(e))  # the weights and their version are in
+        else:
+            _checked(answer, what)
         self.weight_version = version
         return version
 

@@ -7,9 +7,9 @@ rank 0, so any rank may talk to any server. With `rollout.router: sglang`, rank 
 all of them.
 
 Healing is collective and runs before every weight sync: ranks report the servers their clients dropped, each node
-checks its own servers (process alive, /health), and a dead one is restarted on its old port
-(`rollout.restart_failed_servers`), or dropped. The sync that follows gives a restarted server the current weights
-before it serves again. Running servers named in `rollout.server_urls` cannot be restarted; one that answers /health
+checks its own servers (process alive, a one-token generation: `is_healthy`), and a dead one is restarted on its old
+port (`rollout.restart_failed_servers`), or dropped. The sync that follows gives a restarted server the current weights
+before it serves again. Running servers named in `rollout.server_urls` cannot be restarted; one that generates
 again rejoins (and gets the weights at that sync).
 """
 from __future__ import annotations

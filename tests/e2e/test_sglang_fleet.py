@@ -26,6 +26,20 @@ def _tokens(groups):
     return [[c.output_ids for c in g] for g in groups]
 
 
+def _log_lines(server) -> list[str]:
+    with open(server.log.name, errors="replace") as f:
+        return f.read().splitlines()
+
+
+def _requests(lines) -> list[str]:
+    """The path of each request in the server's access log lines (uvicorn's `INFO:     127.0.0.1:PORT - "POST /path
+    HTTP/1.1" 200 OK`)."""
+    import re
+
+    found = (re.search(r' - "(?:GET|POST) (/[^ ?"]*)', line) for line in lines)
+    return [m.group(1) for m in found if m]
+
+
 @pytest.fixture()
 def two_servers(sglang_python, hf_model_dir):
     model = hf_model_dir("qwen2")
@@ -112,6 +126,25 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     assert len(lps) == 2 and lps[0] == pytest.approx(lps[1], abs=1e-5) and len(lps[0]) == len(PROMPTS[1]) - 1
     new = other
 
+    # the trainer's whole sync in each mode (the health probe of the heal, then pause, send, resume, version check)
+    # asks nothing that SGLang answers after a poll: not GET /health, whose handler looks for its one-token
+    # generation after asyncio.sleep(1) (that second was the whole floor of a tiny model's sync)
+    from megappo.rollout.sglang_server import is_healthy
+    from megappo.trainer.rollout import RolloutWorker
+
+    buckets = lambda: [tensors[i:i + 4] for i in range(0, len(tensors), 4)]  # noqa: E731 - `third`'s
+    sends = {"distributed": lambda v: fleet.update_weights(buckets(), version=v),
+             "tensor": lambda v: fleet.update_weights_from_tensor(buckets(), version=v),
+             "disk": lambda v: fleet.update_weights_from_disk(other, version=v)}
+    for version, (mode, send) in enumerate(sends.items(), start=11):
+        marks = [len(_log_lines(s)) for s in servers]
+        assert all(is_healthy(s.url) for s in servers)  # as ServerSet.heal asks each server before a sync
+        RolloutWorker._around_sync(fleet, version, lambda: send(version))
+        for s, mark in zip(servers, marks):
+            asked = _requests(_log_lines(s)[mark:])
+            assert "/health" not in asked and asked[0] == "/generate" and asked[-1] == "/model_info", (mode, asked)
+    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
+
     # SIGKILL the second server while it generates a long batch: every sample still comes back, once
     long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True, n=4)  # seconds of work per server
     expected = HFEngine(new).generate(PROMPTS, long)
@@ -130,5 +163,5 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
 
     # later calls use the survivor alone: a reload from disk and a generation
     again = make_hf_model("qwen2", str(tmp_path / "again"), seed=6)
-    assert fleet.update_weights_from_disk(again) == 11
+    assert fleet.update_weights_from_disk(again) == 14
     assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(again).generate(PROMPTS, GREEDY))

@@ -21,12 +21,18 @@ hidden 1024, vocabulary 32000) make 1.1 GB. A world-1 megatron actor of the same
   TCP), best of 5, printed with the limits.
 - generation: --prompts x --n responses of --new-tokens tokens (EOS ignored) on HFEngine and on the SGLang server,
   tokens/s and seconds.
+- the sync floor (--floor-repeats, 0: skip): the fixed cost of one SGLang sync, apart from the bandwidth. A tiny
+  Qwen2 (the test suite's, 0.9 MB) on a server of its own, synced --floor-repeats times per mode (median after the
+  first) as RolloutWorker.sync_weights does it: the heal's health probe (`is_healthy`), pause, send (the export
+  from a megatron actor included; for disk the HF directory's write too), resume, check_version. Printed per HTTP
+  call and phase, with the server's idle CPU use. Then each 1 GB row's bandwidth without the floor: size /
+  (steady - floor), the floor taken without the probe (the 1 GB rows do not probe). --floor-only runs this alone.
 SGLang runs from its own venv: --sglang-python, else $MEGAPPO_SGLANG_PYTHON, else the test suite's
 ~/.cache/megappo/sglang-cpu-<hash>/bin/python (waited for up to --sglang-wait s); without one its rows are skipped.
 
     python tools/bench/bench_rollout.py [--layers 16 --hidden 1024 --vocab 32000 --bucket-mb 64 --threads 2]
         [--prompts 16 --n 2 --new-tokens 64] [--modes export,hf,distributed,tensor,disk] [--no-sglang]
-        [--sglang-python PY] [--server-args=--sleep-on-idle]
+        [--sglang-python PY] [--server-args=--sleep-on-idle] [--floor-repeats 10] [--floor-only]
 """
 from __future__ import annotations
 
@@ -172,9 +178,26 @@ def main() -> None:
     p.add_argument("--no-sglang", action="store_true")
     p.add_argument("--max-total-tokens", type=int, default=8192)
     p.add_argument("--server-args", default="", help="extra launch_server flags, e.g. --server-args=--sleep-on-idle")
+    p.add_argument("--floor-repeats", type=int, default=10, help="tiny-model syncs per mode after the first (0: none)")
+    p.add_argument("--floor-only", action="store_true", help="only the sync floor (no 1 GB model, no generation)")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     torch.set_num_threads(args.threads)
+    if args.floor_only:
+        sglang_python, why_not = find_sglang_python(args)
+        if sglang_python is None:
+            sys.exit(f"--floor-only needs SGLang: {why_not}")
+        from megappo.parallel import destroy_parallel, init_parallel
+        from megappo.platform import detect_platform
+        from megappo.platform.layout import ParallelLayout
+
+        plat = detect_platform()
+        ps = init_parallel(ParallelLayout(), plat, seed=0)
+        sglang_modes = [m for m in ("distributed", "tensor", "disk") if m in modes]
+        with tempfile.TemporaryDirectory(prefix="megappo_bench_rollout_", dir=args.dir) as work:
+            print("\n".join(run_floor(args, sglang_python, work, sglang_modes, ps, plat)[0]))
+        destroy_parallel()
+        return
 
     from megappo.convert.export import iter_hf_weights
     from megappo.convert.hf_to_mcore import load_hf_weights
@@ -251,10 +274,13 @@ def main() -> None:
         engine = None  # free its 1 GB before the server loads its copy
 
         sglang_modes = [m for m in ("distributed", "tensor", "disk") if m in modes]
+        floor_lines, floors = [], {}
         if sglang_python is None:
             gen.append(f"  SGLang: skipped: {why_not}")
             print(gen[-1], flush=True)
         else:
+            if args.floor_repeats > 0 and sglang_modes:
+                floor_lines, floors = run_floor(args, sglang_python, work, sglang_modes, ps, plat)
             run_sglang(args, sglang_python, hf_dir, work, cfg, buckets, views, sglang_modes, add_row,
                        bench_generate, dw, dr, plat)
         destroy_parallel()
@@ -272,10 +298,129 @@ def main() -> None:
         pd = f"{100 * gbps / disk_ref:.0f}%" if disk_ref else ""
         pe = f"{100 * export / steady:.0f}%" if export and not mode.startswith(("export", "  disk: server")) else ""
         print(f"{mode:<24}{first:>8.2f}{steady:>9.2f}{gbps:>7.2f}{100 * gbps / mem:>8.0f}%{pd:>7}{pe:>7}")
+    if floor_lines:
+        print("\n" + "\n".join(floor_lines))
+        print(f"bandwidth without the floor ({size:.3f} GB / (steady - floor without the probe)):")
+        for mode, first, steady, disk_ref in rows:
+            key = mode.split(":")[-1] if mode.startswith("sglang:") else None
+            if key in floors:
+                rest = steady - floors[key]
+                print(f"  {mode:<22}steady {steady:.3f} s = floor {floors[key]:.3f} s + {rest:.3f} s: "
+                      f"{size / max(rest, 1e-9):.2f} GB/s")
     print(f"\ngeneration: {args.prompts} prompts x n={args.n}, {args.prompt_len} prompt + {args.new_tokens} new "
           f"tokens, temperature 1, EOS ignored")
     print("\n".join(gen))
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+FLOOR_CALLS = [("probe", None), ("pause", "pause_generation"), ("begin", "begin_weight_update"),
+               ("send", "update_weights_from_"), ("end", "end_weight_update"), ("resume", "continue_generation"),
+               ("version", "model_info")]
+
+
+def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str, float]]:
+    """The sync floor (see the module's help): its printed lines, and per mode the median sync without the probe
+    (s). `ps`, `plat`: the megatron parallel state and platform the tiny actor is built in."""
+    import psutil
+
+    from megappo.convert.export import iter_hf_weights
+    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.models.builder import build_model
+    from megappo.models.hf_config import load_hf_config_dict
+    from megappo.rollout import SamplingParams, sglang_engine, sglang_fleet
+    from megappo.rollout.sglang_fleet import SGLangFleet
+    from megappo.rollout.sglang_server import SGLangServer, is_healthy
+    from megappo.testing.hf_models import make_hf_model
+    from megappo.trainer.checkpointing import write_actor_hf_dir
+
+    tiny = make_hf_model("qwen2", os.path.join(work, "tiny"))
+    actor = build_model(tiny, "actor", ps, plat)
+    load_hf_weights(actor, tiny, ps)
+    cfg = load_hf_config_dict(tiny)
+
+    def buckets(copy):
+        return iter_hf_weights(actor, ps, cfg, bucket_bytes=args.bucket_mb << 20, dtype=plat.dtype, copy=copy)
+
+    nbytes = sum(t.numel() * t.element_size() for b in buckets(True) for _, t in b)
+    calls: list[tuple[str, float]] = []  # (endpoint, seconds) of every request, any thread
+
+    def recorded(http_json):
+        def call(url, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return http_json(url, *a, **k)
+            finally:
+                calls.append((url.rsplit("/", 1)[-1], time.perf_counter() - t0))
+        return call
+
+    originals = {m: m.http_json for m in (sglang_engine, sglang_fleet)}
+    server = SGLangServer(tiny, python=python, extra_args=shlex.split(args.server_args))
+    server.env["OMP_NUM_THREADS"] = str(args.threads)
+    lines: list[str] = []
+    floors: dict[str, float] = {}
+    with server:
+        tree = [psutil.Process(server.proc.pid)]
+        tree += tree[0].children(recursive=True)
+        cpu = lambda: sum(sum(p.cpu_times()[:2]) for p in tree if p.is_running())  # noqa: E731
+        c0 = cpu()
+        time.sleep(5)
+        idle = (cpu() - c0) / 5
+        fleet = SGLangFleet([server.url], timeout=600, engine_kwargs={"api_key": server.api_key})
+        sync_dir = os.path.join(work, "tiny_sync")
+        sends = {"distributed": lambda v: fleet.update_weights(buckets(False), version=v),
+                 "tensor": lambda v: fleet.update_weights_from_tensor(buckets(False), version=v),
+                 "disk": lambda v: (write_actor_hf_dir(buckets(True), cfg, tiny, sync_dir, plat.dtype),
+                                    fleet.update_weights_from_disk(sync_dir, version=v))}
+        version = 0
+        table = []
+        rollout, params = [[5, 6, 7]], SamplingParams(max_new_tokens=4, ignore_eos=True)
+        for m in originals:
+            m.http_json = recorded(originals[m])
+        try:
+            for mode in modes:
+                per_sync = []
+                for _ in range(1 + args.floor_repeats):
+                    version += 1
+                    fleet.generate(rollout, params)  # the step's rollout, between two syncs (the first forward
+                    calls.clear()  # after a weight update is slower: it is the rollout's, not the sync's)
+                    t0 = time.perf_counter()
+                    assert is_healthy(server.url)  # ServerSet.heal, before RolloutWorker._around_sync
+                    probe = time.perf_counter() - t0
+                    fleet.pause()
+                    try:
+                        sends[mode](version)
+                    finally:
+                        fleet.resume()
+                    fleet.check_version(version)
+                    total = time.perf_counter() - t0
+                    parts = {name: sum(d for ep, d in calls if prefix and ep.startswith(prefix))
+                             for name, prefix in FLOOR_CALLS}
+                    parts["probe"] = probe
+                    # the send's requests run beside the broadcast: 'other' is the rest (export, staging, gloo, write)
+                    parts["other"] = total - sum(parts.values())
+                    per_sync.append((total, parts))
+                steady = per_sync[1:] or per_sync
+                med = {k: statistics.median(p[k] for _, p in steady) for k in steady[0][1]}
+                total = statistics.median(t for t, _ in steady)
+                floors[mode] = statistics.median(t - p["probe"] for t, p in steady)
+                table.append((mode, per_sync[0][0], total, med))
+        finally:
+            for m, f in originals.items():
+                m.http_json = f
+        c0 = cpu()
+        time.sleep(5)
+        idle_after = (cpu() - c0) / 5
+        fleet.close_weight_group()
+    lines.append(f"sync floor: tiny qwen2 ({nbytes / 1e6:.2f} MB fp32) on its own server ({args.server_args!r} "
+                 f"extra args; idle it uses {idle:.2f} CPU cores, {idle_after:.2f} after the syncs); ms, median of "
+                 f"{args.floor_repeats} syncs after the first, as RolloutWorker.sync_weights makes them (probe = the "
+                 "heal's is_healthy; send = the update requests; other = export, staging, broadcast, disk write)")
+    cols = [name for name, _ in FLOOR_CALLS] + ["other"]
+    lines.append(f"{'mode':<14}{'first':>8}{'total':>8}" + "".join(f"{c:>9}" for c in cols))
+    for mode, first, total, med in table:
+        lines.append(f"{mode:<14}{1e3 * first:>8.1f}{1e3 * total:>8.1f}" +
+                     "".join(f"{1e3 * med[c]:>9.1f}" for c in cols))
+    return lines, floors
 
 
 def run_sglang(args, python, hf_dir, work, cfg, buckets, views, modes, add_row, bench_generate, dw, dr,
