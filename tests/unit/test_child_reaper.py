@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from megappo.testing.dist import run_distributed
+from megappo.testing.procs import process_gone
 
 PARENT = textwrap.dedent("""
     import multiprocessing, os, sys, time
@@ -35,16 +36,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
+_gone = process_gone
 
 
 def _sigkill_parent(tmp_path, kind: str) -> int:

@@ -21,6 +21,7 @@ import torch
 from megappo.rollout.hf_engine import HFEngine
 from megappo.rollout.hf_process import HFProcessEngine
 from megappo.rollout.sampling import SamplingParams
+from megappo.testing.procs import process_gone
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
@@ -43,16 +44,7 @@ def _assert_same(got, want, tol=1e-6):
             assert max((abs(x - y) for x, y in zip(a.log_probs, b.log_probs)), default=0.0) <= tol
 
 
-def _gone(pid: int, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
+_gone = process_gone
 
 
 def _cpu_s(pid: int) -> float:
