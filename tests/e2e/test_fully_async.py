@@ -47,6 +47,16 @@ def _recorded(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
     return seen
 
 
+@pytest.fixture(scope="module")
+def sync_batches(tmp_path_factory) -> list:
+    """What a synchronous run of 6 steps trains on, step by step."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("OMP_NUM_THREADS", "1")
+        seen = _recorded(m)
+        assert fit(_cfg(tmp_path_factory.mktemp("fully_async_sync") / "sync", 6)) == 0
+    return list(seen)
+
+
 def _numbers(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "async/"))}
             for r in read_metrics(str(out))]
@@ -60,11 +70,9 @@ def test_one_window_one_batch_ahead_is_one_step_off(tmp_path, monkeypatch):
     assert _numbers(tmp_path / "fa") == _numbers(tmp_path / "osl")
 
 
-def test_windows_of_two_steps_with_partial_rollouts(tmp_path, monkeypatch):
+def test_windows_of_two_steps_with_partial_rollouts(sync_batches, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     seen = _recorded(monkeypatch)
-    assert fit(_cfg(tmp_path / "sync", 6)) == 0
-    sync_batches, seen[:] = list(seen), []
     assert fit(_cfg(tmp_path / "fa", 6, *FULLY, "async_training.staleness_threshold=0.5",
                     "async_training.trigger_parameter_sync_step=2", "async_training.partial_rollout=true")) == 0
     assert seen == sync_batches  # each prompt once, at the step a synchronous run trains it
@@ -80,19 +88,17 @@ def _stop_after(monkeypatch, seen: list, steps: int) -> None:
     monkeypatch.setattr(StopRequest, "reason", lambda self: "a test's stop" if len(seen) >= steps else None)
 
 
-def test_stopped_and_resumed_trains_every_prompt_once(tmp_path, monkeypatch):
+def test_stopped_and_resumed_trains_every_prompt_once(sync_batches, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     seen = _recorded(monkeypatch)
     cfg = ["async_training.staleness_threshold=1", "async_training.trigger_parameter_sync_step=1", *FULLY]
-    assert fit(_cfg(tmp_path / "sync", 5)) == 0
-    sync_batches, seen[:] = list(seen), []
     with monkeypatch.context() as m:
         _stop_after(m, seen, 2)
-        assert fit(_cfg(tmp_path / "fa", 5, *cfg)) == 75
-    assert fit(_cfg(tmp_path / "fa", 5, *cfg)) == 0
-    assert seen == sync_batches  # steps 1-2, then 3-5 after the resume: nothing lost, nothing twice
+        assert fit(_cfg(tmp_path / "fa", 6, *cfg)) == 75
+    assert fit(_cfg(tmp_path / "fa", 6, *cfg)) == 0
+    assert seen == sync_batches  # steps 1-2, then 3-6 after the resume: nothing lost, nothing twice
     rows = read_metrics(str(tmp_path / "fa"))
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert max(r["async/staleness_max"] for r in rows) <= 1.0
 
 
