@@ -354,8 +354,9 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
         return call
 
     originals = {m: m.http_json for m in (sglang_engine, sglang_fleet)}
+    # the trainer's CPU server: SGLangServer's OMP_NUM_THREADS (1 unless set), not --threads (a tiny forward on 2
+    # threads of a busy 2-core machine measured 3x slower)
     server = SGLangServer(tiny, python=python, extra_args=shlex.split(args.server_args))
-    server.env["OMP_NUM_THREADS"] = str(args.threads)
     lines: list[str] = []
     floors: dict[str, float] = {}
     with server:
