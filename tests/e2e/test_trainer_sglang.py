@@ -13,9 +13,11 @@ from megappo.trainer import fit
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
 
 
-def _servers() -> list[str]:
+def _servers(model_dir: str, kinds: tuple[str, ...] = ("sglang.launch_server",)) -> list[str]:
+    """The SGLang processes serving `model_dir` (this session's model: another session's servers on the same
+    machine are not this test's business)."""
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "sglang.launch_server" in line]
+    return [line for line in ps.splitlines() if any(k in line for k in kinds) and model_dir in line]
 
 
 # at trainer level the default (distributed) runs in the DP2 and router tests below; both modes at fleet level
@@ -24,7 +26,7 @@ def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path,
     """Each sync mode: the server then holds exactly the actor's weights (verify_sync compares its log-probs of
     fixed tokens with the trainer's after every sync) and reports the new version."""
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
-    before = _servers()
+    before = _servers(hf_model_dir("qwen2"))
     cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
         str(tmp_path / "run"), hf_model_dir("qwen2"), train, steps=2,
         extra=["actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
@@ -37,7 +39,7 @@ def test_two_steps_with_an_sglang_rollout(sglang_python, hf_model_dir, tmp_path,
         assert r["rollout/logprob_diff_mean"] <= 1e-3
         assert r["rollout/weight_sync_bytes"] > 0 and r["rollout/verify_sync_max_diff"] <= 1e-3
     assert rows[1]["rollout/weight_version"] == 2
-    assert _servers() == before  # the trainer stopped the server it started
+    assert _servers(hf_model_dir("qwen2")) == before  # the trainer stopped the server it started
 
 
 @pytest.mark.multirank
@@ -60,7 +62,7 @@ def test_two_data_parallel_ranks_share_the_started_server(sglang_python, hf_mode
                f"actor_rollout_ref.rollout.server_python={sglang_python}", "actor_rollout_ref.rollout.verify_sync=true"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "-m", "megappo.cli", "train", "--config", "gsm8k/tiny_cpu", *overrides]
-    before = _servers()
+    before = _servers(hf_model_dir("qwen2"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
@@ -74,12 +76,13 @@ def test_two_data_parallel_ranks_share_the_started_server(sglang_python, hf_mode
     rows = read_metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3 for r in rows)
-    assert _servers() == before
+    assert _servers(hf_model_dir("qwen2")) == before
 
 
-def _rollout_processes() -> list[str]:
+def _rollout_processes(model_dir: str) -> list[str]:
+    """The SGLang servers of `model_dir`, and every sglang-router (it names no model)."""
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "sglang.launch_server" in line or "sglang_router" in line]
+    return _servers(model_dir) + [line for line in ps.splitlines() if "sglang_router" in line]
 
 
 def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_python, hf_model_dir, tmp_path):
@@ -101,7 +104,7 @@ def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_py
         extra=["actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
                "actor_rollout_ref.rollout.servers_per_node=2", "actor_rollout_ref.rollout.router=sglang",
                "actor_rollout_ref.rollout.health_check_interval_s=2", "actor_rollout_ref.rollout.verify_sync=true"]))
-    before = _rollout_processes()
+    before = _rollout_processes(hf_model_dir("qwen2"))
     killed: dict = {}
 
     def kill_a_server_after_step_1() -> None:
@@ -137,4 +140,5 @@ def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_py
     for r in rows:  # every server, the restarted one included, holds exactly the actor's weights after each sync
         assert r["rollout/verify_sync_max_diff"] <= 1e-3 and r["rollout/logprob_diff_mean"] <= 1e-3
     assert rows[2]["rollout/weight_version"] == 3
-    assert _rollout_processes() == before  # servers, the restarted one and the router all stopped
+    # servers, the restarted one and the router all stopped
+    assert _rollout_processes(hf_model_dir("qwen2")) == before
