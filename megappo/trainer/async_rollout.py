@@ -158,7 +158,6 @@ class Producer:
 
 @dataclass
 class _Launched:
-    step: int  # the step that trains on it
     prompts: PromptBatch
     position: dict  # the data position before it was drawn
     future: Optional[Future]  # the holder's share (None on other ranks)
@@ -184,7 +183,7 @@ class FullyAsyncSource(RolloutSource):
         while self.next_step <= limit:
             position = self.state.loader.state_dict()
             prompts = next(self.batches)
-            share = self.run.rollout._share(prompts)
+            share = self.run.rollout.share(prompts)
             job = future = None
             if share is not None and self.producer is not None:
                 job = _Job(share[0], self.params(self.next_step), share[1])
@@ -193,7 +192,7 @@ class FullyAsyncSource(RolloutSource):
                 else:  # a data-parallel rank with no prompt of this batch
                     future = job.future
                     future.set_result([])
-            self.launched.append(_Launched(self.next_step, prompts, position, future, job))
+            self.launched.append(_Launched(prompts, position, future, job))
             self.next_step += 1
 
     def _collect(self) -> tuple[Samples, dict[str, float]]:
@@ -221,7 +220,8 @@ class FullyAsyncSource(RolloutSource):
 
     def _queue_size(self) -> int:
         """Batches generated and waiting to be trained (rank 0's count)."""
-        return len(self.state.ready) + sum(1 for item in self.launched if item.future is not None and item.future.done())
+        done = sum(1 for item in self.launched if item.future is not None and item.future.done())
+        return len(self.state.ready) + done
 
     def _drop_stale(self, samples: Samples, step: int) -> tuple[Samples, int]:
         """Prompts with a sample staler than the bound get all their samples generated again now, with the
@@ -232,7 +232,8 @@ class FullyAsyncSource(RolloutSource):
         if not stale:
             return samples, 0
         n = self.run.cfg.actor_rollout_ref.rollout.n
-        prompts = _prompts_of(samples, stale, n, self.run.pad_token_id)
+        first = {samples.uids[i]: i for i in range(len(samples) - 1, -1, -1)}
+        prompts = self.state.loader.dataset.collate([samples.dataset_indices[first[uid]] for uid in stale])
         if self.producer is not None:
             self.producer.pause()  # the engine is the producer's between syncs
         try:
@@ -292,21 +293,3 @@ class FullyAsyncSource(RolloutSource):
         self.launched.clear()
         self.state.pending_position = None
 
-
-def _prompts_of(samples: Samples, uids: list[int], n: int, pad_token_id: int) -> PromptBatch:
-    """The prompts of `uids` as a left-padded batch (for generating their samples again)."""
-    import torch
-
-    first = {samples.uids[i]: i for i in range(len(samples) - 1, -1, -1)}
-    rows = [first[u] for u in uids]
-    ids = [samples.prompt_ids[r] for r in rows]
-    width = max(len(p) for p in ids)
-    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for k, p in enumerate(ids):
-        input_ids[k, width - len(p):] = torch.tensor(p)
-        mask[k, width - len(p):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    return PromptBatch(input_ids, mask, pos, [[] for _ in rows], [samples.data_sources[r] for r in rows],
-                       [samples.ground_truths[r] for r in rows], [samples.extra_infos[r] for r in rows],
-                       ["" for _ in rows], torch.tensor([samples.dataset_indices[r] for r in rows]))

@@ -63,7 +63,8 @@ def staleness(run: Run, samples: Samples) -> dict[str, float]:
     """How many weight updates behind the policy that trains on them the samples were generated (0 in sync mode,
     1 after the first step of one_step_off)."""
     behind = [run.state.weight_version - v for v in samples.weight_versions]
-    return {"async/staleness_mean": sum(behind) / max(len(behind), 1), "async/staleness_max": float(max(behind, default=0))}
+    return {"async/staleness_mean": sum(behind) / max(len(behind), 1),
+            "async/staleness_max": float(max(behind, default=0))}
 
 
 def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Optional[list[float]], dict[str, float]]:

@@ -66,7 +66,7 @@ class RolloutWorker:
         whichever data-parallel rank generates it: the samples, and so the step, are those of one rank generating
         the whole batch."""
         local = None
-        share = self._share(prompts)
+        share = self.share(prompts)
         if share is not None:
             ids, offset = share
             local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset) if ids else []
@@ -75,7 +75,7 @@ class RolloutWorker:
     def launch(self, prompts: PromptBatch, params: SamplingParams, prompt_offset: int = 0) -> Optional[Future]:
         """Start this replica's share of `generate` in the background (the holders; None elsewhere): the engine
         generates while the trainer computes. `collect` gathers the answer. Not collective."""
-        share = self._share(prompts)
+        share = self.share(prompts)
         if share is None:
             return None
         ids, offset = share
@@ -89,7 +89,7 @@ class RolloutWorker:
         """`launch`'s samples, identical on every rank; collective (the holders wait for their engine)."""
         return self._gather(prompts, pending.result() if pending is not None else None)
 
-    def _share(self, prompts: PromptBatch) -> Optional[tuple[list[list[int]], int]]:
+    def share(self, prompts: PromptBatch) -> Optional[tuple[list[list[int]], int]]:
         """The holder's prompts (token ids, unpadded) and the index of the first in the batch; None elsewhere."""
         if self.engine is None:
             return None
@@ -163,9 +163,8 @@ class RolloutWorker:
     def sync_mode(self) -> str:
         """rollout.weight_sync, "auto" resolved to the engine's first transport (agreed by every rank: the engine
         class is the same everywhere, whichever ranks hold one)."""
-        from megappo.rollout.registry import sync_modes
-
-        return self.rollout.weight_sync if self.rollout.weight_sync != "auto" else sync_modes(self.rollout.name)[0]
+        auto = registry.sync_modes(self.rollout.name)[0]
+        return self.rollout.weight_sync if self.rollout.weight_sync != "auto" else auto
 
     @staticmethod
     def _around_sync(engine: RolloutEngine, version: int, send) -> None:

@@ -29,7 +29,6 @@ from megappo.trainer.state import Run, TrainState
 
 @dataclass
 class _Pending:
-    step: int  # the step that will train on it
     prompts: PromptBatch
     future: Optional[Future]  # the holders' engine answer (None on other ranks)
     started: float
@@ -73,7 +72,7 @@ class OneStepOffSource(RolloutSource):
         self.state.pending_position = self.state.loader.state_dict()  # what a checkpoint resumes the data from
         prompts = next(self.batches)
         future = self.run.rollout.launch(prompts, self.params(step))
-        pending = _Pending(step, prompts, future, time.perf_counter())
+        pending = _Pending(prompts, future, time.perf_counter())
         if future is not None:
             future.add_done_callback(lambda _: setattr(pending, "finished", time.perf_counter()))
         self.pending = pending
