@@ -168,7 +168,12 @@ def _child_main(conn, parent_pid: int, arm_pdeathsig: bool, threads: int, model_
     while True:
         msg = next_msg()
         kind, rid = msg[0], msg[1] if len(msg) > 1 else None
-        if kind == "close":  # nothing to clean up: leave without the interpreter's slow teardown (~1 s)
+        if kind == "close":  # leave without the interpreter's slow teardown (~1 s), but release what
+            # multiprocessing registered in this process (a semaphore of the child's start-up), which its resource
+            # tracker would otherwise report as leaked when the trainer exits
+            import multiprocessing.util
+
+            multiprocessing.util._run_finalizers(0)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -341,3 +341,21 @@ def test_deploy_takes_the_thread_budget_from_engine_kwargs(monkeypatch):
     rollout.engine_kwargs = {"thread": 2}
     with pytest.raises(ValueError, match="thread"):
         hf_process.deploy(cfg, SimpleNamespace(mp_group=None), platform)
+
+
+def test_a_closed_engine_leaves_nothing_for_the_resource_tracker_to_report(hf_model_dir, tmp_path):
+    """A program that uses the engine and closes it exits quietly: the child's fast exit releases what
+    multiprocessing registered in it, so no "leaked semaphore" warning reaches the user at the trainer's exit."""
+    script = tmp_path / "use_engine.py"
+    script.write_text(textwrap.dedent(f"""
+        from megappo.rollout import SamplingParams
+        from megappo.rollout.hf_process import HFProcessEngine
+
+        if __name__ == "__main__":
+            engine = HFProcessEngine({hf_model_dir("qwen2")!r})
+            print(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=1))[0][0].output_ids)
+            engine.close()
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leaked" not in done.stderr, done.stderr[-2000:]
