@@ -10,13 +10,14 @@ from typing import Any, Optional
 
 ENGINES: dict[str, dict[str, Any]] = {
     # in-process transformers model, one per data-parallel replica (the CPU default)
-    "hf": {"deploy": "megappo.rollout.hf_engine:deploy", "sync_modes": ("tensor",)},
+    "hf": {"deploy": "megappo.rollout.hf_engine:deploy", "sync_modes": ("tensor",), "partial_rollout": True},
     # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
     "sglang": {"deploy": "megappo.rollout.sglang_deploy:deploy", "preflight": "megappo.rollout.sglang_deploy:preflight",
-               "sync_modes": ("distributed", "tensor", "disk")},
+               "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True},
 }
 # sync_modes: the values of rollout.weight_sync the engine's `load_weights` takes ("disk": `update_weights_from_disk`);
-# "auto" is the first
+# "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
+# (async_training.partial_rollout continues them); False when absent
 
 
 def engine_names() -> list[str]:
@@ -47,6 +48,11 @@ def sync_modes(name: str) -> tuple[str, ...]:
     if unknown_engine(name):
         raise ValueError(unknown_engine(name))
     return tuple(ENGINES[name]["sync_modes"])
+
+
+def partial_rollout(name: str) -> bool:
+    """Whether the engine's aborted generations keep their tokens (async_training.partial_rollout)."""
+    return bool(ENGINES.get(name, {}).get("partial_rollout", False))
 
 
 def deploy(cfg: Any, ps: Any, platform: Any) -> Any:

@@ -115,8 +115,12 @@ class SGLangDeployment(RolloutDeployment):
         return self.health()
 
     def health(self) -> dict[str, float]:
+        """rollout/retried_samples: samples this holder's fleet sent to another server after one failed, since the
+        start (global rank 0's view, as every logged metric)."""
+        fleet = self.engine
         return {"rollout/servers_live": float(sum(self.servers.alive)),
-                "rollout/server_restarts": float(self.servers.restarts)}
+                "rollout/server_restarts": float(self.servers.restarts),
+                "rollout/retried_samples": float(fleet.retried_rows if fleet is not None else 0)}
 
     def close(self) -> None:
         super().close()  # the weight groups first: the servers' ranks go with the servers

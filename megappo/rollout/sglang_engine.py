@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang_server import _http, free_port, http_json, register_api_key
@@ -147,7 +148,10 @@ def broadcast_buckets(engines: Sequence["SGLangEngine"], buckets: Iterable[Bucke
     end_update(engines)
 
 
-class SGLangEngine:
+class SGLangEngine(RolloutEngine):
+    """One SGLang server (or router) as a rollout engine. `SGLangFleet` drives several through the per-server calls
+    here (abort, pause, resume, served_version, prompt_log_probs)."""
+
     def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1, api_key: Optional[str] = None,
                  sync_timeout: float = 60):
         self.url = url.rstrip("/")
@@ -194,14 +198,17 @@ class SGLangEngine:
 
     def generate_rows(self, input_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
                       seeds: Sequence[Optional[int]], params: SamplingParams, *,
-                      batched: bool = True) -> list[Completion]:
+                      batched: bool = True, partial: bool = False) -> list[Completion]:
         """One completion per row: `input_ids[k]` sampled with seed `seeds[k]` (the sample's seed, `row_seeds`;
         None: unseeded), so a row keeps its seed whichever server answers it. Raises RuntimeError naming the server
         when it fails, aborts a row, or answers with another number of rows than it was asked (which would silently
         drop samples).
 
         `batched=False` sends exactly one row as a plain (non-list) request: sglang-router takes only those (its
-        request type has one `sampling_params` map, so a batch could not keep per-row seeds)."""
+        request type has one `sampling_params` map, so a batch could not keep per-row seeds).
+
+        `partial=True`: an aborted row (`/abort_request`) is answered with the tokens and log-probs it has,
+        finish_reason "abort", for a partial rollout to continue, instead of raising."""
         if batched:
             body = {"input_ids": [list(p) for p in input_ids],
                     "sampling_params": [self._sampling_params(params, seed) for seed in seeds]}
@@ -220,12 +227,12 @@ class SGLangEngine:
         for i, item in zip(prompt_index, answer):
             meta = item["meta_info"]
             reason = (meta.get("finish_reason") or {}).get("type", "length")
-            if reason == "abort":
+            if reason == "abort" and not partial:
                 raise RuntimeError(f"SGLang {self.url} aborted a request: {meta.get('finish_reason')}")
             out.append(Completion(
                 prompt_index=i, output_ids=list(item["output_ids"]),
                 log_probs=[lp for lp, *_ in meta.get("output_token_logprobs", [])],
-                finish_reason="stop" if reason == "stop" else "length",
+                finish_reason=reason if reason in ("stop", "abort") else "length",
                 weight_version=self.weight_version, extra={"sglang_weight_version": meta.get("weight_version")}))
         return out
 
@@ -270,6 +277,47 @@ class SGLangEngine:
         broadcast_buckets([self], buckets, self._group, self._group_name, version, self._staging)
         self.weight_version = version
         return version
+
+    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed") -> int:
+        """The trainer's weight sync into this one server: a broadcast per bucket. Colocated servers take weights by
+        handle (mode "tensor") through `SGLangFleet`, which keeps the shared staging buffers."""
+        if mode != "distributed":
+            raise ValueError(f"SGLangEngine loads weights with mode 'distributed' (or from disk), not {mode!r}: "
+                             "use SGLangFleet for rollout.weight_sync=tensor")
+        return self.update_weights(buckets, version=version)
+
+    def abort(self) -> None:
+        """Abort every request in flight on the server; each answers with the tokens it has."""
+        http_json(self.url + "/abort_request", {"abort_all": True}, timeout=self.sync_timeout, api_key=self.api_key)
+
+    def pause(self) -> None:
+        """Stop generation on the server (aborting what a timed-out client may have left running)."""
+        http_json(self.url + "/pause_generation", {"mode": "abort"}, timeout=self.sync_timeout, api_key=self.api_key)
+
+    def resume(self) -> None:
+        http_json(self.url + "/continue_generation", {}, timeout=self.sync_timeout, api_key=self.api_key)
+
+    def served_version(self) -> Any:
+        """The weight version the server reports (GET /model_info)."""
+        return (http_json(self.url + "/model_info", timeout=30, api_key=self.api_key) or {}).get("weight_version")
+
+    def check_version(self, version: int) -> None:
+        got = self.served_version()
+        if str(got) != str(version):
+            raise RuntimeError(f"after the weight sync to version {version} the server {self.url} reports {got}")
+
+    def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
+        """The server's log-prob of every token of `token_ids` after its prefix ([1][len - 1])."""
+        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        answer = http_json(self.url + "/generate", body, timeout=self.timeout, api_key=self.api_key)
+        if isinstance(answer, list):
+            answer = answer[0]
+        return [[lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]]]
+
+    def close(self) -> None:
+        self.shutdown_submitter()
+        self.close_weight_group()
 
     def close_weight_group(self) -> None:
         """Leave the weight group on this side (the server's ranks drop theirs with the server)."""

@@ -1,8 +1,8 @@
 """Several SGLang servers behind the engine calls, balanced by the client, with no lost or doubled samples.
 
 `generate` cuts a batch's rows (a prompt's `n` samples are `n` rows) into one contiguous share per live server and
-sends the shares in parallel. A share that fails (connection refused, timeout, an aborted row, an answer with the
-wrong number of rows) goes again to another live server; every row keeps its sampling seed (the sample's seed,
+sends the shares in parallel. A share that fails (connection refused, timeout, an answer with the wrong number of
+rows, a row aborted by anyone but this fleet's `abort`, which partial rollouts use) goes again to another live server; every row keeps its sampling seed (the sample's seed,
 `megappo.rollout.seeds.sample_seed`: the request's seed, its prompt's index in the step's batch and its sample index),
 so a retried sample is the one the failed server would have drawn, and a sample does not depend on which server,
 request or data-parallel rank draws it (with SGLang's deterministic inference). A server that fails and then does
@@ -61,6 +61,7 @@ class SGLangFleet(RolloutEngine):
         self._group_name = "megappo_fleet_weight_sync"
         self._flat_staging: list = []  # update_weights' flat send buffer, reused across syncs
         self._shm_staging = SharedStaging(slots=2)  # update_weights_from_tensor's shared buffers, idem
+        self._aborting = threading.Event()  # abort() was called during the generate in flight
 
     def _engine(self, url: str) -> SGLangEngine:
         return SGLangEngine(url, timeout=self.timeout, tp_size=self.tp_size, **self.engine_kwargs)
@@ -106,31 +107,36 @@ class SGLangFleet(RolloutEngine):
         done: dict[int, Completion] = {}
         pending = list(range(len(rows)))
         errors: list[str] = []
+        self._aborting.clear()  # an abort() before this call ended an earlier one
         self._check_health_if_due()
         for _ in range(self.max_attempts):
+            if self._aborting.is_set():
+                break
             if self.router is not None:
                 pending = self._send_via_router(pending, prompts, rows, seeds, params, done, errors)
-                if not pending:
+            else:
+                servers = self.live()
+                if not servers:
                     break
-                self.retried_rows += len(pending)
-                continue
-            servers = self.live()
-            if not servers:
-                break
-            shares = [pending[j::len(servers)] for j in range(len(servers))]  # interleaved: both see each prompt
-            results = self._send(servers, shares, prompts, rows, seeds, params)
-            pending = []
-            for k, share, result in zip(servers, shares, results):
-                if isinstance(result, BaseException):
-                    errors.append(f"{self.engines[k].url}: {result}")
-                    self._failed(k, result)
-                    pending += share
-                    continue
-                done.update(zip(share, result))  # shares are disjoint: each row is answered by one server
+                shares = [pending[j::len(servers)] for j in range(len(servers))]  # interleaved: both see each prompt
+                results = self._send(servers, shares, prompts, rows, seeds, params)
+                pending = []
+                for k, share, result in zip(servers, shares, results):
+                    if isinstance(result, BaseException):
+                        errors.append(f"{self.engines[k].url}: {result}")
+                        self._failed(k, result)
+                        pending += share
+                        continue
+                    pending += self._accept(share, result, done, errors, self.engines[k].url)
             if not pending:
                 break
             self.retried_rows += len(pending)
             pending.sort()
+        if pending and self._aborting.is_set():  # rows not answered when the abort came: nothing generated yet
+            for r in pending:
+                done[r] = Completion(prompt_index=rows[r], output_ids=[], log_probs=[], finish_reason="abort",
+                                     weight_version=self.weight_version)
+            pending = []
         if pending:
             via = f"router {self.router.url}" if self.router is not None else \
                 f"live servers: {[self.urls[k] for k in self.live()]}"
@@ -142,6 +148,19 @@ class SGLangFleet(RolloutEngine):
             grouped[rows[r]].append(done[r])
         return grouped
 
+    def _accept(self, share: list[int], answers: list[Completion], done: dict, errors: list, url: str) -> list[int]:
+        """Record a share's answers; the rows to send again: those aborted by someone else than `abort` (a pause of
+        another client of the server), which are failures, not partial rollouts."""
+        again = []
+        for r, c in zip(share, answers):  # shares are disjoint: each row is answered by one server
+            if c.finish_reason == "abort" and not self._aborting.is_set():
+                again.append(r)
+            else:
+                done[r] = c
+        if again:
+            errors.append(f"{url}: {len(again)} rows aborted by the server")
+        return again
+
     def _send(self, servers: list[int], shares: list[list[int]], prompts, rows, seeds, params) -> list[Any]:
         """Each server's share in a thread of its own; a result per server, or the exception it raised."""
         results: list[Any] = [None] * len(servers)
@@ -150,7 +169,8 @@ class SGLangFleet(RolloutEngine):
             share = shares[j]
             try:
                 results[j] = self.engines[k].generate_rows([prompts[rows[r]] for r in share], [rows[r] for r in share],
-                                                           [seeds[r] for r in share], params) if share else []
+                                                           [seeds[r] for r in share], params,
+                                                           partial=True) if share else []
             except Exception as e:  # noqa: BLE001 - the share is retried elsewhere, the error reported
                 results[j] = e
 
@@ -168,13 +188,14 @@ class SGLangFleet(RolloutEngine):
         router = self.router
 
         def one(r: int) -> Completion:
-            return router.generate_rows([prompts[rows[r]]], [rows[r]], [seeds[r]], params, batched=False)[0]
+            return router.generate_rows([prompts[rows[r]]], [rows[r]], [seeds[r]], params, batched=False,
+                                        partial=True)[0]
 
         failed = []
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(pending)))) as pool:
             for r, future in [(r, pool.submit(one, r)) for r in pending]:
                 try:
-                    done[r] = future.result()
+                    failed += self._accept([r], [future.result()], done, errors, router.url)
                 except Exception as e:  # noqa: BLE001 - retried, then reported
                     errors.append(f"{router.url}: {e}")
                     failed.append(r)
@@ -294,10 +315,11 @@ class SGLangFleet(RolloutEngine):
         return mode == "tensor" and self.backend == "nccl"
 
     def abort(self) -> None:
-        """Abort every request in flight on every live server; each answers with the tokens it has."""
+        """Abort every request in flight on every live server: `generate` answers at once, each sample with the
+        tokens it has (finish_reason "abort"; rows not sent yet empty), for a partial rollout to continue."""
+        self._aborting.set()  # before the servers answer: an aborted row is then ours, not a failure to retry
         for k in self.live():
-            e = self.engines[k]
-            http_json(e.url + "/abort_request", {"abort_all": True}, timeout=e.sync_timeout, **_auth(e))
+            self.engines[k].abort()
 
     def close(self) -> None:
         self.shutdown_submitter()
@@ -308,40 +330,24 @@ class SGLangFleet(RolloutEngine):
 
     # -- around a sync ---------------------------------------------------------------------------------------------
     def pause(self) -> None:
-        """Stop generation on every live server (aborting what a timed-out client may have left running)."""
         for k in self.live():
-            e = self.engines[k]
-            http_json(e.url + "/pause_generation", {"mode": "abort"}, timeout=e.sync_timeout, **_auth(e))
+            self.engines[k].pause()
 
     def resume(self) -> None:
         for k in self.live():
-            e = self.engines[k]
-            http_json(e.url + "/continue_generation", {}, timeout=e.sync_timeout, **_auth(e))
+            self.engines[k].resume()
 
     def check_version(self, version: int) -> None:
         """Every live server reports `version` (GET /model_info), or RuntimeError naming the ones that do not."""
-        wrong = {}
-        for k in self.live():
-            e = self.engines[k]
-            got = (http_json(e.url + "/model_info", timeout=30, **_auth(e)) or {}).get("weight_version")
-            if str(got) != str(version):
-                wrong[e.url] = got
+        wrong = {self.engines[k].url: got for k in self.live()
+                 if str(got := self.engines[k].served_version()) != str(version)}
         if wrong:
             raise RuntimeError(f"after the weight sync to version {version} these servers report another: {wrong}")
 
     def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
         """Each live server's log-prob of every token of `token_ids` after its prefix ([len - 1] per server):
         what `rollout.verify_sync` compares with the trainer's."""
-        body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        out = []
-        for k in self.live():
-            e = self.engines[k]
-            answer = http_json(e.url + "/generate", body, timeout=self.timeout, **_auth(e))
-            if isinstance(answer, list):
-                answer = answer[0]
-            out.append([lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]])
-        return out
+        return [self.engines[k].prompt_log_probs(token_ids)[0] for k in self.live()]
 
     def close_weight_group(self) -> None:
         import torch.distributed as dist

@@ -60,11 +60,19 @@ def masked_mean_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> fl
 # rollout and rewards
 # ------------------------------------------------------------------------------------------------------------------
 def staleness(run: Run, samples: Samples) -> dict[str, float]:
-    """How many weight updates behind the policy that trains on them the samples were generated (0 in sync mode,
-    1 after the first step of one_step_off)."""
-    behind = [run.state.weight_version - v for v in samples.weight_versions]
-    return {"async/staleness_mean": sum(behind) / max(len(behind), 1),
-            "async/staleness_max": float(max(behind, default=0))}
+    """How many weight versions (syncs) behind the engines the samples' policy is (0 in sync mode, 1 after the
+    first step of one_step_off). With a critic, also how many updates the critic that values them (now, as it stands:
+    GAE uses today's critic) has had since the actor that generated them was the trainer's: with
+    trigger_parameter_sync_step W > 1 a batch of the current version is still up to W - 1 updates behind."""
+    state = run.state
+    behind = [state.weight_version - v for v in samples.weight_versions]
+    out = {"async/staleness_mean": sum(behind) / max(len(behind), 1),
+           "async/staleness_max": float(max(behind, default=0))}
+    if run.roles.critic is not None:
+        updates = [state.step - state.version_steps.get(v, state.step) for v in samples.weight_versions]
+        out.update({"async/critic_staleness_mean": sum(updates) / max(len(updates), 1),
+                    "async/critic_staleness_max": float(max(updates, default=0))})
+    return out
 
 
 def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Optional[list[float]], dict[str, float]]:
@@ -312,7 +320,7 @@ def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[st
 def sync_weights(run: Run) -> dict[str, float]:
     version = run.state.weight_version + 1
     metrics = run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config, version)
-    run.state.weight_version = version
+    run.state.synced(version, run.state.step + 1)  # during step state.step + 1, after its update
     if run.cfg.actor_rollout_ref.rollout.verify_sync:
         metrics.update(verify_sync(run))
     return metrics
@@ -321,7 +329,7 @@ def sync_weights(run: Run) -> dict[str, float]:
 def skip_sync(run: Run) -> dict[str, float]:
     """The sync of a run that saves and stops after this step: the weights get their version number (the
     checkpoint records it) but go nowhere (`RolloutWorker.skip_sync`)."""
-    run.state.weight_version += 1
+    run.state.synced(run.state.weight_version + 1, run.state.step + 1)
     return run.rollout.skip_sync(run.state.weight_version)
 
 

@@ -221,7 +221,9 @@ def _check_placement(cfg: MegappoConfig, errors: list[str], launching: bool) -> 
               f"must be >= 1, got {a.trigger_parameter_sync_step}", "sync at least every step (1)")
         _need(errors, a.staleness_threshold >= 0, "async_training.staleness_threshold",
               f"must be >= 0, got {a.staleness_threshold}", "use 0 (no stale samples) or a fraction such as 0.5")
-        _need(errors, not a.partial_rollout or r.name == "hf", "async_training.partial_rollout",
+        from megappo.rollout.registry import partial_rollout
+
+        _need(errors, not a.partial_rollout or partial_rollout(r.name), "async_training.partial_rollout",
               f"needs an engine that returns aborted generations' tokens; {r.name} does not yet",
               "set async_training.partial_rollout=false (a sync then waits for the generation in progress)")
     shares_gpus = r.name == "sglang" and not r.server_urls and cfg.trainer.device == "cuda"

@@ -46,6 +46,9 @@ class TrainState:
     kl_ctrl: KLController  # the in-reward KL coefficient (moves when adaptive)
     guard: KLGuard  # its scales and rollback counts are checkpointed
     weight_version: int = 0  # the version of the actor's weights the rollout engines hold (+1 per sync)
+    # version -> the number of updates (steps) of the weights it names: how far behind the trainer a batch's policy
+    # and the critic that values it are, in updates (the recent versions only)
+    version_steps: dict[int, int] = field(default_factory=lambda: {0: 0})
     # async_training: the batches generated for the next steps, oldest first, and the data position before the
     # batches still being generated (a resumed run generates them again)
     ready: list[Samples] = field(default_factory=list)
@@ -56,6 +59,13 @@ class TrainState:
     resumed: bool = False  # started from a checkpoint (of this or an earlier process)
     lock: Optional[RunLock] = field(default=None, repr=False)  # rank 0's hold on local_dir, released by teardown
 
+    def synced(self, version: int, updates: int) -> None:
+        """The engines now hold `version`: the actor after `updates` updates."""
+        self.weight_version = version
+        self.version_steps[version] = updates
+        for old in sorted(self.version_steps)[:-64]:  # staleness is bounded: older versions are never asked for
+            del self.version_steps[old]
+
     def batches(self) -> Iterator["PromptBatch"]:
         """The training batches from the saved position on, epoch after epoch."""
         while True:
@@ -63,7 +73,8 @@ class TrainState:
 
     def state_dict(self) -> dict:
         out = {"dataloader": self.pending_position or self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-               "guard": self.guard.state_dict(), "weight_version": self.weight_version}
+               "guard": self.guard.state_dict(), "weight_version": self.weight_version,
+               "version_steps": {str(v): s for v, s in self.version_steps.items()}}
         if self.ready:
             out["rollout_queue"] = {"ready": [asdict(samples) for samples in self.ready]}
         return out
@@ -77,6 +88,8 @@ class TrainState:
         if not keep_guard:
             self.guard.load_state_dict(saved.get("guard") or {})
         self.weight_version = int(saved.get("weight_version", 0))
+        steps = saved.get("version_steps") or {self.weight_version: self.step}
+        self.version_steps = {int(v): int(s) for v, s in steps.items()}
         self.ready = [Samples(**r) for r in (saved.get("rollout_queue") or {}).get("ready", [])]
         self.pending_position = None
 

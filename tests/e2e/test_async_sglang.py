@@ -1,7 +1,7 @@
 """The asynchronous schedules on a real CPU SGLang server the trainer starts: the main job's recipes with
 rollout.name=sglang. one_step_off generates the next batch while the trainer trains and trains it one version
-behind; fully_async (syncs every 2 steps, half a window ahead, no partial rollouts: SGLang's aborted requests are
-not continued yet) keeps its staleness within the bound; both learn like the synchronous main job within its 20
+behind; fully_async (syncs every 2 steps, half a window ahead, partial rollouts) keeps its staleness within the
+bound; both learn like the synchronous main job within its 20
 steps, and the server is stopped at the end."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _learned(rows: list[dict]) -> float:
 @pytest.mark.parametrize("recipe", [pytest.param("tiny_ppo_one_step_off", marks=pytest.mark.long), "tiny_ppo_async"])
 def test_async_recipes_on_sglang_learn(sglang_python, tmp_path, monkeypatch, recipe):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    extra = ["async_training.partial_rollout=false"] if recipe == "tiny_ppo_async" else []
+    extra: list[str] = []
     cfg = load_config(f"cpu/{recipe}", [
         f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[]", "trainer.save_freq=-1",
         "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}", *extra])
@@ -44,3 +44,111 @@ def test_async_recipes_on_sglang_learn(sglang_python, tmp_path, monkeypatch, rec
     assert max(r["async/staleness_max"] for r in steps) == bound and steps[0]["async/staleness_max"] == 0.0
     assert _learned(rows) >= 0.3, [r["reward/mean"] for r in steps]
     assert _servers(tmp_path) == []  # the trainer stopped the server it started
+
+
+def test_partial_rollout_on_sglang_continues_with_the_new_weights(sglang_python, hf_model_dir, tmp_path):
+    """The producer on a real server (through the fleet, as the trainer has it): a sync's pause aborts the
+    generation in progress, the server answers with the tokens each sample has; after the weights change (version
+    1) every sample continues from its tokens on the new weights, keeps its first token's version (0) and is marked
+    partial. Greedy, so the continuation is checked against the new model's own."""
+    import time
+
+    from megappo.rollout import HFEngine, SamplingParams
+    from megappo.rollout.sglang_fleet import SGLangFleet
+    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.testing.hf_models import make_hf_model
+    from megappo.trainer.async_rollout import Producer, _Job
+
+    old, new = hf_model_dir("qwen2"), make_hf_model("qwen2", str(tmp_path / "new"), seed=1)
+    prompts, budget = [[5, 6, 7], [9, 10, 11, 12]], 400  # the tiny model's context is 512
+    with SGLangServer(old, python=sglang_python) as server:
+        fleet = SGLangFleet([server.url])
+        producer = Producer(fleet, partial=True)
+        try:
+            job = _Job(prompts, SamplingParams(max_new_tokens=budget, temperature=0, ignore_eos=True, n=2), 0)
+            future = producer.put(job)
+            while not job.started:
+                time.sleep(0.01)
+            time.sleep(0.3)  # some tokens in (a few hundred per second here), far from the end
+            producer.pause()  # the sync: aborts, returns once the engine is idle
+            partial = job.done
+            assert partial is not None and not future.done()
+            assert all(c.finish_reason == "abort" and len(c.output_ids) < budget for g in partial for c in g)
+            assert any(c.output_ids for g in partial for c in g)
+            fleet.update_weights_from_disk(new, version=1)
+            producer.resume()
+            groups = future.result(timeout=300)
+        finally:
+            producer.close()
+            fleet.close()
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    checked = 0
+    for prompt, before, group in zip(prompts, partial, groups):
+        assert len(group) == 2
+        for b, c in zip(before, group):
+            assert c.output_ids[:len(b.output_ids)] == b.output_ids  # continued from its tokens
+            assert len(c.output_ids) == len(c.log_probs) == budget and c.finish_reason == "length"
+            assert c.extra["partial"] == bool(b.output_ids) and c.weight_version == (0 if b.output_ids else 1)
+            if b.output_ids:
+                start = prompt + b.output_ids
+                tail = c.output_ids[len(b.output_ids):][:8]
+                assert tail == HFEngine(new).generate([start], greedy)[0][0].output_ids  # the new weights'
+                checked += tail != HFEngine(old).generate([start], greedy)[0][0].output_ids
+    assert checked  # the old weights would have gone on otherwise: the check above tells them apart
+
+
+def test_fully_async_loses_no_sample_to_a_server_killed_mid_generation(sglang_python, tmp_path, monkeypatch):
+    """Two started servers; one is SIGKILLed while the producer's request for step 3's batch is in it. The fleet
+    sends that share to the other server (same seeds), so every step trains exactly its batch of the data order;
+    the next sync restarts the dead server and gives it the weights, and the last steps use both again."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from megappo.data.loader import EpochSampler
+    from megappo.rollout.sglang_engine import SGLangEngine
+    from megappo.trainer import phases
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = load_config("cpu/tiny_ppo_async", [
+        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[]", "trainer.save_freq=-1",
+        "trainer.total_training_steps=5", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
+        "actor_rollout_ref.rollout.servers_per_node=2", "async_training.trigger_parameter_sync_step=1",
+        "async_training.staleness_threshold=1", "async_training.partial_rollout=false",
+        "data.max_response_length=48", "actor_rollout_ref.rollout.ignore_eos=true"])  # requests of ~0.2 s
+    cfg.actor_rollout_ref.rollout.engine_kwargs = {}
+    seen: list = []
+    real_experience, real_rows = phases.make_experience, SGLangEngine.generate_rows
+    calls: dict = {}
+
+    def make_experience(run, samples, scores):
+        seen.append(sorted(set(samples.dataset_indices)))
+        return real_experience(run, samples, scores)
+
+    def generate_rows(self, *args, **kwargs):
+        calls[self.url] = calls.get(self.url, 0) + 1
+        if calls[self.url] == 3 and "killed" not in calls:  # the second server's share of the third batch
+            calls["killed"] = self.url
+            port = self.url.rsplit(":", 1)[1]
+            victim = next(p for p in psutil.Process().children(recursive=True)
+                          if "sglang.launch_server" in " ".join(p.cmdline()) and port in p.cmdline())
+            threading.Timer(0.05, os.killpg, (victim.pid, signal.SIGKILL)).start()  # once it is generating
+        return real_rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(phases, "make_experience", make_experience)
+    monkeypatch.setattr(SGLangEngine, "generate_rows", generate_rows)
+    started = time.time()
+    assert fit(cfg) == 0
+    assert "killed" in calls, "no server was killed"
+    order = EpochSampler(cfg.data.synthetic.num_train_prompts, cfg.data.train_batch_size, seed=cfg.data.seed)
+    assert seen == [sorted(order.batch(0, k).tolist()) for k in range(5)]  # each batch once, in order
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["rollout/server_restarts"] >= 1 and rows[-1]["rollout/servers_live"] == 2
+    assert rows[-1]["rollout/retried_samples"] > 0  # the killed server's share went to the other one
+    assert all(r["response/length_mean"] == 48 for r in rows)  # every sample whole
+    assert _servers(tmp_path) == [] and time.time() - started < 300

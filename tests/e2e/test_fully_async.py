@@ -68,6 +68,8 @@ def test_one_window_one_batch_ahead_is_one_step_off(tmp_path, monkeypatch):
     assert fit(_cfg(tmp_path / "fa", 4, *FULLY, "async_training.staleness_threshold=1",
                     "async_training.trigger_parameter_sync_step=1")) == 0
     assert _numbers(tmp_path / "fa") == _numbers(tmp_path / "osl")
+    # the critic values each batch one update after the actor that generated it (the first: the same one)
+    assert [r["async/critic_staleness_max"] for r in read_metrics(str(tmp_path / "osl"))] == [0, 1, 1, 1]
 
 
 def test_windows_of_two_steps_with_partial_rollouts(sync_batches, tmp_path, monkeypatch):
@@ -79,6 +81,9 @@ def test_windows_of_two_steps_with_partial_rollouts(sync_batches, tmp_path, monk
     rows = read_metrics(str(tmp_path / "fa"))
     assert [r.get("rollout/weight_version") for r in rows] == [None, 1.0, None, 2.0, None, 3.0]
     assert max(r["async/staleness_max"] for r in rows) <= 1.0  # floor((2 - 1 + 1) / 2)
+    # in updates: a batch of the engines' version is up to W - 1 = 1 update behind, one ahead of it W more
+    assert [r["async/critic_staleness_max"] for r in rows][:2] == [0, 1]
+    assert max(r["async/critic_staleness_max"] for r in rows) == 2
     assert all(r["async/dropped_stale"] == 0 for r in rows)
     assert all(0 <= r["async/partial_fraction"] <= 1 for r in rows)
 

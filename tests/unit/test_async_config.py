@@ -16,6 +16,15 @@ def _errors(*overrides: str) -> str:
     return str(e.value)
 
 
+def _problems(*overrides: str) -> str:
+    """preflight's errors, or "" when it takes the config."""
+    try:
+        preflight(load_config("cpu/tiny_ppo", list(overrides)), world_size=1)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
 def test_async_modes_need_the_engine_beside_the_trainer():
     for mode in ("one_step_off", "fully_async"):
         assert "set actor_rollout_ref.hybrid_engine=false" in _errors(f"{A}.mode={mode}", "data.train_batch_size=32")
@@ -29,13 +38,21 @@ def test_fully_async_steps_are_require_batches_mini_batches():
                                            f"{A}.require_batches=2"]), world_size=1)
 
 
-def test_fully_async_bounds_and_partial_rollouts_on_sglang():
+def test_fully_async_bounds_and_partial_rollouts(monkeypatch):
+    from megappo.rollout import registry
+
     base = [f"{A}.mode=fully_async", "actor_rollout_ref.hybrid_engine=false", f"{A}.require_batches=2"]
     assert "async_training.staleness_threshold: must be >= 0" in _errors(*base, f"{A}.staleness_threshold=-1")
     assert "async_training.trigger_parameter_sync_step: must be >= 1" in _errors(
         *base, f"{A}.trigger_parameter_sync_step=0")
-    msg = _errors(*base, f"{A}.partial_rollout=true", "actor_rollout_ref.rollout.name=sglang",
-                  "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]")
+    for name in ("hf", "sglang"):  # both continue aborted generations
+        urls = ["actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"] if name == "sglang" else []
+        assert "partial_rollout" not in _problems(*base, f"{A}.partial_rollout=true",
+                                                  f"actor_rollout_ref.rollout.name={name}", *urls)
+    # an engine whose registry entry does not say it keeps aborted tokens (a new one, as the README's vLLM)
+    monkeypatch.setitem(registry.ENGINES, "toy", {"deploy": "megappo.rollout.hf_engine:deploy",
+                                                  "sync_modes": ("tensor",)})
+    msg = _errors(*base, f"{A}.partial_rollout=true", "actor_rollout_ref.rollout.name=toy")
     assert "async_training.partial_rollout: needs an engine that returns aborted generations' tokens" in msg
 
 
