@@ -454,6 +454,7 @@ def value_loss(
     agg_mode: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * aggregate(max((v - R)^2, (clip(v, old - c, old + c) - R)^2)).
 
@@ -476,7 +477,8 @@ def value_loss(
         vf_clipped = (v_clipped - returns).square()
         vf_losses = torch.maximum(vf_unclipped, vf_clipped)
         clipfrac = masked_mean((vf_clipped > vf_unclipped).to(values.dtype), m)
-    loss = 0.5 * aggregate_loss(vf_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = 0.5 * aggregate_loss(vf_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                norm_length=norm_length)
     return loss, {"vf_clipfrac": clipfrac.detach()}
 
 
