@@ -396,12 +396,14 @@ def policy_loss(
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped-surrogate PPO loss with asymmetric clip range and dual clip (Ye et al. 2020).
 
     log_probs, old_log_probs, advantages, mask: [B, T]. Returns (scalar loss, metrics).
     is_weights: [B, T] importance weights of the rollout correction (`rollout_correction.py`), detached, multiplying
-    each token's (dual-)clipped loss before aggregation (verl 0.9.1); the metrics ignore them.
+    each token's (dual-)clipped loss before aggregation (verl 0.9.1); the metrics ignore them. norm_length: see
+    ``aggregate_loss``. The other loss modes are in ``megappo.algos.policy_losses``.
     Per token: ratio r = exp(clamp(logp - old, -20, 20)); loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
     for A < 0 that is further capped at -A clip_c, so a huge ratio on a bad token cannot dominate the batch.
     Metrics (detached scalars): ``pg_clipfrac`` fraction of tokens where the clipped term is larger,
@@ -433,7 +435,7 @@ def policy_loss(
     if is_weights is not None:
         pg_losses = pg_losses * torch.where(m, is_weights.detach().to(pg_losses.dtype), zero)
 
-    loss = aggregate_loss(pg_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate_loss(pg_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     metrics = {
         "pg_clipfrac": clipfrac.detach(),
         "pg_clipfrac_lower": clipfrac_lower.detach(),
@@ -452,6 +454,7 @@ def value_loss(
     agg_mode: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * aggregate(max((v - R)^2, (clip(v, old - c, old + c) - R)^2)).
 
@@ -474,7 +477,8 @@ def value_loss(
         vf_clipped = (v_clipped - returns).square()
         vf_losses = torch.maximum(vf_unclipped, vf_clipped)
         clipfrac = masked_mean((vf_clipped > vf_unclipped).to(values.dtype), m)
-    loss = 0.5 * aggregate_loss(vf_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = 0.5 * aggregate_loss(vf_losses, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                norm_length=norm_length)
     return loss, {"vf_clipfrac": clipfrac.detach()}
 
 

@@ -356,6 +356,24 @@ def _interpolate(cfg: MegappoConfig, errors: list[str]) -> None:
             errors.append(f"{key}: expected {err}, got {new!r} (from '{value}')")
 
 
+def estimator(cfg: MegappoConfig):
+    """`algorithm.adv_estimator`'s registry entry (a user's is loaded from custom_adv_estimator); ValueError if
+    there is none."""
+    from megappo.algos.estimators import get_adv_estimator
+
+    alg = cfg.algorithm
+    return get_adv_estimator(alg.adv_estimator, alg.custom_adv_estimator.path, alg.custom_adv_estimator.name)
+
+
+def estimator_needs(cfg: MegappoConfig, need: str) -> bool:
+    """Whether the estimator has `need` (needs_critic, needs_groups, needs_greedy_baseline); False for an unknown
+    one (validation names it)."""
+    try:
+        return bool(getattr(estimator(cfg), need))
+    except (ValueError, OSError):
+        return False
+
+
 def resolve(cfg: MegappoConfig) -> MegappoConfig:
     """Fill every derived default (a field left None that follows another field). Idempotent; returns cfg."""
     arr = cfg.actor_rollout_ref
@@ -385,7 +403,7 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
 
     critic = cfg.critic
     if critic.enable is None:
-        critic.enable = cfg.algorithm.adv_estimator == "gae"
+        critic.enable = estimator_needs(cfg, "needs_critic")
     if critic.model.path is None:
         critic.model.path = model.path
     if critic.model.tokenizer_path is None:

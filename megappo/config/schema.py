@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-AdvEstimator = Literal["gae", "grpo"]
 # Estimators of KL(actor || ref), per token; "+" variants use the value forward and k2's gradient backward.
 KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
                  "low_var_kl+", "k3+"]
@@ -53,11 +52,23 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class CustomFunctionConfig:
+    """A function of a user's Python file, registered under its `name` (then selected by that name)."""
+
+    path: Optional[str] = None  # the .py file; None: none
+    name: Optional[str] = None  # the function's name in it, and the name it is registered under
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0  # discount factor for GAE
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
-    adv_estimator: AdvEstimator = "gae"  # gae needs a critic; grpo normalises scores within each prompt's group
-    norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group std (false: Dr. GRPO style mean-centering)
+    # a name of megappo.algos.estimators (README's table): gae (needs a critic), grpo, rloo, reinforce_plus_plus,
+    # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk; or custom_adv_estimator.name
+    adv_estimator: str = "gae"
+    # grpo / grpo_passk: divide by the group std (false + loss_agg_mode=seq-mean-token-sum-norm: Dr. GRPO)
+    norm_adv_by_std_in_grpo: bool = True
+    custom_adv_estimator: CustomFunctionConfig = field(default_factory=CustomFunctionConfig)
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards
     kl_penalty: KLKind = "kl"  # the KL estimator used for the in-reward penalty
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
@@ -110,6 +121,21 @@ class MegatronConfig:
 # actor_rollout_ref
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
+class PolicyLossConfig:
+    """verl's `actor.policy_loss` (megappo/algos/policy_losses.py)."""
+
+    # vanilla (PPO clip + dual clip), gspo, cispo, sapo, clip_cov, kl_cov, geo_mean, gpg; or a user's `name`
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: covariance range of the candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: that penalty's coefficient
+    path: Optional[str] = None  # a user's loss: the .py file
+    name: Optional[str] = None  # and the function in it, registered under this name (set loss_mode to it)
+
+
+@dataclass
 class ActorConfig:
     strategy: Literal["megatron"] = "megatron"  # accepted for verl compatibility; megatron is the only backend
     # Prompts per optimiser step; each prompt brings rollout.n responses, so a mini-batch has
@@ -126,6 +152,11 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None  # resolved: clip_ratio (raise it for DAPO's clip-higher)
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages; must be > 1
     loss_agg_mode: LossAggMode = "token-mean"  # how token losses become one number
+    # seq-mean-token-sum-norm's divisor (Dr. GRPO's constant); None: data.max_response_length
+    loss_scale_factor: Optional[float] = None
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = 1.0  # sapo: gate temperature of tokens with a positive advantage
+    tau_neg: float = 1.05  # sapo: and of the others
     entropy_coeff: float = 0.0  # weight of the entropy bonus
     use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the policy loss (GRPO style)
     kl_loss_coef: float = 0.001
@@ -244,7 +275,7 @@ def _critic_optim() -> OptimConfig:
 
 @dataclass
 class CriticConfig:
-    enable: Optional[bool] = None  # resolved: true when algorithm.adv_estimator is gae
+    enable: Optional[bool] = None  # resolved: true when algorithm.adv_estimator needs one (gae)
     strategy: Literal["megatron"] = "megatron"
     model: ModelConfig = field(default_factory=ModelConfig)  # path resolved: actor_rollout_ref.model.path
     optim: OptimConfig = field(default_factory=_critic_optim)

@@ -140,17 +140,75 @@ def _check_algorithm(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, kl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {kl.kl_coef}", "use e.g. 0.001")
     _need(errors, kl.target_kl > 0, "algorithm.kl_ctrl.target_kl", f"must be > 0, got {kl.target_kl}", "use e.g. 0.1")
     _need(errors, kl.horizon > 0, "algorithm.kl_ctrl.horizon", f"must be > 0, got {kl.horizon}", "use e.g. 10000")
-    n = cfg.actor_rollout_ref.rollout.n
-    _need(errors, alg.adv_estimator != "grpo" or n > 1, "actor_rollout_ref.rollout.n",
-          f"is {n} but algorithm.adv_estimator=grpo compares responses within a prompt's group",
+    _check_estimator(cfg, errors)
+    _check_policy_loss(cfg, errors)
+
+
+def _custom_file(errors: list[str], key: str, path: Optional[str], name: Optional[str], selected: bool,
+                 selector: str) -> None:
+    if path is None:
+        return
+    _need(errors, bool(name) and str(name).isidentifier(), f"{key}.name", f"'{name}' is not a Python name",
+          "set it to the function's name in the file")
+    _need(errors, Path(os.path.expanduser(path)).is_file(), f"{key}.path", f"'{path}' is not a file",
+          "point it at the .py file that defines the function")
+    _need(errors, selected, selector, f"does not name {key}.name '{name}'", f"set {selector}={name} to use it")
+
+
+def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
+    from megappo.config.loader import estimator
+
+    alg, key = cfg.algorithm, "algorithm.adv_estimator"
+    custom = alg.custom_adv_estimator
+    _custom_file(errors, "algorithm.custom_adv_estimator", custom.path, custom.name,
+                 alg.adv_estimator == custom.name, key)
+    try:
+        spec = estimator(cfg)
+    except (ValueError, OSError, SyntaxError, ImportError) as e:
+        errors.append(f"{key}: {e}")
+        return
+    name, n = spec.name, cfg.actor_rollout_ref.rollout.n
+    _need(errors, not spec.needs_groups or n > 1, "actor_rollout_ref.rollout.n",
+          f"is {n} but algorithm.adv_estimator={name} compares responses within a prompt's group",
           "set actor_rollout_ref.rollout.n to 2 or more (e.g. 5)")
     critic_on = cfg.critic.enable
-    if alg.adv_estimator == "gae":
-        _need(errors, critic_on is not False, "critic.enable", "is false but algorithm.adv_estimator=gae needs a "
+    if spec.needs_critic:
+        _need(errors, critic_on is not False, "critic.enable", f"is false but algorithm.adv_estimator={name} needs a "
               "value function", "set critic.enable=true, or use algorithm.adv_estimator=grpo")
     else:
-        _need(errors, not critic_on, "critic.enable", f"is true but algorithm.adv_estimator={alg.adv_estimator} "
+        _need(errors, not critic_on, "critic.enable", f"is true but algorithm.adv_estimator={name} "
               "does not use a critic", "set critic.enable=false (or leave it unset)")
+    if spec.needs_greedy_baseline:
+        _need(errors, cfg.async_training.mode == "sync", "async_training.mode",
+              f"is {cfg.async_training.mode} but algorithm.adv_estimator={name} scores a greedy response of the "
+              "policy that sampled the step", "use async_training.mode=sync")
+        _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
+              f"{name}'s greedy baselines are scored by the rule reward", "use a rule reward (reward_model.enable=false)")
+
+
+def _check_policy_loss(cfg: MegappoConfig, errors: list[str]) -> None:
+    from megappo.algos.policy_losses import get_policy_loss
+
+    a, p = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor"
+    pl = a.policy_loss
+    _custom_file(errors, f"{p}.policy_loss", pl.path, pl.name, pl.loss_mode == pl.name, f"{p}.policy_loss.loss_mode")
+    try:
+        get_policy_loss(pl.loss_mode, pl.path, pl.name)
+    except (ValueError, OSError, SyntaxError, ImportError) as e:
+        errors.append(f"{p}.policy_loss.loss_mode: {e}")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        _need(errors, getattr(pl, key) > 0, f"{p}.policy_loss.{key}", f"must be > 0, got {getattr(pl, key)}",
+              "use e.g. 0.0002")
+    _need(errors, pl.clip_cov_lb < pl.clip_cov_ub, f"{p}.policy_loss.clip_cov_lb",
+          f"{pl.clip_cov_lb} is not below clip_cov_ub {pl.clip_cov_ub}", "use e.g. 1.0 and 5.0")
+    for key in ("tau_pos", "tau_neg"):
+        _need(errors, getattr(a, key) > 0, f"{p}.{key}", f"must be > 0, got {getattr(a, key)}", "use 1.0 / 1.05")
+    _need(errors, a.loss_scale_factor is None or a.loss_scale_factor > 0, f"{p}.loss_scale_factor",
+          f"must be > 0 or null, got {a.loss_scale_factor}", "use null for data.max_response_length")
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
+    _need(errors, not bypass or pl.loss_mode == "vanilla", f"{p}.policy_loss.loss_mode",
+          f"is {pl.loss_mode} but algorithm.rollout_correction.bypass_mode=true uses its own loss (loss_type)",
+          "use loss_mode=vanilla with bypass_mode, or bypass_mode=false")
 
 
 def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:

@@ -7,12 +7,13 @@ settings are plain dataclasses; `megappo.trainer.settings` is the one place conf
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from megappo import algos
+from megappo.algos.policy_losses import PolicyLossParams, get_policy_loss
 from megappo.algos.rollout_correction import RolloutCorrection, bypass_policy_loss
 from megappo.models.compute import LossFn, MicroBatchContext, ModelOutputs
 
@@ -30,16 +31,25 @@ class ActorLossSettings:
     # algorithm.rollout_correction with bypass_mode: old log-probs are the rollout's and the correction (IS weights,
     # rejection) runs here, per micro-batch, with the current policy's detached log-probs as old
     bypass: Optional[RolloutCorrection] = None
+    loss_mode: str = "vanilla"  # a name of megappo.algos.policy_losses
+    loss_params: PolicyLossParams = PolicyLossParams()  # the mode's own settings (clip ratios copied in)
+    custom_loss: tuple[Optional[str], Optional[str]] = (None, None)  # a user's loss: (file, function name)
+    # seq-mean-token-sum-norm's divisor: a constant (loss_scale_factor or the response length limit), so every
+    # micro-batch, whatever its own padded length, divides by the same number
+    norm_length: Optional[float] = None
 
 
 @dataclass(frozen=True)
 class CriticLossSettings:
     clip_range: Optional[float] = 0.5  # values clipped to old +- clip_range (None: plain MSE)
     agg_mode: str = "token-mean"
+    norm_length: Optional[float] = None
 
 
-def _agg(x: torch.Tensor, mask: torch.Tensor, mode: str, ctx: MicroBatchContext) -> torch.Tensor:
-    return algos.aggregate_loss(x, mask, mode, num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs)
+def _agg(x: torch.Tensor, mask: torch.Tensor, mode: str, ctx: MicroBatchContext,
+         norm_length: Optional[float] = None) -> torch.Tensor:
+    return algos.aggregate_loss(x, mask, mode, num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs,
+                                norm_length=norm_length)
 
 
 def _token_share(mask: torch.Tensor, ctx: MicroBatchContext) -> float:
@@ -54,6 +64,10 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
     Metrics (shares, see `train_step`): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss; with
     bypass_mode also the micro-batches' rollout_corr/* diagnostics."""
 
+    pg = get_policy_loss(s.loss_mode, *s.custom_loss)
+    params = replace(s.loss_params, clip_low=s.clip_low, clip_high=s.clip_high, clip_c=s.clip_c,
+                     norm_length=s.norm_length)
+
     def loss_fn(out: ModelOutputs, ctx: MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         t, mask = ctx.batch.train, ctx.batch.response_mask
         counts = {"num_tokens": ctx.global_num_tokens, "num_seqs": ctx.global_num_seqs}
@@ -63,20 +77,20 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
                 clip_high=s.clip_high, clip_c=s.clip_c, agg_mode=s.agg_mode, **counts)
             pg_metrics = {k: torch.as_tensor(v) for k, v in pg_metrics.items()}
         else:
-            pg_loss, pg_metrics = algos.policy_loss(
-                out.log_probs, t.old_log_probs, t.advantages, mask, clip_low=s.clip_low, clip_high=s.clip_high,
-                clip_c=s.clip_c, agg_mode=s.agg_mode, is_weights=t.rollout_is_weights, **counts)
+            pg_loss, pg_metrics = pg(out.log_probs, t.old_log_probs, t.advantages, mask, params, agg_mode=s.agg_mode,
+                                     is_weights=t.rollout_is_weights, **counts)
         share = _token_share(mask, ctx)
         metrics = {k: v * share for k, v in pg_metrics.items()}  # token means within the micro-batch
         metrics["pg_loss"] = pg_loss.detach()
         loss = pg_loss
         if out.entropy is not None:
-            entropy = _agg(out.entropy, mask, s.agg_mode, ctx)
+            entropy = _agg(out.entropy, mask, s.agg_mode, ctx, s.norm_length)
             metrics["entropy"] = entropy.detach()
             if s.entropy_coeff:
                 loss = loss - s.entropy_coeff * entropy
         if s.use_kl_loss:
-            kl_loss = _agg(algos.kl_penalty(out.log_probs, t.ref_log_probs, s.kl_loss_type), mask, s.agg_mode, ctx)
+            kl_loss = _agg(algos.kl_penalty(out.log_probs, t.ref_log_probs, s.kl_loss_type), mask, s.agg_mode, ctx,
+                           s.norm_length)
             loss = loss + s.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
         return loss, metrics
@@ -92,7 +106,7 @@ def critic_loss_fn(s: CriticLossSettings) -> LossFn:
         t, mask = ctx.batch.train, ctx.batch.response_mask
         loss, metrics = algos.value_loss(
             out.values, t.values, t.returns, mask, clip_range=s.clip_range, agg_mode=s.agg_mode,
-            num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs,
+            num_tokens=ctx.global_num_tokens, num_seqs=ctx.global_num_seqs, norm_length=s.norm_length,
         )
         return loss, {"vf_loss": loss.detach(), "vf_clipfrac": metrics["vf_clipfrac"] * _token_share(mask, ctx)}
 

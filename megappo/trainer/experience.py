@@ -76,6 +76,7 @@ class Experience:
     rollout_log_probs: torch.Tensor  # [B, R] the engine's log-probs (0 on padding)
     scores: Optional[torch.Tensor] = None  # [B] the sequence score (rule reward or reward model)
     token_rewards: Optional[torch.Tensor] = None  # [B, R] score at the last token, minus the KL penalty if any
+    baselines: Optional[torch.Tensor] = None  # [B] the score of the prompt's greedy response (ReMax)
 
     @property
     def train(self) -> TrainInputs:

@@ -5,6 +5,7 @@ import os
 import traceback
 from typing import Optional
 
+from megappo.config.loader import estimator_needs
 from megappo.config.schema import MegappoConfig
 from megappo.trainer import checkpointing, phases
 from megappo.trainer.build import rollback, setup, teardown
@@ -104,6 +105,9 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
         with timer("reward"):
             scores, reward_metrics = (None, {}) if cfg.reward_model.enable else phases.rule_scores(run, samples)
         exp = phases.make_experience(run, samples, scores)
+        if estimator_needs(cfg, "needs_greedy_baseline"):
+            with timer("greedy_baseline"):
+                m.update(phases.greedy_baselines(run, samples, exp))
         if run.roles.reward is not None:
             with timer("reward_model"):
                 phases.reward_model_scores(run, exp)

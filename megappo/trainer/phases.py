@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megappo import algos
+from megappo.algos import estimators
 from megappo.algos import rollout_correction as correction
+from megappo.config.loader import estimator
 from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.parallel import ParallelState, gather_over_ranks, reduce_over_ranks, reduce_tensor
 from megappo.rewards.scorer import ScoreItem
@@ -234,19 +237,57 @@ def gather_objects_dp(obj: Any, ps: ParallelState) -> list:
     return out
 
 
+def greedy_baselines(run: Run, samples: Samples, exp: Experience) -> dict[str, float]:
+    """ReMax's baselines (estimators with needs_greedy_baseline): one greedy response per prompt of the step, from
+    the engine that sampled it, scored by the rule reward; each sample's baseline is its prompt's score."""
+    first: dict[int, int] = {}
+    for i, uid in enumerate(samples.uids):
+        first.setdefault(uid, i)
+    rows = list(first.values())
+    prompts = _prompt_batch(samples, rows, run.pad_token_id)
+    params = replace(run.sampling, greedy=True, n=1)
+    greedy = run.rollout.generate(prompts, params)
+    scores, _ = rule_scores(run, greedy, watch=False)
+    by_uid = {samples.uids[r]: s for r, s in zip(rows, scores)}
+    exp.baselines = torch.tensor([by_uid[samples.uids[i]] for i in exp.indices], dtype=torch.float32)
+    return {"reward/greedy_baseline_mean": sum(scores) / max(len(scores), 1)}
+
+
+def _prompt_batch(samples: Samples, rows: list[int], pad_token_id: int):
+    """The prompts of `rows` of the step's samples as a left-padded PromptBatch."""
+    from megappo.data.dataset import PromptBatch
+
+    ids = [samples.prompt_ids[r] for r in rows]
+    width = max((len(x) for x in ids), default=0)
+    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(ids), width), dtype=torch.long)
+    for k, x in enumerate(ids):
+        if x:
+            input_ids[k, width - len(x):] = torch.as_tensor(x)
+            attention[k, width - len(x):] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    pick = lambda name: [getattr(samples, name)[r] for r in rows]  # noqa: E731
+    return PromptBatch(input_ids, attention, position_ids, [[] for _ in rows], pick("data_sources"),
+                       pick("ground_truths"), pick("extra_infos"), ["" for _ in rows],
+                       torch.as_tensor(pick("dataset_indices"), dtype=torch.long))
+
+
 def advantages(run: Run, exp: Experience) -> None:
-    alg, mask, t = run.cfg.algorithm, exp.mask, exp.train
-    if alg.adv_estimator == "gae":
-        adv, returns = algos.compute_gae(exp.token_rewards, t.values, mask, gamma=alg.gamma, lam=alg.lam)
-        t.returns = returns * mask
-        t.advantages = algos.masked_whiten(adv, mask, sum_across=dp_sum_tensor(run.ps)) * mask
-    else:  # grpo: the group of a prompt may be spread over data-parallel ranks
-        seq = exp.token_rewards.sum(-1)
-        all_seq, all_uid = dp_gather(seq, run.ps), dp_gather(exp.uids, run.ps)
-        adv = algos.compute_grpo_advantages(all_seq, all_uid, norm_by_std=alg.norm_adv_by_std_in_grpo)
-        mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
-        t.advantages = mine.unsqueeze(1) * mask
-        t.returns = t.advantages.clone()
+    """algorithm.adv_estimator's advantages and returns (megappo/algos/estimators.py). An outcome estimator sees the
+    sequence scores of every data-parallel rank (a prompt's group may be spread over them); a token estimator runs
+    on this rank's rows with the step's statistics summed over the ranks."""
+    spec, p, mask, t = estimator(run.cfg), settings.estimator_params(run.cfg), exp.mask, exp.train
+    sum_across = dp_sum_tensor(run.ps)
+    if spec.kind == "token":
+        adv, returns = spec.fn(exp.token_rewards, mask, t.values, exp.baselines, p, sum_across)
+        t.advantages, t.returns = adv * mask, returns * mask
+        return
+    seq = exp.token_rewards.sum(-1)
+    all_seq, all_uid = dp_gather(seq, run.ps), dp_gather(exp.uids, run.ps)
+    all_len = dp_gather(exp.response_lengths().float(), run.ps)
+    adv = spec.fn(all_seq, all_uid, all_len, p)
+    mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
+    t.advantages, t.returns = estimators.outcome_to_tokens(spec, mine, mask, sum_across)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megappo.algos.estimators import EstimatorParams
+from megappo.algos.policy_losses import PolicyLossParams
 from megappo.algos.rollout_correction import RolloutCorrection
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
@@ -22,10 +24,27 @@ def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.
     a = cfg.actor_rollout_ref.actor
     correction = rollout_correction(cfg)
     bypass = correction if correction.bypass_mode else None
+    pl = a.policy_loss
+    params = PolicyLossParams(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
+                              clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
+                              tau_pos=a.tau_pos, tau_neg=a.tau_neg)
     return ActorLossSettings(clip_low=a.clip_ratio_low * clip_scale, clip_high=a.clip_ratio_high * clip_scale,
                              clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
                              use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef * kl_scale,
-                             kl_loss_type=a.kl_loss_type, bypass=bypass)
+                             kl_loss_type=a.kl_loss_type, bypass=bypass, loss_mode=pl.loss_mode,
+                             loss_params=params, custom_loss=(pl.path, pl.name), norm_length=norm_length(cfg))
+
+
+def norm_length(cfg: MegappoConfig) -> float:
+    """seq-mean-token-sum-norm's divisor: actor.loss_scale_factor, else the response length limit (verl's default
+    is the batch's padded response length, which here would differ between micro-batches)."""
+    factor = cfg.actor_rollout_ref.actor.loss_scale_factor
+    return float(factor if factor is not None else cfg.data.max_response_length)
+
+
+def estimator_params(cfg: MegappoConfig) -> EstimatorParams:
+    alg = cfg.algorithm
+    return EstimatorParams(gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
 
 
 def rollout_correction(cfg: MegappoConfig) -> RolloutCorrection:
@@ -35,7 +54,7 @@ def rollout_correction(cfg: MegappoConfig) -> RolloutCorrection:
 
 def critic_loss(cfg: MegappoConfig) -> CriticLossSettings:
     c = cfg.critic
-    return CriticLossSettings(clip_range=c.cliprange_value, agg_mode=c.loss_agg_mode)
+    return CriticLossSettings(clip_range=c.cliprange_value, agg_mode=c.loss_agg_mode, norm_length=norm_length(cfg))
 
 
 @dataclass(frozen=True)

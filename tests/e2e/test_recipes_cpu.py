@@ -53,11 +53,12 @@ def test_main_job_learns(tmp_path):
     assert (out / "hf" / "actor" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("recipe", ["tiny_ppo_kl_loss", "tiny_grpo", "tiny_ppo_one_step_off", "tiny_ppo_async"])
+@pytest.mark.parametrize("recipe", ["tiny_ppo_kl_loss", "tiny_grpo", "tiny_ppo_one_step_off", "tiny_ppo_async",
+                                    "tiny_gspo", "tiny_rloo", "tiny_reinforce_pp"])
 def test_cpu_variants_learn(tmp_path, recipe):
     rows = run_recipe(f"recipes/cpu/{recipe}.yaml", tmp_path / recipe, "trainer.save_freq=-1")
     assert learned(rows) >= 0.3, [r.get("reward/mean") for r in rows]
-    if recipe == "tiny_grpo":
+    if recipe in ("tiny_grpo", "tiny_gspo", "tiny_rloo", "tiny_reinforce_pp"):
         assert not any(k.startswith("critic/") for k in rows[1])
     elif recipe == "tiny_ppo_one_step_off":
         assert [r["async/staleness_max"] for r in rows[1:3]] == [0.0, 1.0]

@@ -574,3 +574,17 @@ def test_tiny_cpu_recipe_is_tiny():
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
     assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 1
     assert load_config("gsm8k/tiny_cpu", ["data.train_files=/x.parquet"]).data.train_files == "/x.parquet"
+
+
+def test_estimator_and_loss_names_come_from_the_registries():
+    def msg(*overrides):
+        return errors_of(validate, load_config(None, [*MODEL, *overrides]), world_size=1)
+
+    assert "did you mean 'rloo'" in msg("algorithm.adv_estimator=rlo", "actor_rollout_ref.rollout.n=4")
+    assert "did you mean 'gspo'" in msg("actor_rollout_ref.actor.policy_loss.loss_mode=gpso")
+    assert "algorithm.adv_estimator=rloo compares responses" in msg("algorithm.adv_estimator=rloo")
+    assert "scores a greedy response" in msg("algorithm.adv_estimator=remax", "async_training.mode=one_step_off")
+    for name, critic in (("gae", True), ("reinforce_plus_plus", False), ("remax", False)):
+        assert load_config(None, [*MODEL, f"algorithm.adv_estimator={name}"]).critic.enable is critic
+    assert "is not a file" in msg("algorithm.adv_estimator=mine", "algorithm.custom_adv_estimator.path=/nonexistent.py",
+                                  "algorithm.custom_adv_estimator.name=mine")
