@@ -42,12 +42,17 @@ class RolloutSource:
         self.run, self.state = run, state
         self.batches: Iterator[PromptBatch] = state.batches()
 
-    def params(self, step: int):
-        return replace(self.run.sampling, seed=step_seed(self.run.cfg.data.seed, step))
+    def params(self, step: int, gen_batch: int = 0):
+        # a step's later generation batches (algorithm.filter_groups) draw other samples than its first
+        seed = step_seed(self.run.cfg.data.seed, step)
+        if gen_batch:
+            seed = (seed + gen_batch * 104_729) % (2**31 - 1)
+        return replace(self.run.sampling, seed=seed)
 
-    def take(self, step: int) -> tuple[Samples, dict[str, float]]:
-        """The samples step `step` trains on, and metrics of their making; collective."""
-        return self.run.rollout.generate(next(self.batches), self.params(step)), {}
+    def take(self, step: int, gen_batch: int = 0) -> tuple[Samples, dict[str, float]]:
+        """The samples step `step` trains on (its `gen_batch`-th generation batch: dynamic sampling takes several),
+        and metrics of their making; collective. The async sources take one batch per step."""
+        return self.run.rollout.generate(next(self.batches), self.params(step, gen_batch)), {}
 
     def around_sync(self, step: int, sync: Callable[[Run], dict[str, float]]) -> dict[str, float]:
         """The weight-sync phase after step `step`'s update: `sync(run)` loads the weights (`phases.sync_weights`, or
