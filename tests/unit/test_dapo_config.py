@@ -31,7 +31,8 @@ def test_rules_name_the_key_and_the_fix():
         assert f"is not supported with async_training.mode={mode}" in \
             _errors(f"async_training.mode={mode}", "actor_rollout_ref.hybrid_engine=false")
     assert "set async_training.mode=sync" in _errors("async_training.mode=one_step_off")
-    assert "data.gen_batch_size: is 48 but data.train_batch_size is 16" in _errors("algorithm.filter_groups.enable=false")
+    assert "data.gen_batch_size: is 48 but data.train_batch_size is 16" in \
+        _errors("algorithm.filter_groups.enable=false")
     assert "seq_final_reward includes the in-reward KL" in \
         _errors("algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true")
     assert "reward_model.overlong_buffer.len: must be in (0, data.max_response_length=4]" in \
