@@ -24,7 +24,8 @@ Every key and default: megappo/config/schema.py documents each one; --print-conf
 exit status (also in <default_local_dir>/run_status.json, which outlives torchrun's own status):
   0   finished
   1   error (configuration, data, a failed checkpoint save: the message names the fix)
-  3   stopped on purpose: the KL guard ran out of retries, or the reward function keeps failing
+  3   stopped on purpose: the KL guard ran out of retries, the reward function keeps failing, or a step of
+      dynamic sampling reached algorithm.filter_groups.max_num_gen_batches
   75  preempted by SIGTERM/SIGUSR1 or trainer.save_before_deadline: a checkpoint was saved; run the same
       command again (resume_mode=auto) to continue. Batch scripts requeue on it.
 """
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:  # a failed save (disk full) or an unusable checkpoint to resume from
         print(f"megappo train: {e}", file=sys.stderr)
         return 1
-    except RunStopped as e:  # the KL guard or the reward watch ended the run on purpose
+    except RunStopped as e:  # the KL guard, the reward watch or dynamic sampling ended the run on purpose
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"megappo train: {e}", file=sys.stderr)
         return EXIT_STOPPED

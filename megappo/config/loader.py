@@ -388,6 +388,8 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
         model.tokenizer_path = model.path
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = model.tokenizer_path
+    if cfg.data.gen_batch_size is None:
+        cfg.data.gen_batch_size = cfg.data.train_batch_size
 
     if rollout.prompt_length is None:
         rollout.prompt_length = cfg.data.max_prompt_length

@@ -60,6 +60,22 @@ class CustomFunctionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`, megappo/trainer/dynamic_sampling.py): a prompt
+    whose rollout.n responses all have the same `metric` teaches a group-relative estimator nothing, so its group is
+    dropped and more generation batches (data.gen_batch_size prompts each) are generated and scored until
+    data.train_batch_size prompts are kept; the surplus of the last batch is dropped. Sync rollouts only."""
+
+    enable: bool = False
+    # what must vary within a group: reward (the sequence score the advantages see: the rule reward plus the
+    # overlong penalty, before any in-reward KL; seq_reward is the same), seq_final_reward (after the in-reward KL),
+    # score (the reward function's score alone), acc (its "acc" entry; a function returning a float: that float),
+    # or the name of any other numeric entry the reward function returns
+    metric: str = "reward"
+    max_num_gen_batches: int = 0  # generation batches one step may take before the run stops; <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = 1.0  # discount factor for GAE
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
@@ -73,6 +89,7 @@ class AlgorithmConfig:
     kl_penalty: KLKind = "kl"  # the KL estimator used for the in-reward penalty
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -317,6 +334,9 @@ class DataConfig:
     max_prompt_length: int = 512  # prompt tokens after the chat template
     max_response_length: int = 512  # generated tokens per response
     train_batch_size: int = 1024  # prompts per PPO step
+    # prompts generated at a time; resolved: train_batch_size. Larger (DAPO: 3x) with algorithm.filter_groups, so
+    # that one generation batch usually leaves train_batch_size prompts after the filter
+    gen_batch_size: Optional[int] = None
     val_batch_size: Optional[int] = None  # None: the whole validation set at once
     return_raw_chat: bool = False  # keep the untokenised messages (for an RM with another chat template)
     truncation: Literal["error", "left", "right"] = "error"  # what to do with a prompt over max_prompt_length
@@ -324,6 +344,19 @@ class DataConfig:
     shuffle: bool = True  # shuffle training prompts each epoch
     seed: int = 1  # seed of that shuffle, so a resumed run sees the same order
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's DAPO reward manager): a response longer than
+    data.max_response_length - len tokens loses penalty_factor * (length - (max_response_length - len)) / len, so
+    the penalty grows linearly from 0 to penalty_factor over the last `len` tokens. Logged as
+    reward/overlong_penalty_mean and reward/overlong_fraction; validation scores are not penalised."""
+
+    enable: bool = False
+    len: int = 0  # tokens of the buffer at the end of max_response_length; must be in (0, max_response_length]
+    penalty_factor: float = 0.0  # the penalty of a response of max_response_length tokens
+    log: bool = False  # accepted for verl compatibility: megappo logs the penalty metrics whenever enable
 
 
 @dataclass
@@ -341,6 +374,7 @@ class RewardModelConfig:
     # for max_failure_steps steps in a row, instead of training on failure_score. 1.0: never stop.
     max_failure_fraction: float = 0.5
     max_failure_steps: int = 3
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # rule rewards only
 
 
 @dataclass

@@ -64,6 +64,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_layouts(cfg, errors)
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
+    _check_dapo(cfg, errors)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):
         _check_optim(prefix, optim, errors)
@@ -350,6 +351,41 @@ def _check_rewards(cfg: MegappoConfig, errors: list[str], check_files: bool) -> 
     if check_files and t.resume_mode == "resume_path" and t.resume_from_path:
         _need(errors, Path(os.path.expanduser(t.resume_from_path)).exists(), "trainer.resume_from_path",
               f"'{t.resume_from_path}' does not exist", "point it at a checkpoint directory")
+
+
+def _check_dapo(cfg: MegappoConfig, errors: list[str]) -> None:
+    """algorithm.filter_groups, data.gen_batch_size and reward_model.overlong_buffer (DAPO)."""
+    fg, d, ob = cfg.algorithm.filter_groups, cfg.data, cfg.reward_model.overlong_buffer
+    gen = d.gen_batch_size if d.gen_batch_size is not None else d.train_batch_size
+    _need(errors, gen >= 1, "data.gen_batch_size", f"must be >= 1 or null, got {gen}",
+          "use null for data.train_batch_size")
+    _need(errors, fg.enable or gen == d.train_batch_size, "data.gen_batch_size",
+          f"is {gen} but data.train_batch_size is {d.train_batch_size}, and only algorithm.filter_groups trims a "
+          "generation batch to the train batch", "set data.gen_batch_size=null, or algorithm.filter_groups.enable=true")
+    if fg.enable:
+        n = cfg.actor_rollout_ref.rollout.n
+        _need(errors, n > 1, "algorithm.filter_groups.enable", f"needs groups to filter but actor_rollout_ref."
+              f"rollout.n is {n}", "set actor_rollout_ref.rollout.n to 2 or more (DAPO: 16)")
+        _need(errors, cfg.async_training.mode == "sync", "algorithm.filter_groups.enable",
+              f"is not supported with async_training.mode={cfg.async_training.mode} (a step's generation batches "
+              "depend on the scores of the ones before)", "set async_training.mode=sync, or "
+              "algorithm.filter_groups.enable=false")
+        _need(errors, not cfg.reward_model.enable, "algorithm.filter_groups.enable",
+              "filters on rule rewards, but reward_model.enable=true scores with a model after the rollout phase",
+              "set reward_model.enable=false (rule rewards), or algorithm.filter_groups.enable=false")
+        _need(errors, bool(fg.metric), "algorithm.filter_groups.metric", "is empty",
+              "use reward (verl's default), acc, score or a numeric key the reward function returns")
+        _need(errors, fg.metric != "seq_final_reward" or not cfg.algorithm.use_kl_in_reward,
+              "algorithm.filter_groups.metric", "seq_final_reward includes the in-reward KL, which is computed after "
+              "the rollout phase", "use reward (the score before the KL), or algorithm.use_kl_in_reward=false")
+    if ob.enable:
+        _need(errors, 0 < ob.len <= d.max_response_length, "reward_model.overlong_buffer.len",
+              f"must be in (0, data.max_response_length={d.max_response_length}], got {ob.len}",
+              "use e.g. a fifth of max_response_length (DAPO: 4096 of 20480)")
+        _need(errors, ob.penalty_factor >= 0, "reward_model.overlong_buffer.penalty_factor",
+              f"must be >= 0, got {ob.penalty_factor}", "use e.g. 1.0")
+        _need(errors, not cfg.reward_model.enable, "reward_model.overlong_buffer.enable",
+              "shapes rule rewards, but reward_model.enable=true", "set one of them to false")
 
 
 def _check_optim(prefix: str, o: OptimConfig, errors: list[str]) -> None:

@@ -31,6 +31,27 @@ def register(subparsers) -> None:
     gsm8k.add_argument("--force", action="store_true", help="overwrite existing train.parquet/test.parquet")
     gsm8k.set_defaults(func=_gsm8k)
 
+    for name, out_file, help_, desc in (
+        ("dapo-math", "dapo-math-17k.parquet", "DAPO-Math-17k -> dapo-math-17k.parquet (DAPO's training set)",
+         "Convert BytedTsinghua-SIA/DAPO-Math-17k (INPUT: its dapo-math-17k.parquet, or a directory holding it, "
+         "also under data/) to OUT/dapo-math-17k.parquet. The file is already in verl's schema (data_source "
+         "math_dapo, scored by megappo.rewards.math_dapo); it is checked, and the copies of each problem in the "
+         "public file (about 100 each) are dropped unless --keep-duplicates."),
+        ("aime2024", "aime-2024.parquet", "AIME 2024 -> aime-2024.parquet (DAPO's validation set)",
+         "Convert AIME 2024 to OUT/aime-2024.parquet. Reads Maxwell-Jia/AIME_2024 (aime_2024_problems.parquet: "
+         "ID, Problem, Solution, Answer; given DAPO's prompt and data_source aime2024) or verl's "
+         "BytedTsinghua-SIA/AIME-2024 (aime-2024.parquet, verl's schema; its 32 copies of each problem are dropped "
+         "unless --keep-duplicates: set actor_rollout_ref.rollout.val_kwargs.n=32 for avg@32)."),
+    ):
+        sub = data_sub.add_parser(name, help=help_, description=desc,
+                                  epilog=f"example: megappo data {name} --input ~/downloads/{name} --out ~/data/dapo")
+        sub.add_argument("--input", required=True, metavar="PATH", help="the downloaded Parquet file or its directory")
+        sub.add_argument("--out", default="~/data/dapo", metavar="DIR",
+                         help=f"output directory (default: ~/data/dapo, where recipes/dapo read {out_file})")
+        sub.add_argument("--force", action="store_true", help=f"overwrite an existing {out_file}")
+        sub.add_argument("--keep-duplicates", action="store_true", help="keep repeated problems as published")
+        sub.set_defaults(func=_dapo, dataset=name)
+
 
 def _missing_dataset(parser: argparse.ArgumentParser) -> int:
     parser.print_help(sys.stderr)
@@ -51,4 +72,18 @@ def _gsm8k(args: argparse.Namespace) -> int:
     out = os.path.abspath(os.path.expanduser(args.out))
     for split, n in counts.items():
         print(f"wrote {os.path.join(out, split + '.parquet')} ({n} prompts)")
+    return 0
+
+
+def _dapo(args: argparse.Namespace) -> int:
+    from megappo.data import dapo
+    from megappo.data.errors import DataError
+
+    convert = dapo.convert_dapo_math if args.dataset == "dapo-math" else dapo.convert_aime2024
+    try:
+        path, n = convert(args.input, args.out, force=args.force, keep_duplicates=args.keep_duplicates)
+    except (DataError, FileExistsError) as e:
+        print(f"megappo data {args.dataset}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({n} prompts)")
     return 0

@@ -16,11 +16,14 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 RewardFn = Callable[[str, str, Any, "dict | None"], "float | dict"]
 
 _REGISTRY: dict[str, RewardFn] = {}
+# (prefix, fn): a data_source that starts with the prefix and has no exact entry (verl scores every "aime*" source
+# with its math_dapo rule: "aime2024", "aime_2025", ...)
+_PREFIXES: list[tuple[str, RewardFn]] = []
 
 
 class RewardFunctionError(ValueError):
@@ -64,23 +67,31 @@ def _load_builtins() -> None:
 
 
 def registered_data_sources() -> list[str]:
+    """Every registered data_source; a prefix entry is listed as "prefix*"."""
     _load_builtins()
-    return sorted(_REGISTRY)
+    return sorted([*_REGISTRY, *(f"{prefix}*" for prefix, _ in _PREFIXES)])
+
+
+def _by_prefix(data_source: str) -> Optional[RewardFn]:
+    for prefix, fn in _PREFIXES:
+        if data_source.startswith(prefix):
+            return fn
+    return None
 
 
 def get_reward_fn(data_source: str) -> RewardFn:
     """The registered reward function for `data_source`; a KeyError-like error listing the known ones otherwise."""
     if data_source not in _REGISTRY:
         _load_builtins()
-    try:
-        return _REGISTRY[data_source]
-    except KeyError:
+    fn = _REGISTRY.get(data_source) or _by_prefix(data_source)
+    if fn is None:
         raise RewardFunctionError(
             f"no reward function is registered for data_source {data_source!r} (known: "
             f"{', '.join(registered_data_sources()) or 'none'}); set custom_reward_function.path/.name to a file "
             "defining fn(data_source, solution_str, ground_truth, extra_info), or register one with "
             "megappo.rewards.register_reward"
-        ) from None
+        )
+    return fn
 
 
 def default_compute_score(
@@ -98,6 +109,21 @@ def gsm8k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_i
     from megappo.rewards import gsm8k
 
     return gsm8k.compute_score(solution_str, ground_truth)
+
+
+# verl's default_compute_score sends these sources, and every one starting with "aime", to math_dapo
+MATH_DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+MATH_DAPO_PREFIX = "aime"
+
+
+@register_reward(*MATH_DAPO_SOURCES)
+def math_dapo_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    from megappo.rewards import math_dapo
+
+    return math_dapo.compute_score(solution_str, ground_truth)
+
+
+_PREFIXES.append((MATH_DAPO_PREFIX, math_dapo_reward))
 
 
 # ---------------------------------------------------------------------------------------------------------------

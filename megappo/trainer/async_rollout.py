@@ -165,11 +165,14 @@ class _Launched:
 
 
 class FullyAsyncSource(RolloutSource):
-    def __init__(self, run: Run, state: TrainState):
+    """`window`: steps between syncs, `ahead`: batches generated beyond a window with its weights (default: from
+    async_training; one_step_off is 1 and 1)."""
+
+    def __init__(self, run: Run, state: TrainState, window: Optional[int] = None, ahead: Optional[int] = None):
         super().__init__(run, state)
         a = run.cfg.async_training
-        self.window = a.trigger_parameter_sync_step
-        self.ahead = math.floor(a.staleness_threshold * self.window)
+        self.window = a.trigger_parameter_sync_step if window is None else window
+        self.ahead = math.floor(a.staleness_threshold * self.window) if ahead is None else ahead
         self.max_staleness = (self.window - 1 + self.ahead) // self.window
         engine = run.rollout.engine
         self.producer = Producer(engine, a.partial_rollout) if engine is not None else None

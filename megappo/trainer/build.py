@@ -68,7 +68,8 @@ def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
         return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                              filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key)
 
-    train = PromptLoader(dataset(d.train_files), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    # a loader batch is a generation batch: train_batch_size prompts unless algorithm.filter_groups generates more
+    train = PromptLoader(dataset(d.train_files), d.gen_batch_size, shuffle=d.shuffle, seed=d.seed)
     val = None
     if d.val_files:
         val_set = dataset(d.val_files)

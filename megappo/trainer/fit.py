@@ -7,7 +7,7 @@ from typing import Optional
 
 from megappo.config.loader import estimator_needs
 from megappo.config.schema import MegappoConfig
-from megappo.trainer import checkpointing, phases
+from megappo.trainer import checkpointing, dynamic_sampling, phases
 from megappo.trainer.build import rollback, setup, teardown
 from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
@@ -98,13 +98,12 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
     (`RolloutWorker.skip_sync`)."""
     cfg, timer, m = run.cfg, Timer(), {}
     with timer("step"):
-        with timer("rollout"):
-            samples, rollout_metrics = source.take(step)
-            m.update(rollout_metrics)
-            m.update(phases.staleness(run, samples))
-        with timer("reward"):
-            scores, reward_metrics = (None, {}) if cfg.reward_model.enable else phases.rule_scores(run, samples)
-        exp = phases.make_experience(run, samples, scores)
+        # rollout and rule rewards; with algorithm.filter_groups, repeated until train_batch_size prompt groups
+        # whose responses differ are kept (DAPO's dynamic sampling)
+        scored = dynamic_sampling.rollout_and_score(run, source, step, timer)
+        samples, reward_metrics = scored.samples, scored.reward_metrics
+        m.update(scored.metrics)
+        exp = phases.make_experience(run, samples, scored.scores)
         if estimator_needs(cfg, "needs_greedy_baseline"):
             with timer("greedy_baseline"):
                 m.update(phases.greedy_baselines(run, samples, exp))

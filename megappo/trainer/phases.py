@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -78,11 +78,26 @@ def staleness(run: Run, samples: Samples) -> dict[str, float]:
     return out
 
 
+@dataclass
+class RuleScores:
+    """A batch's rule rewards, identical on every rank."""
+
+    scores: list[float]  # one per sample; failure_score where the function failed
+    metrics: dict[str, float]  # reward/num_failed, reward/num_timeout, reward/<extra> means
+    extras: dict[str, list[float]]  # each numeric extra the function returned, per sample (NaN where it did not)
+
+
 def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Optional[list[float]], dict[str, float]]:
     """Each sample's rule reward, scored once (global rank 0, in the scorer's workers) and sent to every rank.
 
     `watch`: count the step against reward_model.max_failure_fraction/max_failure_steps, and stop the run
     (RunStopped, on every rank) when the reward function keeps failing instead of training on failure_score."""
+    scored = score_samples(run, samples, watch=watch)
+    return scored.scores, scored.metrics
+
+
+def score_samples(run: Run, samples: Samples, *, watch: bool = True) -> RuleScores:
+    """`rule_scores` with the reward function's extras per sample (what algorithm.filter_groups may filter on)."""
     payload: list = [None]
     if dist.get_rank() == 0:
         texts = run.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
@@ -92,14 +107,15 @@ def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Opti
         if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
             print(f"megappo train: the reward function failed on {result.num_failed} of {len(items)} samples "
                   f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
-        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3])]
+        extras = {name: values.tolist() for name, values in result.extras.items()}
+        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3], extras)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
-    scores, metrics, errors = payload[0]
+    scores, metrics, errors, extras = payload[0]
     metrics.pop("reward/score_mean", None)  # reward/mean below is the same number over the step's samples
     if watch:
         _watch_reward_failures(run, metrics["reward/num_failed"] / max(len(scores), 1), errors, samples)
-    return scores, metrics
+    return RuleScores(scores, metrics, extras)
 
 
 def _watch_reward_failures(run: Run, fraction: float, errors: list[str], samples: Samples) -> None:

@@ -72,21 +72,9 @@ class RolloutWorker:
             local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset) if ids else []
         return self._gather(prompts, local)
 
-    def launch(self, prompts: PromptBatch, params: SamplingParams, prompt_offset: int = 0) -> Optional[Future]:
-        """Start this replica's share of `generate` in the background (the holders; None elsewhere): the engine
-        generates while the trainer computes. `collect` gathers the answer. Not collective."""
-        share = self.share(prompts)
-        if share is None:
-            return None
-        ids, offset = share
-        if not ids:
-            done: Future = Future()
-            done.set_result([])
-            return done
-        return self.engine.submit(ids, params, prompt_offset=prompt_offset + offset)
-
     def collect(self, prompts: PromptBatch, pending: Optional[Future]) -> Samples:
-        """`launch`'s samples, identical on every rank; collective (the holders wait for their engine)."""
+        """The samples of a batch whose holder shares (`share`) are generated in the background (`pending`: the
+        holder's future, None elsewhere), identical on every rank; collective (the holders wait for their engine)."""
         return self._gather(prompts, pending.result() if pending is not None else None)
 
     def share(self, prompts: PromptBatch) -> Optional[tuple[list[list[int]], int]]:
