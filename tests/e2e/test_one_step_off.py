@@ -70,10 +70,10 @@ def test_each_batch_is_trained_once_one_update_behind_and_the_run_repeats(tmp_pa
     rows = read_metrics(str(tmp_path / "async"))
     assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
-    # every step but the last waits for the next step's batch before the sync, and reports how much of its
-    # generation the step hid
-    assert all(0 <= r["timing/rollout_overlap"] <= 1 and r["timing/wait_for_rollout_s"] >= 0 for r in rows[:-1])
-    assert "timing/wait_for_rollout_s" not in rows[-1]
+    # every step reports how long it waited for its batch and how much of the batch's generation training hid (the
+    # first, generated for it: none)
+    assert all(0 <= r["timing/rollout_overlap"] <= 1 and r["timing/wait_for_rollout_s"] >= 0 for r in rows)
+    assert rows[0]["timing/rollout_overlap"] == 0.0
     # the samples of steps >= 2 came from the policy before the last update: rollout and old log-probs differ
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4 < rows[1]["rollout/logprob_diff_max"]
     assert rows[1]["rollout_corr/kl"] != 0.0
@@ -180,7 +180,8 @@ def test_killed_or_preempted_then_resumed_is_the_uninterrupted_run(uninterrupted
         saved = json.loads((out / "checkpoints" / f"global_step_{status['step']}" / "trainer_state.json").read_text())
         assert [len(r["response_ids"]) for r in saved["rollout_queue"]["ready"]] == [32]  # the next step's batch, generated
     assert _run(out, log) == 0, log.read_text()[-4000:]
-    assert_same_rows(metrics_so_far(uninterrupted), metrics_so_far(out))
+    # how many batches were ready when a step began depends on the engine's timing
+    assert_same_rows(metrics_so_far(uninterrupted), metrics_so_far(out), ignore=("async/queue_size",))
     a, b = _weights(uninterrupted / "hf" / "actor"), _weights(out / "hf" / "actor")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not [p for p in subprocess.run(["pgrep", "-f", "megappo.rollout.hf_process"], capture_output=True,
