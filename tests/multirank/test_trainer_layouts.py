@@ -153,3 +153,24 @@ def test_dp2_with_sampling_matches_one_rank(single_sampled, tmp_path, nproc, lay
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {step} {k}"
     # it did sample: not every response alike (greedy answers would all be right, reward/mean 1)
     assert any(0 < r["reward/mean"] < 1 for r in a[1:])
+
+
+def test_dp2_matches_dp1_with_a_sequence_level_loss(tmp_path):
+    """recipes/cpu/tiny_gspo.yaml (GSPO's sequence-level ratio, seq-mean-token-mean, sampled responses of different
+    lengths): each sequence weighs the same whichever rank and micro-batch holds it, so two data-parallel ranks with
+    one sequence per micro-batch log the one-rank run's losses (which runs whole mini-batches)."""
+    common = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+              "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64",
+              "trainer.balance_batch=false"]  # DP2 trains the one-rank run's mini-batches, in its order
+    one, two = tmp_path / "one", tmp_path / "dp2"
+    assert fit(load_config("cpu/tiny_gspo", [*common, f"trainer.default_local_dir={one}"])) == 0
+    _torchrun(2, [*common, f"trainer.default_local_dir={two}", "trainer.n_gpus_per_node=2",
+                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"], recipe="recipes/cpu/tiny_gspo.yaml")
+    a, b = read_metrics(str(one)), read_metrics(str(two))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert any(r["response/length_max"] != r["response/length_mean"] for r in a)  # lengths differ
+    for ra, rb in zip(a, b):
+        for k in ("reward/mean", "response/length_mean"):
+            assert rb[k] == ra[k], k
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {ra['step']} {k}"
