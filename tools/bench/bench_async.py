@@ -129,7 +129,8 @@ MODES: dict[str, dict] = {
 WORKLOADS: dict[str, dict] = {
     "balanced": dict(response="max", target="speedup",
                      what="generation about as long as training (lognormal lengths)"),
-    "tiny_gen": dict(response="tiny", target="overhead", what="generation negligible: the asynchronous modes' overhead"),
+    "tiny_gen": dict(response="tiny", target="overhead",
+                     what="generation negligible: the asynchronous modes' overhead"),
 }
 PHASES = ("rollout", "wait_for_rollout", "weight_sync", "reward", "ref", "old_log_prob", "values", "adv",
           "update_critic", "update_actor")
