@@ -184,7 +184,8 @@ def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
               f"is {cfg.async_training.mode} but algorithm.adv_estimator={name} scores a greedy response of the "
               "policy that sampled the step", "use async_training.mode=sync")
         _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
-              f"{name}'s greedy baselines are scored by the rule reward", "use a rule reward (reward_model.enable=false)")
+              f"{name}'s greedy baselines are scored by the rule reward",
+              "use a rule reward (reward_model.enable=false)")
 
 
 def _check_policy_loss(cfg: MegappoConfig, errors: list[str]) -> None:

@@ -2,7 +2,8 @@
 
 `generate` cuts a batch's rows (a prompt's `n` samples are `n` rows) into one contiguous share per live server and
 sends the shares in parallel. A share that fails (connection refused, timeout, an answer with the wrong number of
-rows, a row aborted by anyone but this fleet's `abort`, which partial rollouts use) goes again to another live server; every row keeps its sampling seed (the sample's seed,
+rows, a row aborted by anyone but this fleet's `abort`, which partial rollouts use) goes again to another live
+server; every row keeps its sampling seed (the sample's seed,
 `megappo.rollout.seeds.sample_seed`: the request's seed, its prompt's index in the step's batch and its sample index),
 so a retried sample is the one the failed server would have drawn, and a sample does not depend on which server,
 request or data-parallel rank draws it (with SGLang's deterministic inference). A server that fails and then does

@@ -61,5 +61,6 @@ def test_rollout_correction_values_are_checked():
     assert "rollout_rs: invalid option 'seq_max_k1'" in _errors(f"{c}.rollout_rs=seq_max_k1")
     assert f"{c}.rollout_is_threshold" in _errors(f"{c}.rollout_is=token", f"{c}.rollout_is_threshold=0_x")
     preflight(load_config("cpu/tiny_ppo", [f"{c}.rollout_is=sequence", f"{c}.rollout_is_threshold=0.5_2.0",
-                                           f"{c}.rollout_rs=seq_mean_k1,token_k3", f"{c}.rollout_rs_threshold=0.9_1.1,2"]),
+                                           f"{c}.rollout_rs=seq_mean_k1,token_k3",
+                                           f"{c}.rollout_rs_threshold=0.9_1.1,2"]),
               world_size=1)
