@@ -1,0 +1,314 @@
+"""The sandboxed Python tool against hostile code: each program gets a clear answer, the run goes on, nothing outside
+the sandbox changes, and no process is left (checked in the process table). Real processes, small limits."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from megappo.multi_turn.python_tool import PythonTool
+from megappo.multi_turn.sandbox import Limits, Sandbox, SandboxUnavailable, truncate
+
+pytestmark = pytest.mark.timeout(120)
+
+SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+UID_BASE, UID_COUNT = 1_700_000_000, 4096
+CONFIG = {"timeout_s": 2, "cpu_s": 1, "memory_mb": 512, "max_processes": 16, "max_file_mb": 8, "disk_mb": 32,
+          "max_output_chars": 2000, "max_output_bytes": 1 << 20}
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """Live processes running as a sandbox uid (the per-call uids)."""
+    found = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if UID_BASE <= p.info["uids"].real < UID_BASE + UID_COUNT and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, TypeError):
+            continue
+    return found
+
+
+def assert_nothing_left(tool: PythonTool) -> None:
+    """No sandbox-uid process, and the zygote has no child (its supervisors answered and exited)."""
+    deadline = time.monotonic() + 3.0
+    while True:
+        left = sandbox_processes()
+        zygote = psutil.Process(tool.sandbox.zygote_pid)
+        children = [c for c in zygote.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+        if not left and not children:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left running: {[(p.pid, p.cmdline()) for p in left]}, zygote's: {children}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def tool():
+    t = PythonTool(CONFIG, SCHEMA)
+    try:
+        t.start()
+    except SandboxUnavailable as e:
+        pytest.skip(f"this machine cannot isolate the code: {e}")
+    yield t
+    zygote = t.sandbox.zygote_pid
+    t.close()
+    assert not psutil.pid_exists(zygote) or psutil.Process(zygote).status() == psutil.STATUS_ZOMBIE
+    assert not sandbox_processes()
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file outside the sandbox in a world-writable place (so only the read-only mount stops the code), and a
+    directory in the repository; both must be unchanged after the call."""
+    d = f"/var/tmp/megappo-sbx-test-{uuid.uuid4().hex[:8]}"
+    os.makedirs(d)
+    os.chmod(d, 0o777)
+    marker = os.path.join(d, "marker.txt")
+    with open(marker, "w") as f:
+        f.write("untouched")
+    os.chmod(marker, 0o666)
+    yield marker
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def run(tool: PythonTool, code: str):
+    t0 = time.monotonic()
+    res = tool.execute("traj-0", {"code": code})
+    return res, time.monotonic() - t0
+
+
+def test_normal_code_runs_and_is_fast(tool):
+    res, took = run(tool, "import math\nprint(math.factorial(10))\nprint(sum(range(5)))")
+    assert res.text == "3628800\n10\n"
+    assert res.metrics["error"] == 0 and res.metrics["timeout"] == 0 and res.metrics["exit_code"] == 0
+    assert took < 2.0, took  # ~10-40 ms on an idle machine; generous for a loaded 2-core CI box
+    res, _ = run(tool, "import numpy as np\nprint(int(np.arange(10).sum()))")  # the venv's packages are there
+    assert res.text == "45\n", res.text
+    assert_nothing_left(tool)
+
+
+def test_exception_is_an_answer(tool):
+    res, _ = run(tool, "print('before')\n1/0")
+    assert res.text.startswith("before\nstderr:\nTraceback") and "ZeroDivisionError" in res.text
+    assert "_zygote" not in res.text  # the traceback starts at the code
+    assert res.text.rstrip().endswith("Exit code 1.") and res.metrics["error"] == 1
+
+
+def test_bad_arguments(tool):
+    res = tool.execute("traj-0", {"cod": "print(1)"})
+    assert 'needs a string argument "code"' in res.text and res.metrics["error"] == 1
+    res = tool.execute("traj-0", {"code": 3})
+    assert 'needs a string argument "code"' in res.text
+
+
+def test_socket_has_no_network(tool):
+    code = ("import socket\n"
+            "for host in ('1.1.1.1', '127.0.0.1'):\n"
+            "    try:\n"
+            "        socket.create_connection((host, 80), timeout=1)\n"
+            "        print(host, 'CONNECTED')\n"
+            "    except OSError as e:\n"
+            "        print(host, 'refused:', e)\n"
+            "print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))\n")
+    res, took = run(tool, code)
+    assert "CONNECTED" not in res.text, res.text
+    assert "1.1.1.1 refused: [Errno 101] Network is unreachable" in res.text, res.text
+    assert "['lo']" in res.text  # the namespace's only interface, and it is down
+    assert took < 2.0
+    assert_nothing_left(tool)
+
+
+def test_writes_outside_its_directory_change_nothing(tool, outside):
+    repo_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"sbx-{os.getpid()}.txt")
+    targets = [outside, os.path.join(os.path.dirname(outside), "new.txt"), "/etc/megappo-sbx-test", repo_file,
+               "/dev/shm/../megappo", "/root/x"]
+    code = (f"import os\nfor path in {targets!r}:\n"
+            "    try:\n"
+            "        with open(path, 'w') as f: f.write('CHANGED')\n"
+            "        print(path, 'WRITTEN')\n"
+            "    except OSError as e:\n"
+            "        print(path, 'refused:', e.strerror)\n"
+            f"for act in (lambda: os.remove({outside!r}), lambda: os.chmod({outside!r}, 0)):\n"
+            "    try:\n"
+            "        act(); print('CHANGED')\n"
+            "    except OSError as e:\n"
+            "        print('refused:', e.strerror)\n"
+            "open('mine.txt', 'w').write('ok'); print('own dir', os.getcwd(), os.listdir('.'))\n")
+    res, _ = run(tool, code)
+    assert "WRITTEN" not in res.text and "CHANGED" not in res.text, res.text
+    assert "Read-only file system" in res.text
+    assert "own dir /tmp/work ['mine.txt']" in res.text
+    with open(outside) as f:
+        assert f.read() == "untouched"
+    assert stat.S_IMODE(os.stat(outside).st_mode) == 0o666
+    assert not os.path.exists(targets[1]) and not os.path.exists("/etc/megappo-sbx-test")
+    assert not os.path.exists(repo_file)
+    assert_nothing_left(tool)
+
+
+def test_each_call_gets_a_fresh_directory(tool):
+    before = set(os.listdir("/tmp"))
+    res, _ = run(tool, "import os\nopen('a.txt', 'w').write('x' * 100)\nos.mkdir('d')\nprint(os.listdir('.'))")
+    assert "a.txt" in res.text
+    res, _ = run(tool, "import os, tempfile\nprint(os.listdir('.'), os.environ['HOME'], tempfile.gettempdir())")
+    assert res.text == "[] /tmp/work /tmp/work\n", res.text
+    assert set(os.listdir("/tmp")) - before == set()  # nothing of it on the machine's /tmp
+
+
+def test_file_size_and_disk_limits(tool):
+    res, _ = run(tool, "f = open('big', 'wb')\nf.write(b'x' * (20 << 20))")  # max_file_mb 8
+    assert "File too large" in res.text, res.text
+
+
+def test_fork_bomb_of_a_hundred(tool):
+    code = ("import os, time\nn = 0\n"
+            "try:\n"
+            "    for _ in range(100):\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(60)\n"
+            "            os._exit(0)\n"
+            "        n += 1\n"
+            "finally:\n"
+            "    print('forked', n, flush=True)\n")
+    res, took = run(tool, code)
+    assert "forked 15" in res.text, res.text  # max_processes 16, the code's own process included
+    assert "BlockingIOError" in res.text and "Resource temporarily unavailable" in res.text
+    assert took < 2.5  # the call ends with its main process; its sleeping children are killed
+    assert_nothing_left(tool)
+
+
+def test_allocating_10_gb(tool):
+    res, took = run(tool, "x = bytearray(10 * 1024 ** 3)\nprint('ALLOCATED')")
+    assert "ALLOCATED" not in res.text
+    assert "MemoryError" in res.text and "out of memory (limit 512 MB)" in res.text, res.text
+    assert took < 2.0
+    assert_nothing_left(tool)
+
+
+def test_loop_forever(tool):
+    res, took = run(tool, "print('start', flush=True)\nwhile True:\n    pass")
+    # cpu_s 1 < timeout_s 2: the CPU limit, unless a loaded machine gave it less than a CPU second in 2 s
+    assert res.text.startswith("start\n"), res.text
+    assert ("CPU time limit exceeded (1 s)" in res.text) or ("timed out after 2 s" in res.text), res.text
+    assert res.metrics["error"] == 1 and took < 4.0
+    assert_nothing_left(tool)
+
+
+def test_sleep_forever(tool):
+    res, took = run(tool, "import time\nprint('zz', flush=True)\ntime.sleep(10 ** 6)")
+    assert res.text == "zz\nError: timed out after 2 s (the wall-time limit); the program was killed.", res.text
+    assert res.metrics["timeout"] == 1
+    assert 2.0 <= took < 4.0
+    assert_nothing_left(tool)
+
+
+def test_print_100_mb(tool):
+    res, took = run(tool, "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\nprint('END')")
+    assert "output limit exceeded" in res.text and "the program was killed" in res.text, res.text[-300:]
+    assert len(res.text) < CONFIG["max_output_chars"] + 300
+    assert res.metrics["output_truncated"] == 1
+    assert took < 2.0  # stopped at the 1 MB cap, not at the timeout
+    rss = psutil.Process().memory_info().rss
+    assert rss < 2 << 30  # (the caller never held the 100 MB)
+    assert_nothing_left(tool)
+
+
+def test_escaped_and_hidden_processes_are_swept(tool):
+    """A grandchild that leaves the session (setsid) and makes itself non-dumpable still goes with the call."""
+    code = ("import os, time, ctypes\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            "        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: /proc/<pid> owned by root\n"
+            "        os.close(1); os.close(2)\n"
+            "        time.sleep(60)\n"
+            "    os._exit(0)\n"
+            "time.sleep(0.2)\nprint('parent done')\n")
+    res, _ = run(tool, code)
+    assert res.text == "parent done\n", res.text
+    assert_nothing_left(tool)
+
+
+def test_the_run_goes_on_after_all_that(tool):
+    res, _ = run(tool, "print('still here')")
+    assert res.text == "still here\n"
+
+
+def test_truncate_sides_match_verl():
+    text = "abcdefghij"
+    assert truncate(text, 4, "left") == "(truncated)...ghij"
+    assert truncate(text, 4, "right") == "abcd...(truncated)"
+    assert truncate(text, 4, "middle") == "ab...(truncated)...ij"
+    assert truncate(text, 10, "middle") == text and truncate(text, 0, "left") == text
+    with pytest.raises(ValueError, match="left, right or middle"):
+        truncate(text, 4, "top")
+
+
+def test_long_output_is_cut_in_the_middle(tool):
+    res, _ = run(tool, "for i in range(5000):\n    print(i)")
+    assert res.text.startswith("0\n1\n2\n") and res.text.endswith("4998\n4999\n")
+    assert "...(truncated)..." in res.text and len(res.text) <= CONFIG["max_output_chars"] + 20
+
+
+def test_close_kills_calls_in_flight():
+    import threading
+
+    t = PythonTool({"timeout_s": 30}, SCHEMA).start()
+    out = []
+    th = threading.Thread(target=lambda: out.append(t.execute("x", {"code": "import time\ntime.sleep(600)"})))
+    th.start()
+    deadline = time.monotonic() + 10
+    while not sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes(), "the call never started"
+    zygote = t.sandbox.zygote_pid
+    t.close()
+    th.join(timeout=15)
+    assert not th.is_alive() and out and "failed" in out[0].text, out
+    assert not psutil.pid_exists(zygote) or psutil.Process(zygote).status() == psutil.STATUS_ZOMBIE
+    assert not sandbox_processes()
+
+
+def _unprivileged_python(tmp_path) -> str:
+    """A `python` that runs the system's Python 3 as nobody: a machine where no namespace can be made."""
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to play an unprivileged machine")
+    wrapper = tmp_path / "python-as-nobody"
+    wrapper.write_text("#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_refuses_where_it_cannot_isolate(tmp_path):
+    python = _unprivileged_python(tmp_path)
+    with pytest.raises(SandboxUnavailable) as e:
+        Sandbox(Limits(timeout_s=2), python=python).start()
+    msg = str(e.value)
+    assert "refusing to start the Python sandbox" in msg and "allow_network_unsandboxed" in msg
+    assert "allow_filesystem_unsandboxed" in msg and "unshare" in msg, msg
+    # accepted: limits and a temporary directory only, removed afterwards
+    with Sandbox(Limits(timeout_s=2, max_processes=64), python=python, allow_network_unsandboxed=True,
+                 allow_filesystem_unsandboxed=True) as sb:
+        assert sb.state["net"] is False and sb.state["fs"] is False
+        res = sb.run("import os\nprint(os.getcwd())\nprint(sum(range(4)))")
+        assert res.exit_code == 0 and res.stdout.endswith("\n6\n"), res
+        assert not os.path.exists(res.stdout.splitlines()[0])
+        res = sb.run("import time\ntime.sleep(100)")
+        assert res.timed_out
+
+
+def test_unknown_config_key():
+    with pytest.raises(ValueError, match="unknown keys \\['timeout'\\]"):
+        PythonTool({"timeout": 3}, SCHEMA)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
