@@ -10,9 +10,10 @@ Backends:
   is answered with a timeout ToolResult; a custom tool that hangs in Python code keeps its thread until it
   returns (a thread cannot be killed), which `stuck_calls` counts.
 - "ray": `max_workers` Ray actors, each with its own copy of the tools (pickled; the Python tool's sandbox
-  starts again in the actor). An instance's calls go to one actor (its state stays there). A call past its
-  deadline has its actor killed (its sandbox and every call in it go with it: the sandbox dies with its parent)
-  and a fresh actor takes its place. A Ray started here is shut down by `close()`.
+  starts again in the actor). An instance's calls go to one actor (its state stays there); an actor runs up to
+  16 calls at once. A call past its deadline has its actor killed (its sandbox and every call in it go with it:
+  the sandbox dies with its parent) and a fresh actor takes its place; the other calls that actor was running
+  are run once more on the fresh one. A Ray started here is shut down by `close()`.
 
 `close()` ends every call in flight: the tools' `close()` (the Python tool's sandbox kills what it runs) and the
 Ray actors. No process is left.
@@ -29,7 +30,8 @@ from typing import Any, Literal, Optional
 from megappo.multi_turn.tools import BaseTool, ToolResult
 
 _DEFAULT_TIMEOUT_S = 30.0
-_GRACE_S = 5.0  # past a tool's own timeout_s: its kill, clean-up and answer
+_GRACE_S = 5.0
+_ACTOR_CONCURRENCY = 16  # calls at once on one Ray actor  # past a tool's own timeout_s: its kill, clean-up and answer
 
 
 def timeout_result(name: str, seconds: float) -> ToolResult:
@@ -194,10 +196,14 @@ class _RayActors:
                         if h is not None and signal.getsignal(sig) is not h:
                             signal.signal(sig, h)
         self._tools_ref = ray.put(tools)
+        # max_concurrency: an actor hosts several instances; their calls (threads waiting on sandboxes) run at once
         self._cls = ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(_ToolHost)
         self._lock = threading.Lock()
-        self._actors = [self._cls.remote(self._tools_ref) for _ in range(n)]
+        self._actors = [self._new_actor() for _ in range(n)]
         ray.get([a.ping.remote() for a in self._actors])  # started before the first deadline counts
+
+    def _new_actor(self) -> Any:
+        return self._cls.options(max_concurrency=_ACTOR_CONCURRENCY).remote(self._tools_ref)
 
     def _slot(self, instance_id: str) -> int:
         return zlib.crc32(str(instance_id).encode()) % len(self._actors)
@@ -205,25 +211,40 @@ class _RayActors:
     def call(self, name: str, method: str, instance_id: str, args: tuple, kwargs: dict, timeout_s: float) -> Any:
         import ray
 
+        deadline = time.monotonic() + timeout_s
         k = self._slot(instance_id)
+        for attempt in range(2):
+            with self._lock:
+                actor = self._actors[k]
+            ref = actor.call.remote(name, method, instance_id, args, kwargs)
+            try:
+                return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except ray.exceptions.GetTimeoutError:
+                self._replace(k, actor)  # the actor, its sandbox and what runs there go
+                if method == "execute":
+                    return timeout_result(name, timeout_s)
+                raise TimeoutError(f"tool {name}.{method} did not answer within {timeout_s:g} s") from None
+            except ray.exceptions.RayActorError as e:
+                # killed for another call's timeout (the slot has a new actor): this call runs again there, once;
+                # died by itself: replaced, and the call's answer says so
+                if not self._replace(k, actor) and attempt == 0:
+                    continue
+                if method == "execute":
+                    return ToolResult(text=f"Error: the tool {name}'s worker died: {e}"[:2000],
+                                      metrics={"error": 1.0, "sandbox_error": 1.0})
+                raise
+        raise AssertionError("unreachable")
+
+    def _replace(self, k: int, actor: Any) -> bool:
+        """Kill `actor` and put a fresh one in slot k; False where another call already did."""
+        import ray
+
         with self._lock:
-            actor = self._actors[k]
-        ref = actor.call.remote(name, method, instance_id, args, kwargs)
-        try:
-            return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            with self._lock:  # the actor, its sandbox and what runs there go; the slot gets a fresh one
-                if self._actors[k] is actor:
-                    ray.kill(actor, no_restart=True)
-                    self._actors[k] = self._cls.remote(self._tools_ref)
-            if method == "execute":
-                return timeout_result(name, timeout_s)
-            raise TimeoutError(f"tool {name}.{method} did not answer within {timeout_s:g} s") from None
-        except ray.exceptions.RayActorError as e:
-            if method == "execute":
-                return ToolResult(text=f"Error: the tool {name}'s worker died: {e}"[:2000],
-                                  metrics={"error": 1.0, "sandbox_error": 1.0})
-            raise
+            if self._actors[k] is not actor:
+                return False
+            ray.kill(actor, no_restart=True)
+            self._actors[k] = self._new_actor()
+            return True
 
     def close(self) -> None:
         import ray
