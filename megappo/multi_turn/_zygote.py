@@ -310,69 +310,82 @@ def _supervise(req: dict, uid: int, state: dict, result_fd: int) -> dict:
     timed_out = output_limited = False
     status = None
     open_fds = [out_r, err_r]
+    # The runner's exit ends the call even where a child of it still holds the pipes open: a pidfd (Linux 5.3)
+    # turns readable at the exit, so nothing polls; without one, a 10 ms poll of waitpid.
+    try:
+        pidfd = os.pidfd_open(runner)
+    except (AttributeError, OSError):
+        pidfd = None
     while True:
         now = time.monotonic()
         if now >= deadline:
             timed_out = True
             break
-        if open_fds:
-            # a short wait: the code's exit ends the call even where a child of it still holds the pipes open
-            ready, _, _ = select.select(open_fds, [], [], min(deadline - now, 0.02))
-            for fd in ready:
-                data = os.read(fd, 1 << 16)
-                if data:
-                    caps[fd].add(data)
-                else:
-                    open_fds.remove(fd)
-            if sum(c.total for c in caps.values()) > lim["max_output_bytes"]:
-                output_limited = True
-                break
-        pid, st = os.waitpid(runner, os.WNOHANG)
-        if pid:
-            status = st
-            _drain(open_fds, caps)
+        wait = deadline - now if pidfd is not None else min(deadline - now, 0.01)
+        ready, _, _ = select.select(open_fds + ([pidfd] if pidfd is not None else []), [], [], wait)
+        for fd in ready:
+            if fd == pidfd:
+                continue
+            data = os.read(fd, 1 << 16)
+            if data:
+                caps[fd].add(data)
+            else:
+                open_fds.remove(fd)
+        if sum(c.total for c in caps.values()) > lim["max_output_bytes"]:
+            output_limited = True
             break
-        if not open_fds:  # it closed both and lives on
-            time.sleep(min(0.005, max(deadline - time.monotonic(), 0)))
+        if pidfd is None or pidfd in ready:
+            pid, st = os.waitpid(runner, os.WNOHANG)
+            if pid:
+                status = st
+                _drain(open_fds, caps)
+                break
+    if pidfd is not None:
+        os.close(pidfd)
     run_s = time.monotonic() - t_run
-    t_clean = time.monotonic()
-    try:
+    try:  # the session at once; what escaped it goes in the sweep, after the answer
         os.killpg(runner, signal.SIGKILL)
     except ProcessLookupError:
         pass
     if status is None:
         _, status = os.waitpid(runner, 0)
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if state["fs"]:
-        _sweep(uid)
-    else:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
-    _reap_all()
     return {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
             "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
             "timed_out": timed_out, "output_limited": output_limited,
             "stdout": caps[out_r].text(), "stderr": caps[err_r].text(),
             "stdout_bytes": caps[out_r].total, "stderr_bytes": caps[err_r].total,
-            "cpu_s": cpu.ru_utime + cpu.ru_stime, "run_s": run_s, "setup_s": setup_s,
-            "cleanup_s": time.monotonic() - t_clean}
+            "cpu_s": cpu.ru_utime + cpu.ru_stime, "run_s": run_s, "setup_s": setup_s}, workdir
+
+
+def _clean_up(uid: int, state: dict, workdir: str | None) -> None:
+    """Every process of the call's uid killed and reaped, the working directory gone (the tmpfs goes with this
+    mount namespace's last process). Runs after the answer: it is off the caller's round trip, and the zygote
+    gives the uid to no other call until this supervisor has exited."""
+    if state["fs"]:
+        _sweep(uid)
+    elif workdir:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    _reap_all()
 
 
 def _supervisor_main(req: dict, uid: int, state: dict, result_fd: int) -> None:
     os.setsid()  # away from the zygote's group: the trainer's Ctrl-C is the zygote's business
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+    workdir = None
     try:
-        res = _supervise(req, uid, state, result_fd)
+        res, workdir = _supervise(req, uid, state, result_fd)
     except BaseException as e:
         res = {"error": f"sandbox supervisor: {type(e).__name__}: {e}"}
-        if state["fs"]:
-            _sweep(uid)
     try:
         os.write(result_fd, json.dumps(res).encode())
+        os.close(result_fd)
     except OSError:
         pass  # the caller gave up on this call
+    _clean_up(uid, state, workdir)
     os._exit(0)
 
 
@@ -418,6 +431,13 @@ def main() -> None:
         os._exit(0)
     state = _isolate(bool(net), bool(fs), hidden)
     print(json.dumps(state), flush=True)
+    # Each fork copies what it touches (copy-on-write): the collector walking every object of the zygote in each
+    # child would touch it all. Frozen objects are never walked; what the runner needs is imported once here.
+    import traceback  # noqa: F401  (a failing call's traceback)
+    import types  # noqa: F401
+    import gc
+
+    gc.freeze()
     ctrl = socket.socket(fileno=ctrl_fd)
     while True:
         _reap_supervisors()

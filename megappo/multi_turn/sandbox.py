@@ -11,7 +11,8 @@ What holds, per call (the zygote `_zygote.py` does the work; its docstring says 
   (RLIMIT_FSIZE: EFBIG), open files (RLIMIT_NOFILE), no core files;
 - wall time: the code leads a session of its own; at the deadline (or at exit, or past the output cap) the
   session is SIGKILLed and then every process still running as the call's uid (a setsid()-escaped one too);
-  the supervisor is their subreaper and reaps them, so no process outlives its call;
+  the supervisor is their subreaper and reaps them, so no process outlives its call (the sweep runs just after
+  the answer, off the round trip; the uid goes to no other call before it is done);
 - no network: a network namespace with no interface (its loopback is down too, and the code has no
   capability to raise it);
 - file system: a mount namespace in which every mount is read-only, and the code runs as an unprivileged uid
@@ -86,7 +87,6 @@ class RunResult:
     cpu_s: float = 0.0
     run_s: float = 0.0  # from the runner's fork to its end
     setup_s: float = 0.0  # supervisor's share before the code runs (mount namespace, tmpfs, pipes)
-    cleanup_s: float = 0.0  # kill, sweep and reap
     latency_s: float = 0.0  # the caller's round trip
     error: Optional[str] = None  # the sandbox itself failed (not the code)
     extra: dict = field(default_factory=dict)
