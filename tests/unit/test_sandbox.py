@@ -300,7 +300,10 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
         assert sb.state["net"] is False and sb.state["fs"] is False
         res = sb.run("import os\nprint(os.getcwd())\nprint(sum(range(4)))")
         assert res.exit_code == 0 and res.stdout.endswith("\n6\n"), res
-        assert not os.path.exists(res.stdout.splitlines()[0])
+        workdir, deadline = res.stdout.splitlines()[0], time.monotonic() + 3
+        while os.path.exists(workdir) and time.monotonic() < deadline:  # removed just after the answer
+            time.sleep(0.02)
+        assert not os.path.exists(workdir)
         res = sb.run("import time\ntime.sleep(100)")
         assert res.timed_out
 
@@ -312,3 +315,35 @@ def test_unknown_config_key():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_sandbox_dies_with_its_trainer(tmp_path):
+    """The trainer SIGKILLed mid-call: the zygote sees its parent gone and kills the call and its processes."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys, threading\n"
+        "from megappo.multi_turn.python_tool import PythonTool\n"
+        f"t = PythonTool({{'timeout_s': 60}}, {SCHEMA!r}).start()\n"
+        "print(t.sandbox.zygote_pid, flush=True)\n"
+        "t.execute('x', {'code': 'import os, time\\nos.fork()\\ntime.sleep(600)'})\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        zygote = int(proc.stdout.readline())
+        deadline = time.monotonic() + 20
+        while len(sandbox_processes()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(sandbox_processes()) == 2, "the call and its child never ran"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while (sandbox_processes() or psutil.pid_exists(zygote)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sandbox_processes() and not psutil.pid_exists(zygote)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
