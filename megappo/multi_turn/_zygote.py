@@ -14,13 +14,15 @@ call, carrying the write end of a per-call result socket (SCM_RIGHTS).
 Per call, a supervisor (forked, root in the sandbox's namespaces):
 - enters a mount namespace of its own with a fresh tmpfs on /tmp (size-limited, gone with the call: the working
   directory /tmp/work, also HOME and TMPDIR) and /dev/shm bound into it,
-- forks the runner, which leads a new session, sets the rlimits, drops to an unprivileged uid of its own for this
-  call (no capabilities, so nothing read-only can be made writable again; RLIMIT_NPROC counts only this call's
-  processes, which it cannot do for root), and exec()s the code in the forked interpreter,
+- forks the runner, which leads a new session, sets the rlimits, drops its capabilities (root mode: an
+  unprivileged uid of its own for this call, so RLIMIT_NPROC counts only this call's processes, which it cannot
+  do for root; userns mode: a nested user namespace, and the runner is the first process of a PID namespace),
+  so nothing read-only can be made writable again, and exec()s the code in the forked interpreter,
 - reads stdout and stderr as they come, keeping the head and tail only (the rest is counted, never stored), until
   EOF and exit, the wall deadline, or the output cap,
-- then kills the session with SIGKILL and sweeps every process left with the call's uid (a setsid()-escaped
-  grandchild too: kill(-1) from that uid), reaping them as their subreaper, and answers with one JSON message.
+- then kills the session with SIGKILL, answers with one JSON message, and (root mode) sweeps every process left
+  with the call's uid (a setsid()-escaped grandchild too: kill(-1) from that uid), reaping them as their
+  subreaper; in userns mode the kernel has killed them with the PID namespace's first process.
 """
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ import time
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
-_MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+# kept through a bind remount: dropping them is refused (always for a mount locked by a user namespace)
+_MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
+                "relatime": 1 << 21, "strictatime": 1 << 24}
 
 libc = ctypes.CDLL(None, use_errno=True)
 _live: dict[int, int] = {}  # supervisor pid -> the uid of its call
@@ -57,23 +62,29 @@ def _mount(src, target, fstype, flags, data=None) -> None:
     _check(libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
-def _make_readonly() -> None:
-    """Every mount of this (new) namespace private and read-only. A bind remount keeps a mount's nosuid/nodev/noexec
-    (dropping them is refused), so read them from mountinfo."""
+def _make_readonly() -> list[str]:
+    """Every mount of this (new) namespace private and read-only; returns the mount points still writable. A bind
+    remount keeps a mount's per-mount flags (nosuid/nodev/noexec and atime), read from mountinfo: dropping them
+    is refused."""
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
-    with open("/proc/self/mountinfo") as f:
-        mounts = [(line.split()[4], line.split()[5]) for line in f]
-    for target, opts in sorted(mounts, key=lambda m: m[0].count("/")):
-        target = target.encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
+    for target, opts in sorted(_mounts(), key=lambda m: m[0].count("/")):
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for opt in opts.split(","):
             flags |= _MOUNT_FLAGS.get(opt, 0)
         try:
             _mount(None, target, None, flags)
         except OSError:
-            if target == "/":
-                raise
-            # a mount hidden under another one (or gone) cannot be reached; what can be reached was remounted
+            pass  # a mount hidden under another one cannot be reached (nor written); the check below says
+    top = dict(_mounts())  # a path's last mount is the one reached there; those under it are hidden
+    return [target for target, opts in top.items() if "rw" in opts.split(",")]
+
+
+def _mounts() -> list[tuple[str, str]]:
+    """(mount point, per-mount options) of this mount namespace."""
+    with open("/proc/self/mountinfo") as f:
+        rows = [line.split() for line in f]
+    # mountinfo escapes spaces and the like as \040
+    return [(r[4].encode().decode("unicode_escape"), r[5]) for r in rows]
 
 
 def _hide(hidden: list[str]) -> None:
@@ -100,25 +111,45 @@ def _hide(hidden: list[str]) -> None:
 
 
 def _isolate(net: bool, fs: bool, hidden: list[str]) -> dict:
-    """Leave the network and the writable mounts; say what held (and why not)."""
-    state = {"net": False, "fs": False, "root": os.geteuid() == 0, "why": []}
+    """Leave the network and the writable mounts; say what held (and why not).
+
+    As root ("root" mode) the namespaces are made directly and each call runs as an unprivileged uid of its own.
+    Otherwise ("userns" mode) they are made inside a user namespace in which this process is root (the user's own
+    uid mapped to 0): each call's runner enters a nested user namespace, which leaves it no capability over these
+    mounts, and a PID namespace of its own, which the kernel empties when the runner ends."""
+    state = {"net": False, "fs": False, "mode": None, "root": os.geteuid() == 0, "why": []}
+    uid, gid = os.geteuid(), os.getegid()
     flags = (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if fs else 0)
+    if flags and not state["root"]:
+        flags |= CLONE_NEWUSER
     if flags and libc.unshare(flags) != 0:
         err = ctypes.get_errno()
-        state["why"].append(f"unshare(CLONE_NEWNET|CLONE_NEWNS) failed: {os.strerror(err)} (euid {os.geteuid()}; "
-                            "needs CAP_SYS_ADMIN, e.g. root outside a locked-down container)")
+        what = "unshare(CLONE_NEWNET|CLONE_NEWNS" + ("" if state["root"] else "|CLONE_NEWUSER") + ")"
+        hint = ("needs CAP_SYS_ADMIN: a container started without it, or seccomp, refuses it" if state["root"] else
+                "needs unprivileged user namespaces (kernel.unprivileged_userns_clone=1, user.max_user_namespaces>0,"
+                " no AppArmor restriction), or root")
+        state["why"].append(f"{what} failed: {os.strerror(err)} (euid {uid}; {hint})")
         return state
+    if flags & CLONE_NEWUSER:
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError as e:
+            state["why"].append(f"user namespace map failed: {e}")
+            return state
     state["net"] = net
     if fs:
-        if not state["root"]:
-            state["why"].append("not root: cannot give each call an unprivileged uid of its own")
-        else:
-            try:
-                _hide(hidden)
-                _make_readonly()
+        try:
+            _hide(hidden)
+            writable = _make_readonly()
+            if writable:
+                state["why"].append(f"mounts still writable after the read-only remount: {writable[:5]}")
+            else:
                 state["fs"] = True
-            except OSError as e:
-                state["why"].append(f"read-only remount of the file system failed: {e}")
+                state["mode"] = "root" if state["root"] else "userns"
+        except OSError as e:
+            state["why"].append(f"read-only remount of the file system failed: {e}")
     return state
 
 
@@ -132,7 +163,7 @@ def _set_limits(lim: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
 
 
-def _run_code(req: dict, uid: int, out_w: int, err_w: int, workdir: str) -> None:
+def _run_code(req: dict, uid: int, mode: str | None, out_w: int, err_w: int, workdir: str) -> None:
     """The runner, in the forked child: never returns."""
     try:
         os.setsid()
@@ -141,8 +172,11 @@ def _run_code(req: dict, uid: int, out_w: int, err_w: int, workdir: str) -> None
             os.dup2(src, dst)
         os.closerange(3, 1 << 16)
         os.chdir(workdir)
+        if mode == "userns":  # a nested user namespace owns none of the mounts: no remount. Before the limits:
+            # RLIMIT_NPROC then counts this namespace's processes alone (5.14+), not the user's (see sandbox.py)
+            _check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
         _set_limits(req["limits"])
-        if uid >= 0:  # drops every capability: nothing can be remounted, no uid changed back
+        if mode == "root":  # drops every capability: nothing can be remounted, no uid changed back
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
@@ -279,12 +313,14 @@ def _supervise(req: dict, uid: int, state: dict, result_fd: int) -> dict:
     lim = req["limits"]
     t0 = time.monotonic()
     if state["fs"]:
-        _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        # userns: the runner is the first process of a PID namespace; its end (exit or kill) kills the rest
+        _check(libc.unshare(CLONE_NEWNS | (CLONE_NEWPID if state["mode"] == "userns" else 0)), "unshare")
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={lim['disk_mb']}m,mode=0755")
         workdir = "/tmp/work"
         for d in (workdir, "/tmp/.shm"):
             os.mkdir(d, 0o700)
-            os.chown(d, uid, uid)
+            if uid >= 0:
+                os.chown(d, uid, uid)
         if os.path.isdir("/dev/shm"):
             _mount("/tmp/.shm", "/dev/shm", None, MS_BIND)
     else:
@@ -300,7 +336,7 @@ def _supervise(req: dict, uid: int, state: dict, result_fd: int) -> dict:
         os.close(out_r)
         os.close(err_r)
         os.close(result_fd)
-        _run_code(req, uid if state["fs"] else -1, out_w, err_w, workdir)
+        _run_code(req, uid, state["mode"], out_w, err_w, workdir)
     t_run = time.monotonic()
     os.close(out_w)
     os.close(err_w)
@@ -362,9 +398,9 @@ def _clean_up(uid: int, state: dict, workdir: str | None) -> None:
     """Every process of the call's uid killed and reaped, the working directory gone (the tmpfs goes with this
     mount namespace's last process). Runs after the answer: it is off the caller's round trip, and the zygote
     gives the uid to no other call until this supervisor has exited."""
-    if state["fs"]:
+    if uid >= 0:
         _sweep(uid)
-    elif workdir:
+    elif workdir and not state["fs"]:
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
@@ -454,7 +490,7 @@ def main() -> None:
             _stop()
         req = json.loads(msg)
         uid = -1
-        if state["fs"]:
+        if state["mode"] == "root":
             in_use = set(_live.values())
             while True:  # a uid no call in flight has: RLIMIT_NPROC and the sweep count on it
                 uid = uid_base + _uid_next % uid_count

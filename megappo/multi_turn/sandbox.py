@@ -3,36 +3,56 @@
 `Sandbox(limits).run(code)` runs `code` in a process of its own and returns a `RunResult` (output, exit, what
 limit it hit). Thread-safe: calls from several threads run at once, each in its own process.
 
-What holds, per call (the zygote `_zygote.py` does the work; its docstring says how):
+What holds, per call (the zygote `_zygote.py` does the work; its docstring says how). Two modes, picked by the
+zygote's euid; `Sandbox.state["mode"]` says which held:
 
-- CPU time (RLIMIT_CPU: SIGXCPU, SIGKILL a second later), address space (RLIMIT_AS: Python's MemoryError),
-  processes (RLIMIT_NPROC, which counts the processes of a *uid*, and root ignores it: so each call runs as an
-  unprivileged uid of its own, `uid_base + k`, and the limit counts exactly that call's processes), file size
-  (RLIMIT_FSIZE: EFBIG), open files (RLIMIT_NOFILE), no core files;
-- wall time: the code leads a session of its own; at the deadline (or at exit, or past the output cap) the
-  session is SIGKILLed and then every process still running as the call's uid (a setsid()-escaped one too);
-  the supervisor is their subreaper and reaps them, so no process outlives its call (the sweep runs just after
-  the answer, off the round trip; the uid goes to no other call before it is done);
-- no network: a network namespace with no interface (its loopback is down too, and the code has no
+- "root" (euid 0): the namespaces are made directly, and each call runs as an unprivileged uid of its own
+  (`uid_base + k`), without capabilities;
+- "userns" (any other user, where unprivileged user namespaces are allowed): the namespaces are made inside a user
+  namespace in which the zygote is root (the user's uid mapped to 0); each call's runner enters a nested user
+  namespace (it owns none of the mounts, so it can remount nothing: the read-only flags are locked) and is the
+  first process of a PID namespace of its own.
+
+The limits and isolation:
+
+- CPU time (RLIMIT_CPU: SIGXCPU, SIGKILL a second later), address space per process (RLIMIT_AS: Python's
+  MemoryError), file size (RLIMIT_FSIZE: EFBIG), open files (RLIMIT_NOFILE), no core files;
+- processes (`max_processes`, threads included): RLIMIT_NPROC counts the processes of a uid, and root (with
+  CAP_SYS_RESOURCE) ignores it. Measured here: as root, 100 forks all succeed under RLIMIT_NPROC 16. So in "root"
+  mode each call has a uid of its own and the limit counts exactly that call's processes; in "userns" mode the
+  kernel (5.14+) counts a uid's processes per user namespace, and the runner sets the limit after entering its
+  nested one, so it counts that call's processes alone, concurrent calls apart (the test checks both);
+- wall time: the code leads a session of its own; at the deadline (or at its exit, or past the output cap) the
+  session is SIGKILLed, and every other process of the call too, a setsid()-escaped one included: in "root"
+  mode every process still running as the call's uid (kill(-1) from that uid; the supervisor is their subreaper
+  and reaps them; this sweep runs just after the answer, off the round trip, and the uid goes to no other call
+  before it is done), in "userns" mode the kernel, which kills a PID namespace's processes when its first ends;
+- no network: a network namespace with no usable interface (its loopback is down, and the code has no
   capability to raise it);
-- file system: a mount namespace in which every mount is read-only, and the code runs as an unprivileged uid
-  without capabilities, so it cannot remount anything; a fresh tmpfs on /tmp per call (`disk_mb`) holds the working
-  directory /tmp/work (also HOME and TMPDIR) and /dev/shm, and vanishes with the call; the machine's /tmp is not
-  visible. The rest of the file system stays readable as an unprivileged user sees it;
+- file system: a mount namespace in which every mount is read-only (checked: the sandbox refuses to start if a
+  reachable mount stayed writable); a fresh tmpfs on /tmp per call (`disk_mb`) holds the working directory
+  /tmp/work (also HOME and TMPDIR) and /dev/shm, and vanishes with the call; the machine's /tmp is not visible, nor
+  are `hidden_paths` (default /root and /home: empty read-only directories, the interpreter's own directories
+  bound back in). The rest of the file system stays readable, as the call's user may read it;
 - output: stdout and stderr are read as they come; the head and tail (`keep_bytes` each) are kept, the rest is
   counted and dropped, and past `max_output_bytes` in total the code is stopped (`output_limited`).
 
-Probed on the project's CI machine (a Firecracker VM, Linux 6.18, cgroup v1): we run as root with every
-capability; `unshare(CLONE_NEWNET)`, `CLONE_NEWNS`, `CLONE_NEWPID` and user namespaces all work, a network
-namespace costs ~1.5 ms and a mount namespace with a tmpfs ~1 ms. The cgroup v1 pids controller is mounted, but
-only the root cgroup exists (`pids.max` absent there); the per-call uid makes RLIMIT_NPROC hold instead, with no
-cgroup to create and remove per call.
+Not limited: the memory of a call in all (RLIMIT_AS is per process, so `max_processes` x `memory_mb` at most), and
+what the code reads (a cgroup per call would bound the first; see the README).
 
-Where it cannot isolate (not root, `unshare` refused in a container without CAP_SYS_ADMIN, not Linux), starting
-the sandbox raises `SandboxUnavailable` saying why, unless the config accepts it: `allow_network_unsandboxed`
-(the code may use the network) and `allow_filesystem_unsandboxed` (the code runs as this process's user in a
-temporary directory under the machine's /tmp, removed afterwards; it can write wherever that user can, and as
-root RLIMIT_NPROC does not hold and a setsid()-escaped process survives the call).
+Probed on the project's CI machine (a Firecracker VM, Linux 6.18, cgroup v1): we run as root with every
+capability; `unshare(CLONE_NEWNET)`, `CLONE_NEWNS`, `CLONE_NEWPID` and user namespaces (also for an unprivileged
+user: `setpriv --reuid=65534 unshare -U -r -n -m` works) all work; a network namespace costs ~1.5 ms and a mount
+namespace with a tmpfs ~1 ms. The cgroup v1 pids controller is mounted, but only its root cgroup exists
+(`pids.max` absent there); the per-call uid makes RLIMIT_NPROC hold instead, with no cgroup to create and remove
+per call.
+
+Where it cannot isolate (a container without CAP_SYS_ADMIN, a non-root user without user namespaces, not
+Linux), starting the sandbox raises `SandboxUnavailable` saying why, unless the config accepts it:
+`allow_network_unsandboxed` (the code may use the network) and `allow_filesystem_unsandboxed` (the code runs as
+this process's user in a temporary directory under the machine's /tmp, removed afterwards; it can write wherever
+that user can, RLIMIT_NPROC counts all of that user's processes (as root: none), and a setsid()-escaped process
+survives the call).
 """
 from __future__ import annotations
 
@@ -149,8 +169,8 @@ class Sandbox:
             problems.append("no network namespace, so the code could reach the network (set "
                             "allow_network_unsandboxed: true to accept that)")
         if not state["fs"] and not self.allow_filesystem_unsandboxed:
-            problems.append("no read-only mount namespace and per-call uid, so the code could write wherever this "
-                            "process's user can (set allow_filesystem_unsandboxed: true to accept that)")
+            problems.append("no read-only mount namespace, so the code could write wherever this process's user "
+                            "can (set allow_filesystem_unsandboxed: true to accept that)")
         if problems:
             ours.close()
             _kill(proc)

@@ -282,23 +282,23 @@ def test_close_kills_calls_in_flight():
     assert not sandbox_processes()
 
 
-def _unprivileged_python(tmp_path) -> str:
-    """A `python` that runs the system's Python 3 as nobody: a machine where no namespace can be made."""
-    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"):
-        pytest.skip("needs root, setpriv and /usr/bin/python3 to play an unprivileged machine")
-    wrapper = tmp_path / "python-as-nobody"
-    wrapper.write_text("#!/bin/sh\nexec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 \"$@\"\n")
+def _wrapper(tmp_path, name: str, line: str) -> str:
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"):
+        pytest.skip("needs root, setpriv and unshare to play another machine")
+    wrapper = tmp_path / name
+    wrapper.write_text(f"#!/bin/sh\n{line}\n")
     wrapper.chmod(0o755)
     return str(wrapper)
 
 
 def test_refuses_where_it_cannot_isolate(tmp_path):
-    python = _unprivileged_python(tmp_path)
+    # a machine where no namespace can be made: a user namespace whose uid is unmapped may create none
+    python = _wrapper(tmp_path, "python-no-namespaces", f'exec unshare -U {sys.executable} "$@"')
     with pytest.raises(SandboxUnavailable) as e:
         Sandbox(Limits(timeout_s=2), python=python).start()
     msg = str(e.value)
     assert "refusing to start the Python sandbox" in msg and "allow_network_unsandboxed" in msg
-    assert "allow_filesystem_unsandboxed" in msg and "unshare" in msg, msg
+    assert "allow_filesystem_unsandboxed" in msg and "unshare" in msg and "user namespaces" in msg, msg
     # accepted: limits and a temporary directory only, removed afterwards
     with Sandbox(Limits(timeout_s=2, max_processes=64), python=python, allow_network_unsandboxed=True,
                  allow_filesystem_unsandboxed=True) as sb:
@@ -311,6 +311,55 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
         assert not os.path.exists(workdir)
         res = sb.run("import time\ntime.sleep(100)")
         assert res.timed_out
+
+
+def test_unprivileged_user_namespace_mode(tmp_path, outside):
+    """Not root: the namespaces are made in a user namespace; each call's runner enters a nested one (no
+    capability over the mounts) and a PID namespace (emptied by the kernel when it ends); RLIMIT_NPROC counts the
+    call's processes only, concurrent calls included."""
+    import threading
+
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs the system's /usr/bin/python3 (readable by nobody)")
+    python = _wrapper(tmp_path, "python-as-nobody",
+                      'exec setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/python3 "$@"')
+    try:
+        sb = Sandbox(Limits(timeout_s=2, cpu_s=2, memory_mb=256, max_processes=8), python=python).start()
+    except SandboxUnavailable as e:
+        pytest.skip(f"no unprivileged user namespaces here: {e}")
+    try:
+        assert sb.state["mode"] == "userns" and sb.state["net"] and sb.state["fs"], sb.state
+        res = sb.run(f"open({outside!r}, 'w').write('CHANGED')")
+        assert "Read-only file system" in res.stderr
+        res = sb.run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.unshare(0x00020000), libc.mount(None, b'/', None, 32 | 4096, None))\n"
+                     "open('/var/tmp/x', 'w')")  # its own mount namespace: the read-only mounts stay locked
+        assert "Read-only file system" in res.stderr, res
+        res = sb.run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)")
+        assert "Network is unreachable" in res.stderr
+        fork = ("import os, time\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
+                "            os.setsid()\n            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
+                "finally:\n    print('forked', n)\n")
+        out = []
+        threads = [threading.Thread(target=lambda: out.append(sb.run(fork).stdout)) for _ in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=30)
+        assert out == ["forked 7\n"] * 3, out
+        res = sb.run("import time\ntime.sleep(100)")
+        assert res.timed_out
+        with open(outside) as f:
+            assert f.read() == "untouched"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            left = [c for c in psutil.Process(sb.zygote_pid).children(recursive=True)]
+            if not left:
+                break
+            time.sleep(0.05)
+        assert not left, left
+    finally:
+        sb.close()
 
 
 def test_unknown_config_key():
