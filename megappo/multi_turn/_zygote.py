@@ -1,6 +1,6 @@
 """The sandbox's zygote: a small Python process, isolated once, that forks one supervisor per call.
 
-    python -I _zygote.py CONTROL_FD ISOLATE_NET ISOLATE_FS UID_BASE UID_COUNT HIDDEN_PATHS
+    python -I _zygote.py CONTROL_FD ISOLATE_NET ISOLATE_FS UID_SPACE UID_COUNT HIDDEN_PATHS
 
 Standard library only, started by `sandbox.Sandbox` with `python -I` (no PYTHONPATH, no cwd on sys.path). Why a
 zygote: a fresh interpreter per call costs ~25 ms of start-up alone, and forking the trainer (GBs, threads) is
@@ -425,7 +425,21 @@ def _supervisor_main(req: dict, uid: int, state: dict, result_fd: int) -> None:
     os._exit(0)
 
 
-def _reap_supervisors(block: bool = False) -> None:
+def _free_uid(uid_base: int, uid_count: int) -> int:
+    """A uid of this zygote's slice that no call in flight has: RLIMIT_NPROC and the sweep count on it. With every
+    one taken, wait for a call to end."""
+    global _uid_next
+    while True:
+        in_use = set(_live.values())
+        for _ in range(uid_count):
+            uid = uid_base + _uid_next % uid_count
+            _uid_next += 1
+            if uid not in in_use:
+                return uid
+        _reap_supervisors(block=True, one=True)
+
+
+def _reap_supervisors(block: bool = False, one: bool = False) -> None:
     while _live:
         try:
             pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
@@ -435,6 +449,8 @@ def _reap_supervisors(block: bool = False) -> None:
         if pid == 0:
             return
         _live.pop(pid, None)
+        if one:
+            return
 
 
 def _stop(*_args) -> None:
@@ -451,8 +467,10 @@ def _stop(*_args) -> None:
 
 
 def main() -> None:
-    global _uid_next
-    ctrl_fd, net, fs, uid_base, uid_count = (int(a) for a in sys.argv[1:6])
+    ctrl_fd, net, fs, uid_space, uid_count = (int(a) for a in sys.argv[1:6])
+    # This zygote's uids: a slice of its own, by its pid (no two live zygotes share one: other sandboxes, Ray
+    # actors, other runs on the machine), since a call's uid must be its alone (the sweep kills all of its uid).
+    uid_base = uid_space + (os.getpid() % (1 << 22)) * uid_count
     hidden = [p for p in sys.argv[6].split(":") if p] if len(sys.argv) > 6 else []
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]  # megappo's own directory is none of the code's business
@@ -469,10 +487,11 @@ def main() -> None:
     print(json.dumps(state), flush=True)
     # Each fork copies what it touches (copy-on-write): the collector walking every object of the zygote in each
     # child would touch it all. Frozen objects are never walked; what the runner needs is imported once here.
-    import traceback  # noqa: F401  (a failing call's traceback)
-    import types  # noqa: F401
     import gc
+    import traceback  # (a failing call's traceback)
+    import types
 
+    _preloaded = (traceback, types)  # noqa: F841
     gc.freeze()
     ctrl = socket.socket(fileno=ctrl_fd)
     while True:
@@ -489,14 +508,7 @@ def main() -> None:
         if not msg:  # the Sandbox closed (or its process died)
             _stop()
         req = json.loads(msg)
-        uid = -1
-        if state["mode"] == "root":
-            in_use = set(_live.values())
-            while True:  # a uid no call in flight has: RLIMIT_NPROC and the sweep count on it
-                uid = uid_base + _uid_next % uid_count
-                _uid_next += 1
-                if uid not in in_use:
-                    break
+        uid = _free_uid(uid_base, uid_count) if state["mode"] == "root" else -1
         pid = os.fork()
         if pid == 0:
             ctrl.close()

@@ -30,7 +30,7 @@ One sandbox (one zygote process) serves every instance and thread of the tool; i
 from __future__ import annotations
 
 import signal
-from typing import Any, Optional
+from typing import Optional
 
 from megappo.multi_turn.sandbox import Limits, RunResult, Sandbox, truncate
 from megappo.multi_turn.tools import BaseTool, ToolResult

@@ -7,7 +7,7 @@ What holds, per call (the zygote `_zygote.py` does the work; its docstring says 
 zygote's euid; `Sandbox.state["mode"]` says which held:
 
 - "root" (euid 0): the namespaces are made directly, and each call runs as an unprivileged uid of its own
-  (`uid_base + k`), without capabilities;
+  (from the zygote's slice of `UID_SPACE`, at most `UID_SLICE` calls at once per sandbox), without capabilities;
 - "userns" (any other user, where unprivileged user namespaces are allowed): the namespaces are made inside a user
   namespace in which the zygote is root (the user's uid mapped to 0); each call's runner enters a nested user
   namespace (it owns none of the mounts, so it can remount nothing: the read-only flags are locked) and is the
@@ -63,12 +63,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 _ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
 _START_TIMEOUT_S = 30.0
-_ANSWER_GRACE_S = 5.0  # past the call's timeout: the supervisor's kill, sweep and answer
+_ANSWER_GRACE_S = 5.0
+# root mode: the calls' uids. Each zygote takes a slice of UID_SLICE uids at UID_SPACE + (its pid mod 2^22) x
+# UID_SLICE (below 2^31: some tools read uids as signed), so no two live zygotes share a uid.
+UID_SPACE, UID_SLICE = 1_000_000_000, 256  # past the call's timeout: the supervisor's kill, sweep and answer
 
 
 class SandboxUnavailable(RuntimeError):
@@ -109,13 +112,6 @@ class RunResult:
     setup_s: float = 0.0  # supervisor's share before the code runs (mount namespace, tmpfs, pipes)
     latency_s: float = 0.0  # the caller's round trip
     error: Optional[str] = None  # the sandbox itself failed (not the code)
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def cpu_limited(self) -> bool:
-        import signal
-
-        return self.signal in (signal.SIGXCPU, signal.SIGKILL) and not (self.timed_out or self.output_limited)
 
 
 class Sandbox:
@@ -123,7 +119,7 @@ class Sandbox:
     every call in flight."""
 
     def __init__(self, limits: Optional[Limits] = None, allow_network_unsandboxed: bool = False,
-                 allow_filesystem_unsandboxed: bool = False, uid_base: int = 1_700_000_000, uid_count: int = 4096,
+                 allow_filesystem_unsandboxed: bool = False, uid_base: int = UID_SPACE, uid_count: int = UID_SLICE,
                  python: Optional[str] = None, hidden_paths: Sequence[str] = ("/root", "/home")):
         self.limits = limits or Limits()
         self.allow_network_unsandboxed = allow_network_unsandboxed

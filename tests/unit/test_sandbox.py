@@ -13,13 +13,13 @@ import psutil
 import pytest
 
 from megappo.multi_turn.python_tool import PythonTool
-from megappo.multi_turn.sandbox import Limits, Sandbox, SandboxUnavailable, truncate
+from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, SandboxUnavailable, truncate
 
 pytestmark = pytest.mark.timeout(120)
 
 SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
-UID_BASE, UID_COUNT = 1_700_000_000, 4096
+UID_BASE, UID_COUNT = UID_SPACE, (1 << 22) * UID_SLICE  # every sandbox's call uids (root mode)
 CONFIG = {"timeout_s": 2, "cpu_s": 1, "memory_mb": 512, "max_processes": 16, "max_file_mb": 8, "disk_mb": 32,
           "max_output_chars": 2000, "max_output_bytes": 1 << 20}
 
@@ -245,6 +245,17 @@ def test_escaped_and_hidden_processes_are_swept(tool):
 def test_the_run_goes_on_after_all_that(tool):
     res, _ = run(tool, "print('still here')")
     assert res.text == "still here\n"
+
+
+def test_two_sandboxes_never_share_a_uid(tool):
+    """Each zygote's calls take uids from a slice of its own (the sweep kills every process of a call's uid)."""
+    code = "import os\nprint(os.getuid())"
+    with Sandbox(Limits(timeout_s=5)) as other:
+        for sb_pid, uids in ((tool.sandbox.zygote_pid, [int(run(tool, code)[0].text) for _ in range(3)]),
+                             (other.zygote_pid, [int(other.run(code).stdout) for _ in range(3)])):
+            base = UID_SPACE + (sb_pid % (1 << 22)) * UID_SLICE
+            assert all(base <= u < base + UID_SLICE for u in uids), (sb_pid, uids)
+            assert len(set(uids)) == 3  # and a fresh one per call
 
 
 def test_truncate_sides_match_verl():
