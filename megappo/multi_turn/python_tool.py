@@ -17,7 +17,9 @@ max_processes, max_file_mb, disk_mb (the call's tmpfs), max_open_files, max_outp
 the middle is cut, verl's "middle" side), truncate_side (left/right/middle), max_output_bytes (output past which the
 code is stopped), allow_network_unsandboxed, allow_filesystem_unsandboxed (run where the machine cannot isolate
 the code: see sandbox.py's docstring), hidden_paths (directories replaced by an empty one inside the sandbox;
-default /root and /home, the interpreter's own directories bound back in).
+default /root and /home, the interpreter's own directories bound back in). verl's SandboxFusion keys port:
+default_timeout and memory_limit_mb are timeout_s and memory_mb; default_language must be python; the service's
+own (sandbox_fusion_url, num_workers, rate_limit, enable_global_rate_limit, type) are ignored with a warning.
 
 The answer is the code's stdout, then its stderr under a "stderr:" line, and a last line saying why it ended where
 it did not end by itself (the timeout, the CPU limit, the output cap, a signal, an exit code other than 0).
@@ -29,21 +31,42 @@ One sandbox (one zygote process) serves every instance and thread of the tool; i
 """
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Optional
 
 from megappo.multi_turn.sandbox import Limits, RunResult, Sandbox, truncate
 from megappo.multi_turn.tools import BaseTool, ToolResult
 
+logger = logging.getLogger(__name__)
 _LIMIT_KEYS = ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "disk_mb", "max_open_files",
                "max_output_bytes")
 _OTHER_KEYS = ("max_output_chars", "truncate_side", "allow_network_unsandboxed", "allow_filesystem_unsandboxed",
                "hidden_paths")
 
 
+# verl's SandboxFusion tool config (recipe/retool/sandbox_fusion_tool_config.yaml), so its configs port as they are
+_VERL_ALIASES = {"default_timeout": "timeout_s", "memory_limit_mb": "memory_mb"}
+_VERL_IGNORED = ("sandbox_fusion_url", "num_workers", "rate_limit", "enable_global_rate_limit", "type")
+
+
 class PythonTool(BaseTool):
     def __init__(self, config: dict, tool_schema: dict):
         super().__init__(config, tool_schema)
+        for verl_key, key in _VERL_ALIASES.items():
+            if verl_key in self.config:
+                if key in self.config:
+                    raise ValueError(f"PythonTool config: both {key} and verl's {verl_key}; keep one")
+                self.config[key] = self.config.pop(verl_key)
+        ignored = [k for k in _VERL_IGNORED if k in self.config]
+        if ignored:  # the remote SandboxFusion service's settings: this tool runs the code locally
+            logger.warning("PythonTool: ignoring verl's SandboxFusion settings %s (the code runs in megappo's local "
+                           "sandbox; ToolPool's max_workers bounds the calls at once)", ignored)
+            for k in ignored:
+                self.config.pop(k)
+        language = self.config.pop("default_language", "python")
+        if language != "python":
+            raise ValueError(f"PythonTool config: default_language {language!r}: this tool runs Python only")
         unknown = set(self.config) - set(_LIMIT_KEYS) - set(_OTHER_KEYS)
         if unknown:
             raise ValueError(f"PythonTool config: unknown keys {sorted(unknown)}; "

@@ -373,6 +373,18 @@ def test_unprivileged_user_namespace_mode(tmp_path, outside):
         sb.close()
 
 
+def test_verl_sandbox_fusion_config_ports():
+    """verl's ReTool tool config (SandboxFusion's keys) works as it is."""
+    t = PythonTool({"default_timeout": 30, "memory_limit_mb": 1024, "num_workers": 128, "rate_limit": 128,
+                    "enable_global_rate_limit": True, "sandbox_fusion_url": "http://x", "default_language": "python",
+                    "type": "native"}, SCHEMA)
+    assert t.limits.timeout_s == 30 and t.limits.memory_mb == 1024
+    with pytest.raises(ValueError, match="Python only"):
+        PythonTool({"default_language": "cpp"}, SCHEMA)
+    with pytest.raises(ValueError, match="both timeout_s and verl's default_timeout"):
+        PythonTool({"default_timeout": 3, "timeout_s": 3}, SCHEMA)
+
+
 def test_unknown_config_key():
     with pytest.raises(ValueError, match="unknown keys \\['timeout'\\]"):
         PythonTool({"timeout": 3}, SCHEMA)
