@@ -69,6 +69,7 @@ from typing import Optional, Sequence
 _ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
 _START_TIMEOUT_S = 30.0
 _ANSWER_GRACE_S = 5.0
+MAX_REQUEST_BYTES = 100 * 1024  # code + limits, sent as one SOCK_SEQPACKET datagram (under the ~200 KB buffer)
 # root mode: the calls' uids. Each zygote takes a slice of UID_SLICE uids at UID_SPACE + (its pid mod 2^22) x
 # UID_SLICE (below 2^31: some tools read uids as signed), so no two live zygotes share a uid.
 UID_SPACE, UID_SLICE = 1_000_000_000, 256  # past the call's timeout: the supervisor's kill, sweep and answer
@@ -141,6 +142,9 @@ class Sandbox:
     def _start_locked(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
+        if self._ctrl is not None:  # a zygote that died: its socket goes with it
+            self._ctrl.close()
+            self._ctrl = None
         if not sys.platform.startswith("linux"):
             if not (self.allow_network_unsandboxed and self.allow_filesystem_unsandboxed):
                 raise SandboxUnavailable(f"the sandbox needs Linux namespaces ({sys.platform}); set "
@@ -213,9 +217,11 @@ class Sandbox:
         """Run `code`; never raises for what the code does. A sandbox failure is `RunResult.error`."""
         limits = limits or self.limits
         t0 = time.monotonic()
+        msg = json.dumps({"code": code, "limits": limits.as_request()}).encode()
+        if len(msg) > MAX_REQUEST_BYTES:  # one datagram to the zygote: a socket buffer's worth at most
+            return RunResult(error=f"the code is {len(code.encode())} bytes; the limit is {MAX_REQUEST_BYTES - 1024}")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            msg = json.dumps({"code": code, "limits": limits.as_request()}).encode()
             for attempt in range(2):  # a zygote that died (killed from outside) is started again once
                 with self._lock:
                     self._start_locked()

@@ -242,6 +242,19 @@ def test_escaped_and_hidden_processes_are_swept(tool):
     assert_nothing_left(tool)
 
 
+def test_too_long_code_and_a_killed_zygote(tool):
+    res, _ = run(tool, "x = 1\n" * 30000)
+    assert res.text.startswith("Error: the sandbox failed to run the code (the code is 180000 bytes; the limit is")
+    assert res.metrics["sandbox_error"] == 1
+    import signal
+
+    old = tool.sandbox.zygote_pid
+    os.kill(old, signal.SIGKILL)  # killed from outside: the next call starts a fresh one
+    psutil.Process(old).wait(timeout=10) if psutil.pid_exists(old) else None
+    res, _ = run(tool, "print('again')")
+    assert res.text == "again\n" and tool.sandbox.zygote_pid != old
+
+
 def test_the_run_goes_on_after_all_that(tool):
     res, _ = run(tool, "print('still here')")
     assert res.text == "still here\n"
