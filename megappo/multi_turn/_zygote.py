@@ -13,16 +13,18 @@ call, carrying the write end of a per-call result socket (SCM_RIGHTS).
 
 Per call, a supervisor (forked, root in the sandbox's namespaces):
 - enters a mount namespace of its own with a fresh tmpfs on /tmp (size-limited, gone with the call: the working
-  directory /tmp/work, also HOME and TMPDIR) and /dev/shm bound into it,
-- forks the runner, which leads a new session, sets the rlimits, drops its capabilities (root mode: an
-  unprivileged uid of its own for this call, so RLIMIT_NPROC counts only this call's processes, which it cannot
-  do for root; userns mode: a nested user namespace, and the runner is the first process of a PID namespace),
-  so nothing read-only can be made writable again, and exec()s the code in the forked interpreter,
+  directory /tmp/work, also HOME and TMPDIR) and /dev/shm bound into it, and a PID namespace for its next child,
+- forks the runner (that namespace's first process), which leads a new session, mounts the namespace's own
+  /proc, sets the rlimits and drops its capabilities, so nothing read-only can be made writable again (root
+  mode: an unprivileged uid of its own for this call, so RLIMIT_NPROC counts only this call's processes, which
+  it cannot do for root; userns mode: a nested user namespace), and exec()s the code in the forked interpreter,
 - reads stdout and stderr as they come, keeping the head and tail only (the rest is counted, never stored), until
   EOF and exit, the wall deadline, or the output cap,
-- then kills the session with SIGKILL, answers with one JSON message, and (root mode) sweeps every process left
-  with the call's uid (a setsid()-escaped grandchild too: kill(-1) from that uid), reaping them as their
-  subreaper; in userns mode the kernel has killed them with the PID namespace's first process.
+- then kills the session with SIGKILL, and with its first process the call's PID namespace goes: the kernel
+  kills every process of the call (a setsid()-escaped grandchild too) before the runner's exit completes; and
+  answers with one JSON message. When the zygote stops (its trainer gone, or close()), it kills its supervisors
+  (their runners die with them: PR_SET_PDEATHSIG) and, in root mode, sweeps every process left with a call's uid
+  (kill(-1) from that uid).
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def _isolate(net: bool, fs: bool, hidden: list[str]) -> dict:
     As root ("root" mode) the namespaces are made directly and each call runs as an unprivileged uid of its own.
     Otherwise ("userns" mode) they are made inside a user namespace in which this process is root (the user's own
     uid mapped to 0): each call's runner enters a nested user namespace, which leaves it no capability over these
-    mounts, and a PID namespace of its own, which the kernel empties when the runner ends."""
+    mounts. Either way each call has a PID namespace of its own, which the kernel empties when the runner ends."""
     state = {"net": False, "fs": False, "mode": None, "root": os.geteuid() == 0, "why": []}
     uid, gid = os.geteuid(), os.getegid()
     flags = (CLONE_NEWNET if net else 0) | (CLONE_NEWNS if fs else 0)
@@ -172,6 +174,8 @@ def _run_code(req: dict, uid: int, mode: str | None, out_w: int, err_w: int, wor
             os.dup2(src, dst)
         os.closerange(3, 1 << 16)
         os.chdir(workdir)
+        if mode is not None:  # still privileged here (root, or root of the zygote's user namespace)
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         if mode == "userns":  # a nested user namespace owns none of the mounts: no remount. Before the limits:
             # RLIMIT_NPROC then counts this namespace's processes alone (5.14+), not the user's (see sandbox.py)
             _check(libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
@@ -313,8 +317,10 @@ def _supervise(req: dict, uid: int, state: dict, result_fd: int) -> dict:
     lim = req["limits"]
     t0 = time.monotonic()
     if state["fs"]:
-        # userns: the runner is the first process of a PID namespace; its end (exit or kill) kills the rest
-        _check(libc.unshare(CLONE_NEWNS | (CLONE_NEWPID if state["mode"] == "userns" else 0)), "unshare")
+        # The runner is the first process of a PID namespace: when it ends (exit or kill) the kernel kills every
+        # other process of the call, which cannot leave the namespace (setsid() or not), and the runner's exit
+        # waits for them; its own /proc shows them alone, not the machine's processes and their command lines.
+        _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(CLONE_NEWNS|CLONE_NEWPID)")
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={lim['disk_mb']}m,mode=0755")
         workdir = "/tmp/work"
         for d in (workdir, "/tmp/.shm"):
@@ -395,12 +401,10 @@ def _supervise(req: dict, uid: int, state: dict, result_fd: int) -> dict:
 
 
 def _clean_up(uid: int, state: dict, workdir: str | None) -> None:
-    """Every process of the call's uid killed and reaped, the working directory gone (the tmpfs goes with this
-    mount namespace's last process). Runs after the answer: it is off the caller's round trip, and the zygote
-    gives the uid to no other call until this supervisor has exited."""
-    if uid >= 0:
-        _sweep(uid)
-    elif workdir and not state["fs"]:
+    """Unsandboxed mode: the working directory removed. (Isolated: the call's processes went with its PID
+    namespace before the answer, and its tmpfs goes with its mount namespace's last process, this one.) Runs after
+    the answer, off the caller's round trip."""
+    if workdir and not state["fs"]:
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)

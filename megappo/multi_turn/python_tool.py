@@ -17,7 +17,7 @@ max_processes, max_file_mb, disk_mb (the call's tmpfs), max_open_files, max_outp
 the middle is cut, verl's "middle" side), truncate_side (left/right/middle), max_output_bytes (output past which the
 code is stopped), allow_network_unsandboxed, allow_filesystem_unsandboxed (run where the machine cannot isolate
 the code: see sandbox.py's docstring), hidden_paths (directories replaced by an empty one inside the sandbox;
-default /root and /home, the interpreter's own directories bound back in). verl's SandboxFusion keys port:
+default /root, /home and /run, the interpreter's own directories bound back in). verl's SandboxFusion keys port:
 default_timeout and memory_limit_mb are timeout_s and memory_mb; default_language must be python; the service's
 own (sandbox_fusion_url, num_workers, rate_limit, enable_global_rate_limit, type) are ignored with a warning.
 
@@ -35,7 +35,7 @@ import logging
 import signal
 from typing import Optional
 
-from megappo.multi_turn.sandbox import Limits, RunResult, Sandbox, truncate
+from megappo.multi_turn.sandbox import DEFAULT_HIDDEN_PATHS, Limits, RunResult, Sandbox, truncate
 from megappo.multi_turn.tools import BaseTool, ToolResult
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class PythonTool(BaseTool):
                                allow_network_unsandboxed=bool(self.config.get("allow_network_unsandboxed", False)),
                                allow_filesystem_unsandboxed=bool(self.config.get("allow_filesystem_unsandboxed",
                                                                                  False)),
-                               hidden_paths=self.config.get("hidden_paths", ("/root", "/home")))
+                               hidden_paths=self.config.get("hidden_paths", DEFAULT_HIDDEN_PATHS))
 
     def start(self) -> "PythonTool":
         """Start the sandbox now (else at the first call): a machine that cannot isolate fails here, saying why."""

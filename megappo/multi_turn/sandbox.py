@@ -10,8 +10,7 @@ zygote's euid; `Sandbox.state["mode"]` says which held:
   (from the zygote's slice of `UID_SPACE`, at most `UID_SLICE` calls at once per sandbox), without capabilities;
 - "userns" (any other user, where unprivileged user namespaces are allowed): the namespaces are made inside a user
   namespace in which the zygote is root (the user's uid mapped to 0); each call's runner enters a nested user
-  namespace (it owns none of the mounts, so it can remount nothing: the read-only flags are locked) and is the
-  first process of a PID namespace of its own.
+  namespace (it owns none of the mounts, so it can remount nothing: the read-only flags are locked).
 
 The limits and isolation:
 
@@ -22,18 +21,17 @@ The limits and isolation:
   mode each call has a uid of its own and the limit counts exactly that call's processes; in "userns" mode the
   kernel (5.14+) counts a uid's processes per user namespace, and the runner sets the limit after entering its
   nested one, so it counts that call's processes alone, concurrent calls apart (the test checks both);
-- wall time: the code leads a session of its own; at the deadline (or at its exit, or past the output cap) the
-  session is SIGKILLed, and every other process of the call too, a setsid()-escaped one included: in "root"
-  mode every process still running as the call's uid (kill(-1) from that uid; the supervisor is their subreaper
-  and reaps them; this sweep runs just after the answer, off the round trip, and the uid goes to no other call
-  before it is done), in "userns" mode the kernel, which kills a PID namespace's processes when its first ends;
+- wall time: the code leads a session of its own and is the first process of a PID namespace of its own; at
+  the deadline (or at its exit, or past the output cap) the session is SIGKILLed, and with the namespace's first
+  process the kernel kills every other process of the call (none can leave the namespace, setsid() or not)
+  before that exit completes. When the sandbox stops, root mode also sweeps every process of a call's uid;
 - no network: a network namespace with no usable interface (its loopback is down, and the code has no
   capability to raise it);
 - file system: a mount namespace in which every mount is read-only (checked: the sandbox refuses to start if a
   reachable mount stayed writable); a fresh tmpfs on /tmp per call (`disk_mb`) holds the working directory
   /tmp/work (also HOME and TMPDIR) and /dev/shm, and vanishes with the call; the machine's /tmp is not visible, nor
-  are `hidden_paths` (default /root and /home: empty read-only directories, the interpreter's own directories
-  bound back in). The rest of the file system stays readable, as the call's user may read it;
+  are `hidden_paths` (default /root, /home and /run: empty read-only directories, the interpreter's own
+  directories bound back in); /proc is the call's own (its PID namespace's processes only); The rest of the file system stays readable, as the call's user may read it;
 - output: stdout and stderr are read as they come; the head and tail (`keep_bytes` each) are kept, the rest is
   counted and dropped, and past `max_output_bytes` in total the code is stopped (`output_limited`).
 
@@ -69,6 +67,10 @@ from typing import Optional, Sequence
 _ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
 _START_TIMEOUT_S = 30.0
 _ANSWER_GRACE_S = 5.0
+_ZYGOTE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH")  # what an interpreter may need to start
+# root's home, the users' homes, and /run (the user's D-Bus and systemd sockets: connect() to a socket file is not
+# stopped by a read-only mount, and a user's systemd can start processes outside the sandbox)
+DEFAULT_HIDDEN_PATHS = ("/root", "/home", "/run")
 MAX_REQUEST_BYTES = 100 * 1024  # code + limits, sent as one SOCK_SEQPACKET datagram (under the ~200 KB buffer)
 # root mode: the calls' uids. Each zygote takes a slice of UID_SLICE uids at UID_SPACE + (its pid mod 2^22) x
 # UID_SLICE (below 2^31: some tools read uids as signed), so no two live zygotes share a uid.
@@ -121,7 +123,7 @@ class Sandbox:
 
     def __init__(self, limits: Optional[Limits] = None, allow_network_unsandboxed: bool = False,
                  allow_filesystem_unsandboxed: bool = False, uid_base: int = UID_SPACE, uid_count: int = UID_SLICE,
-                 python: Optional[str] = None, hidden_paths: Sequence[str] = ("/root", "/home")):
+                 python: Optional[str] = None, hidden_paths: Sequence[str] = DEFAULT_HIDDEN_PATHS):
         self.limits = limits or Limits()
         self.allow_network_unsandboxed = allow_network_unsandboxed
         self.allow_filesystem_unsandboxed = allow_filesystem_unsandboxed
@@ -153,8 +155,11 @@ class Sandbox:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [self.python, "-I", _ZYGOTE, str(theirs.fileno()), "1", "1", str(self.uid_base), str(self.uid_count),
                ":".join(self.hidden_paths)]
+        # A clean environment: a process's first environment stays readable in /proc/self/environ after
+        # os.environ is cleared, and the trainer's may hold secrets (API keys).
+        env = {k: v for k, v in os.environ.items() if k in _ZYGOTE_ENV}
         proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, env=env)
         theirs.close()
         try:
             line = _read_line(proc, _START_TIMEOUT_S)
