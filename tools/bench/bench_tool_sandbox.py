@@ -3,9 +3,9 @@
     python tools/bench/bench_tool_sandbox.py [--calls 60] [--threads 4]
 
 Every call runs `pass`, so its time is the sandbox's overhead alone: the request to the zygote, the supervisor's
-fork, its mount namespace and tmpfs, the runner's fork, limits, uid drop and exit, and the answer. The clean-up
-(session kill, uid sweep, tmpfs) runs after the answer; it is timed apart, as the time until the call's supervisor
-has exited. Methods are interleaved call by call so that a loaded machine weighs on each alike; the load average is
+fork, its mount and PID namespaces and tmpfs, the runner's fork, /proc, limits, uid drop and exit (its PID
+namespace's end), and the answer. The rest of the clean-up (reaping, the tmpfs) runs after the answer; it is timed
+apart, as the time until the call's supervisor has exited. Methods are interleaved call by call so that a loaded machine weighs on each alike; the load average is
 printed. Also: the zygote's start (once per sandbox), a PythonTool round trip through the ToolPool, and calls
 from several threads at once.
 """
@@ -76,10 +76,10 @@ def main() -> None:
     print("\nper call, code `pass` (the overhead alone):")
     print(f"  sandbox round trip           {ms(rt)}")
     print(f"    supervisor set-up          {ms(setup)}   (mount namespace + tmpfs + pipes)")
-    print(f"    runner fork..exit          {ms(run)}   (fork, rlimits, uid drop, exec, exit seen)")
+    print(f"    runner fork..exit          {ms(run)}   (fork, /proc, rlimits, uid drop, exec, exit seen)")
     print(f"    rest                       {ms([a - b - c for a, b, c in zip(rt, setup, run)])}   "
           "(request, supervisor fork, answer)")
-    print(f"  clean-up after the answer    {ms(cleanup)}   (session kill, uid sweep, tmpfs; off the round trip)")
+    print(f"  clean-up after the answer    {ms(cleanup)}   (reaping, tmpfs; off the round trip)")
     print(f"  no sandbox: fresh `python -I -S -c pass`  {ms(fresh_s)}")
     print(f"  no sandbox: fresh `python -I -c pass`     {ms(fresh_site)}   (site-packages, as the code needs)")
 
