@@ -50,6 +50,7 @@ _MOUNT_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "no
 
 libc = ctypes.CDLL(None, use_errno=True)
 _live: dict[int, int] = {}  # supervisor pid -> the uid of its call
+_wake: list[int] = []  # the zygote's SIGCHLD wake-up pipe (read end, write end)
 _uid_next = 0
 
 
@@ -413,7 +414,10 @@ def _clean_up(uid: int, state: dict, workdir: str | None) -> None:
 
 def _supervisor_main(req: dict, uid: int, state: dict, result_fd: int) -> None:
     os.setsid()  # away from the zygote's group: the trainer's Ctrl-C is the zygote's business
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
+    signal.set_wakeup_fd(-1)
+    for fd in _wake:
+        os.close(fd)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     workdir = None
     try:
@@ -498,12 +502,23 @@ def main() -> None:
     del traceback, types  # (imported for the runner: they stay in sys.modules)
     gc.freeze()
     ctrl = socket.socket(fileno=ctrl_fd)
+    # a supervisor's exit wakes the loop (SIGCHLD on a wake-up pipe): reaped at once, not at the next poll
+    wake_r, wake_w = _wake[:] = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
         _reap_supervisors()
         if os.getppid() != parent:  # the trainer died (SIGKILL too): end every call
             _stop()
-        ready, _, _ = select.select([ctrl], [], [], 0.5)
-        if not ready:
+        ready, _, _ = select.select([ctrl, wake_r], [], [], 0.5)
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if ctrl not in ready:
             continue
         try:
             msg, fds, _, _ = socket.recv_fds(ctrl, 1 << 24, 1)
