@@ -162,8 +162,8 @@ def _set_limits(lim: dict) -> None:
                        (resource.RLIMIT_NOFILE, lim["max_open_files"]), (resource.RLIMIT_CORE, 0),
                        (resource.RLIMIT_NPROC, lim["max_processes"])):
         resource.setrlimit(res, (value, value))
-    # SIGXCPU at the soft limit (Python dies of it: default action), SIGKILL a second later
-    resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
+    # SIGKILL at the limit: the code's first process is its PID namespace's init, which ignores SIGXCPU
+    resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"]))
 
 
 def _run_code(req: dict, uid: int, mode: str | None, out_w: int, err_w: int, workdir: str) -> None:

@@ -123,7 +123,7 @@ class PythonTool(BaseTool):
             total = res.stdout_bytes + res.stderr_bytes
             return (f"Error: output limit exceeded ({total} bytes written, limit {lim.max_output_bytes}); "
                     "the program was killed.")
-        if res.signal in (signal.SIGXCPU, signal.SIGKILL) and res.cpu_s >= lim.cpu_s - 0.5:
+        if res.signal in (signal.SIGXCPU, signal.SIGKILL) and res.cpu_s >= lim.cpu_s - 0.05:
             return f"Error: CPU time limit exceeded ({lim.cpu_s} s); the program was killed."
         if res.signal is not None:
             return f"Error: the program was killed by signal {signal.Signals(res.signal).name}."

@@ -14,7 +14,7 @@ zygote's euid; `Sandbox.state["mode"]` says which held:
 
 The limits and isolation:
 
-- CPU time (RLIMIT_CPU: SIGXCPU, SIGKILL a second later), address space per process (RLIMIT_AS: Python's
+- CPU time per process (RLIMIT_CPU: SIGKILL at the limit), address space per process (RLIMIT_AS: Python's
   MemoryError), file size (RLIMIT_FSIZE: EFBIG), open files (RLIMIT_NOFILE), no core files;
 - processes (`max_processes`, threads included): RLIMIT_NPROC counts the processes of a uid, and root (with
   CAP_SYS_RESOURCE) ignores it. Measured here: as root, 100 forks all succeed under RLIMIT_NPROC 16. So in "root"
