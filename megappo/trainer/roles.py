@@ -109,7 +109,10 @@ def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: Parallel
     if model_cfg.lora.rank > 0:
         from megappo.models.lora import base_checksum
 
-        role.lora_base = {"path": os.path.abspath(path), "sha256": base_checksum(path)}
+        lc = model_cfg.lora  # what `convert mcore-to-hf --merge-lora/--lora-only` rebuilds the adapters with
+        role.lora_base = {"path": os.path.abspath(path), "sha256": base_checksum(path),
+                          "lora": {"rank": lc.rank, "alpha": lc.alpha, "target_modules": list(lc.target_modules),
+                                   "exclude_modules": list(lc.exclude_modules)}}
     role.remember_lrs()
     return role
 
