@@ -190,7 +190,7 @@ def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Op
     out_dtype = parse_dtype(dtype) if dtype else torch.float32
     platform = detect_platform(dtype=torch.float32)
     ps = init_parallel(ParallelLayout(tp=tp), platform)
-    chunks = build_model(base, "actor", ps, platform)
+    chunks = build_model(base, "actor", ps, platform, config_overrides={"use_transformer_engine": False})
     load_hf_weights(chunks, base, ps)
     apply_lora(chunks, LoRASettings(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"],
                                     exclude_modules=lora["exclude_modules"]))

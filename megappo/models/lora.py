@@ -110,7 +110,7 @@ class LoRAAdapter(nn.Module):
 
     def __init__(self, base: nn.Module, kind: str, settings: LoRASettings, name: str):
         super().__init__()
-        self.kind, self.scaling, self.name = kind, settings.scaling, name
+        self.kind, self.scaling, self.name = kind, settings.scaling, name  # name: the weight's canonical name
         self.tp_group = getattr(base, "tp_group", None)
         tp, rank = _group_size(self.tp_group), _group_rank(self.tp_group)
         self.explicit_expert_comm = bool(getattr(base, "explicit_expert_comm", False))
@@ -208,23 +208,36 @@ def apply_lora(model_chunks: Sequence[nn.Module], settings: LoRASettings,
 
     from megappo.models.builder import unwrap
 
+    from megatron.core import parallel_state as mpu
+
+    from megappo.convert.mapping import canonical_name
+
     settings.validate()
     adapters = []
     for chunk in model_chunks:
         m = unwrap(chunk)
         m.requires_grad_(False)
+        # adapters are seeded by their global name (layer and expert numbers of the whole model): the same initial
+        # adapters at any pipeline / expert-parallel layout
+        numbers = [layer.layer_number for layer in m.decoder.layers] if hasattr(m, "decoder") else []
+        experts = getattr(m.config, "num_moe_experts", None) or 0
+        ep = m.config.expert_model_parallel_size
+        expert_offset = mpu.get_expert_model_parallel_rank() * (experts // ep) if experts and ep > 1 else 0
         for name in trainable:
             sub = getattr(m, name, None)
             if sub is not None:
                 sub.requires_grad_(True)
         for name, module in list(m.named_modules()):
-            kind = _kind(module)
-            if kind is None or not settings.targets(name):
+            if not settings.targets(name):
                 continue
+            kind = _kind(module)
+            if kind is None:
+                raise NotImplementedError(f"LoRA on {name}: {type(module).__name__} is not megatron's column/row-"
+                                          "parallel linear (transformer-engine layers: build with the local spec)")
             if hasattr(module, "layer_norm_weight"):
                 raise NotImplementedError(f"LoRA on {name}: transformer-engine's fused norm+linear; LoRA models "
                                           "use the local layer spec")
-            module.lora = LoRAAdapter(module, kind, settings, name)
+            module.lora = LoRAAdapter(module, kind, settings, canonical_name(f"{name}.weight", numbers, expert_offset))
             module.register_forward_hook(_hook, with_kwargs=True)
             module.sharded_state_dict = functools.partial(_sharded_state_dict, module, module.sharded_state_dict)
             adapters.append(module.lora)

@@ -84,6 +84,8 @@ def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
 
 def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> list[nn.Module]:
     hf, tc = _architecture(model_cfg, path)
+    if name in ("actor", "critic") and model_cfg.lora.rank > 0:
+        tc["use_transformer_engine"] = False  # adapters hook megatron's own linear layers (models/lora.py)
     chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc)
     load_hf_weights(chunks, path, ps)
     if name in ("actor", "critic") and model_cfg.lora.rank > 0:
