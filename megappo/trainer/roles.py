@@ -97,7 +97,7 @@ def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfor
         if model_cfg.lora.adapter_path:
             from megappo.convert.peft_io import load_peft_adapter
 
-            load_peft_adapter(chunks, model_cfg.lora.adapter_path, ps, hf)
+            load_peft_adapter(chunks, os.path.expanduser(model_cfg.lora.adapter_path), ps, hf)
     return chunks
 
 
