@@ -17,11 +17,12 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_recipe(recipe: str, out: Path) -> list[dict]:
+def run_recipe(recipe: str, out: Path, *overrides: str) -> list[dict]:
     home = out.parent / "empty_home"
     home.mkdir(exist_ok=True)
     env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "megappo.cli", "train", "--config", recipe, f"trainer.default_local_dir={out}"]
+    cmd = [sys.executable, "-m", "megappo.cli", "train", "--config", recipe, f"trainer.default_local_dir={out}",
+           *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return read_metrics(str(out))
@@ -56,3 +57,18 @@ def test_lora_recipe_learns(tmp_path):
         check_lora_base(str(actor), {**base, "sha256": "0" * 64, "path": "/elsewhere"})
     with pytest.raises(CheckpointError, match="LoRA"):
         check_lora_base(str(actor), None)
+
+
+@pytest.mark.long
+def test_lora_critic(tmp_path):
+    """critic.model.lora: a LoRA critic trains its adapters and its value head; its checkpoint holds just those."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+
+    out = tmp_path / "lora_critic"
+    rows = run_recipe("recipes/cpu/tiny_ppo_lora.yaml", out, "critic.model.lora.rank=8", "critic.model.lora.alpha=16",
+                      "critic.optim.lr=1e-2", "trainer.save_freq=20", "trainer.test_freq=-1")
+    vf = [r["critic/vf_loss"] for r in rows if "critic/vf_loss" in r]
+    assert sum(vf[-5:]) < 0.7 * sum(vf[:5]), vf
+    keys = [k.replace("optimizer.state.exp_avg_sq.", "").replace("optimizer.state.exp_avg.", "")
+            for k in load_tensors_metadata(str(out / "checkpoints" / "global_step_20" / "critic"))]
+    assert "output_layer.weight" in keys and all(".lora." in k or k == "output_layer.weight" for k in keys), keys
