@@ -1,9 +1,10 @@
-"""LoRA adapters on megatron's linear layers (megappo.models.lora) at TP=1 and TP=2 (gloo, fp32).
+"""LoRA adapters on megatron's linear layers (megappo.models.lora) at TP=1, TP=2 and PP=2 (gloo, fp32).
 
 Each layout: an actor with adapters (B = 0) gives the base model's log-probs; a step trains only the adapters (the
 base has no gradient and no optimizer state); adapters off give exactly what a separately loaded reference gives;
 the merged export, loaded as a plain model, gives the LoRA model's log-probs; an adapter-only checkpoint (no base
-tensors in it) restores the adapters and the optimizer. TP=2's loss, gradient norm and merged weights equal TP=1's.
+tensors in it) restores the adapters and the optimizer. TP=2's and PP=2's loss, gradient norm and merged weights
+equal one rank's. MoE: adapters on the experts at EP=1 and EP=2.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _rel(a, b):
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
 
 
-def _job(rank, world_size, hf_dir, tmp, tp):
+def _job(rank, world_size, hf_dir, tmp, layout):
     import os
 
     import torch.distributed as dist
@@ -60,7 +61,8 @@ def _job(rank, world_size, hf_dir, tmp, tp):
     from megappo.trainer.checkpointing import write_actor_hf_dir
 
     plat = detect_platform()
-    ps = init_parallel(ParallelLayout(tp=tp), plat, seed=0)
+    ps = init_parallel(ParallelLayout(**layout), plat, seed=0)
+    tag = "_".join(f"{k}{v}" for k, v in layout.items()) or "single"
     hf_cfg = load_hf_config_dict(hf_dir)
     batch = _batch()
     out = {}
@@ -97,13 +99,13 @@ def _job(rank, world_size, hf_dir, tmp, tp):
     out["changed"] = sorted(changed)
     out["merged"] = merged
     # the merged export as a plain model gives the LoRA model's log-probs
-    mdir = os.path.join(tmp, f"merged_tp{tp}")
+    mdir = os.path.join(tmp, f"merged_{tag}")
     write_actor_hf_dir(iter_hf_weights(list(ddp), ps, hf_cfg), hf_cfg, hf_dir, mdir, torch.float32)
     plain = build_model(mdir, "ref", ps, plat, seed=3)
     load_hf_weights(plain, mdir, ps)
     out["merged_err"] = _rel(compute_log_probs(plain, batch, parallel_state=ps)[0], lp)
     # adapter-only checkpoint: save, disturb, load back
-    cdir = os.path.join(tmp, f"ckpt_tp{tp}")
+    cdir = os.path.join(tmp, f"ckpt_{tag}")
     save_model_checkpoint(ddp, cdir, optimizer=opt, scheduler_state=sched.state_dict())
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
@@ -124,12 +126,11 @@ def _job(rank, world_size, hf_dir, tmp, tp):
 def results(hf_model_dir, tmp_path_factory):
     hf_dir = hf_model_dir("qwen2")
     tmp = str(tmp_path_factory.mktemp("lora"))
-    r1 = run_distributed(_job, 1, hf_dir, tmp, 1, timeout=300)[0]
-    r2 = run_distributed(_job, 2, hf_dir, tmp, 2, timeout=300)[0]
-    return r1, r2
+    return [run_distributed(_job, n, hf_dir, tmp, layout, timeout=300)[0]
+            for n, layout in ((1, {}), (2, {"tp": 2}), (2, {"pp": 2}))]
 
 
-@pytest.mark.parametrize("i", [0, 1], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("i", [0, 1, 2], ids=["tp1", "tp2", "pp2"])
 def test_lora_layout(results, i):
     r = results[i]
     assert r["b0_err"] == 0.0, "B = 0 must give the base model"
@@ -144,8 +145,9 @@ def test_lora_layout(results, i):
     assert r["restored_err"] == 0.0 and r["replay_err"] <= REL
 
 
-def test_tp2_equals_tp1(results):
-    r1, r2 = results
+@pytest.mark.parametrize("i", [1, 2], ids=["tp2", "pp2"])
+def test_layouts_equal_single_rank(results, i):
+    r1, r2 = results[0], results[i]
     assert abs(r2["loss"] - r1["loss"]) <= REL * abs(r1["loss"])
     assert abs(r2["grad_norm"] - r1["grad_norm"]) <= REL * r1["grad_norm"]
     assert r1["merged"].keys() == r2["merged"].keys()

@@ -15,7 +15,8 @@ def test_verl_lora_keys_load():
                                "actor_rollout_ref.model.lora.merge=true",
                                "actor_rollout_ref.model.lora.lora_A_init_method=kaiming",
                                "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj]",
-                               "actor_rollout_ref.model.lora.exclude_modules=[decoder.layers.0.self_attention.linear_qkv]",
+                               "actor_rollout_ref.model.lora.exclude_modules="
+                               "[decoder.layers.0.self_attention.linear_qkv]",
                                "critic.model.lora.rank=8"])
     lora = cfg.actor_rollout_ref.model.lora
     assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.05, ["linear_qkv", "linear_proj"])

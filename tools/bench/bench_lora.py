@@ -1,7 +1,8 @@
 """Full-parameter vs LoRA actor step: trainable state (gradients + Adam moments) and step time, on CPU.
 
-The model is a random-weight GPTModel of Qwen2.5-0.5B's shape by default (24 layers, hidden 896, ffn 4864, 14 heads /
-2 KV heads, vocabulary 151936, tied embeddings: 494M parameters), fp32, TP1, one torch thread, one process per
+The model is a random-weight GPTModel with Qwen2.5-0.5B's widths by default (hidden 896, ffn 4864, 14 heads / 2 KV
+heads, vocabulary 151936, tied embeddings) and 28 layers instead of 24: 554M parameters (Qwen2.5-0.5B itself has
+494M), fp32, TP1, one torch thread, one process per
 configuration (fresh memory). The batch is --batch sequences of --prompt + --response tokens, one micro-batch.
 Printed per configuration: trainable parameters, the bytes of the gradient buffers and of the optimizer state
 (measured from megatron's grad buffers and Adam's state tensors), seconds per train step (forward + backward +
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=896)
     ap.add_argument("--ffn", type=int, default=4864)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--heads", type=int, default=14)
     ap.add_argument("--kv-heads", dest="kv_heads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
