@@ -213,3 +213,17 @@ def test_lora_on_moe_experts(hf_model_dir, tmp_path):
     assert r1["merged"].keys() == r2["merged"].keys()
     for k in r1["merged"]:
         assert _rel(r2["merged"][k], r1["merged"][k]) <= REL, k
+
+
+@pytest.mark.long
+def test_sequence_parallel_equals_single_rank(results, hf_model_dir, tmp_path):
+    """TP=2 with sequence parallelism: the adapters' rank-r activations are gathered / reduce-scattered along the
+    sequence and the replicated factor's gradient summed over TP."""
+    r1 = results[0]
+    r2 = run_distributed(_job, 2, hf_model_dir("qwen2"), str(tmp_path), {"tp": 2, "sequence_parallel": True},
+                         timeout=300)[0]
+    test_lora_layout([r2], 0)
+    assert abs(r2["loss"] - r1["loss"]) <= REL * abs(r1["loss"])
+    assert abs(r2["grad_norm"] - r1["grad_norm"]) <= REL * r1["grad_norm"]
+    for k in r1["merged"]:
+        assert _rel(r2["merged"][k], r1["merged"][k]) <= REL, k
