@@ -95,6 +95,31 @@ class AlgorithmConfig:
 # ----------------------------------------------------------------------------------------------------------------
 # models, optimisers and parallel layouts (shared by actor, ref and critic)
 # ----------------------------------------------------------------------------------------------------------------
+def _lora_targets() -> list[str]:
+    return ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters over a frozen base (verl's megatron `model.lora`; megappo/models/lora.py). The reference policy
+    is the actor with its adapters off; checkpoints hold the adapters and their optimizer state only."""
+
+    type: Literal["lora"] = "lora"
+    rank: int = 0  # > 0 enables LoRA
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input
+    dropout_position: Literal["pre"] = "pre"
+    # megatron linear layers that get adapters (dense and MoE experts alike)
+    target_modules: list[str] = field(default_factory=_lora_targets)
+    # module names (or name suffixes, e.g. "decoder.layers.0.self_attention.linear_qkv") left without adapters
+    exclude_modules: list[str] = field(default_factory=list)
+    lora_A_init_method: Literal["xavier", "kaiming"] = "xavier"
+    lora_B_init_method: Literal["zero"] = "zero"  # B = 0: training starts from the base model exactly
+    # the weight sync always sends merged weights (W + alpha/rank * B A) of the adapted layers; accepted for verl
+    merge: bool = False
+    adapter_path: Optional[str] = None  # a PEFT adapter directory to start the adapters from
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # Hugging Face model directory (config.json + safetensors); required
@@ -103,6 +128,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # let transformers run code shipped with the model
     enable_gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     override_config: dict[str, Any] = field(default_factory=dict)  # keys set on the HF config before building
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # critic.model.lora: a LoRA critic (adapters + value head)
 
 
 @dataclass

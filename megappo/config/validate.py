@@ -65,6 +65,9 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
     _check_dapo(cfg, errors)
+    for prefix, model in (("actor_rollout_ref.model.lora", cfg.actor_rollout_ref.model),
+                          ("critic.model.lora", cfg.critic.model)):
+        _check_lora(prefix, model.lora, errors, check_files)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):
         _check_optim(prefix, optim, errors)
@@ -406,3 +409,26 @@ def _lookup(cfg: MegappoConfig, key: str):
     for part in key.split("."):
         node = getattr(node, part)
     return node
+
+
+_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _check_lora(prefix: str, lora, errors: list[str], check_files: bool) -> None:
+    """model.lora: the adapter shape (megappo/models/lora.py)."""
+    if lora.rank < 0:
+        errors.append(f"{prefix}.rank={lora.rank}: use 0 (no LoRA) or a positive rank such as 8, 16, 64")
+    if lora.rank == 0:
+        return
+    if lora.alpha <= 0:
+        errors.append(f"{prefix}.alpha={lora.alpha}: must be > 0 (adapters are scaled by alpha / rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+        errors.append(f"{prefix}.dropout={lora.dropout}: must be in [0, 1)")
+    bad = [t for t in lora.target_modules if t not in _LORA_TARGETS]
+    if bad or not lora.target_modules:
+        errors.append(f"{prefix}.target_modules={list(lora.target_modules)}: choose among {list(_LORA_TARGETS)} "
+                      "(megatron's layer names)")
+    if check_files and lora.adapter_path and not os.path.isfile(
+            os.path.join(os.path.expanduser(lora.adapter_path), "adapter_model.safetensors")):
+        errors.append(f"{prefix}.adapter_path={lora.adapter_path}: no adapter_model.safetensors there; point it at "
+                      "a PEFT adapter directory (megappo convert mcore-to-hf --lora-only writes one)")

@@ -88,6 +88,16 @@ def register(subparsers) -> None:
                    help="build and load the megatron model (at --tp/--pp/--ep, torchrun for several ranks) and export "
                         "it through the trainer's weight-sync path, instead of streaming tensors out of the "
                         "checkpoint files (default; one process, memory ~ one parameter)")
+    lg = m.add_mutually_exclusive_group()
+    lg.add_argument("--merge-lora", action="store_true",
+                    help="--mcore is a LoRA trainer checkpoint (global_step_N/actor, adapters only): write its base "
+                         "model with the adapters merged (W + alpha/r * B A)")
+    lg.add_argument("--lora-only", action="store_true",
+                    help="--mcore is a LoRA trainer checkpoint: write a PEFT adapter directory (adapter_config.json, "
+                         "adapter_model.safetensors) that peft loads onto the base model")
+    m.add_argument("--base", default=None,
+                   help="with --merge-lora/--lora-only: the base HF directory (default: the path the checkpoint "
+                        "names; its checksum must match)")
     _layout_args(m)
     m.set_defaults(func=_mcore_to_hf)
 
@@ -265,6 +275,12 @@ def _mcore_to_hf(args) -> int:
     def go(a) -> int:
         from megappo.convert.mcore_to_hf import mcore_to_hf, parse_size
 
+        if a.merge_lora or a.lora_only:
+            from megappo.convert.peft_io import lora_to_hf
+
+            lora_to_hf(a.mcore, a.out, lora_only=a.lora_only, base=a.base, dtype=a.dtype, force=a.force, tp=a.tp,
+                       max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))
+            return 0
         mcore_to_hf(a.mcore, a.out, dtype=a.dtype, force=a.force, from_model=a.from_model, tp=a.tp, pp=a.pp, ep=a.ep,
                     etp=a.etp, max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))
         return 0

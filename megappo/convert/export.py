@@ -87,7 +87,8 @@ def _expert_index(canonical: str) -> int:
 @torch.no_grad()
 def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, *,
                     bucket_bytes: int = 512 << 20, role: Optional[str] = None,
-                    dtype: Optional[torch.dtype] = None, copy: bool = True) -> Iterator[Bucket]:
+                    dtype: Optional[torch.dtype] = None, copy: bool = True,
+                    only_adapted: bool = False) -> Iterator[Bucket]:
     """Yield buckets (lists of (hf_name, full tensor)) of about `bucket_bytes` covering the whole model.
 
     hf_config: the HF config (dict or transformers config) the model was built from. role: None reads the chunks'
@@ -95,13 +96,24 @@ def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState
     Collective: every rank of the world calls it with the same arguments; see the module docstring for which
     groups are used. Tensors are on the parameters' device; fresh copies (safe to keep) unless `copy=False`, which
     may yield views of the parameters, valid until they next change (module docstring).
+
+    A LoRA model (`megappo.models.lora`) yields its merged weights (W + scaling * B A; adapters that are off
+    leave W); `only_adapted` yields only the adapted layers' weights, the ones a LoRA step changes (every rank
+    must pass the same value).
     """
     spec = model_spec_from_hf_config(hf_config)
     role = role or model_role(model_chunks)
     ordered = param_maps(spec, role)
     maps = {pm.mcore: pm for pm in ordered}
+    if only_adapted:
+        from megappo.models.lora import is_lora_target_weight, lora_settings
+
+        lora = lora_settings(model_chunks)
+        if lora is None:
+            raise ValueError("only_adapted: the model has no LoRA adapters")
+        ordered = [pm for pm in ordered if is_lora_target_weight(pm.mcore, lora)]
     ps = parallel_state
-    mine = {lp.canonical: lp for lp in local_params(model_chunks, spec, ps, maps)}
+    mine = {lp.canonical: lp for lp in local_params(model_chunks, spec, ps, maps, merge_lora=True)}
     device = next(iter(mine.values())).param.device if mine else torch.device("cpu")
     num_local = spec.num_experts // ps.ep_size if spec.num_experts else 0
 

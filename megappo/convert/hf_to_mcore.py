@@ -67,18 +67,26 @@ def model_role(model_chunks: list[nn.Module]) -> str:
 
 
 def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state: ParallelState,
-                 maps: dict[str, ParamMap]) -> list[LocalParam]:
+                 maps: dict[str, ParamMap], merge_lora: bool = False) -> list[LocalParam]:
     """Every parameter of this rank's chunks, canonically named and checked against the mapping `maps`.
 
+    LoRA adapter factors (`megappo.models.lora`) are not HF parameters and are left out; with `merge_lora` an
+    adapted layer's weight is given as its merged shard (a new tensor) instead of the parameter.
     Raises ConversionError for a megatron parameter the mapping does not know (a spec/config mismatch).
     """
+    from megappo.models.lora import is_adapter_param, merged_weights
+
     ep_size = parallel_state.ep_size
     num_local = spec.num_experts // ep_size if spec.num_experts else 0
     out = []
     for chunk in model_chunks:
         m = unwrap(chunk)
         layer_numbers = [layer.layer_number for layer in m.decoder.layers] if hasattr(m, "decoder") else []
+        merged = merged_weights(m) if merge_lora else {}
         for local, p in m.named_parameters():
+            if is_adapter_param(local):
+                continue
+            p = merged.get(id(p), p)
             name = canonical_name(local, layer_numbers, parallel_state.ep_rank * num_local)
             if name == "output_layer.weight" and spec.tied_embeddings and name not in maps:
                 name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding (PP > 1)

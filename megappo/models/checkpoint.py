@@ -86,10 +86,21 @@ def _metadata(dp_cp_group: Any) -> dict[str, Any]:
     return md
 
 
+def _chunk_sharded_state_dict(chunk: nn.Module, metadata: dict) -> dict[str, Any]:
+    """A chunk's sharded state dict; a LoRA model's holds only what it trains (adapters, a critic's value head):
+    its frozen base is the Hugging Face checkpoint it was built from (`megappo.models.lora`)."""
+    m = unwrap(chunk)
+    sd = m.sharded_state_dict(metadata=metadata)
+    if getattr(m, "megappo_lora", None) is None:
+        return sd
+    head = m.output_layer.weight.requires_grad if getattr(m, "output_layer", None) is not None else False
+    return {k: v for k, v in sd.items() if ".lora." in k or (head and k.startswith("output_layer."))}
+
+
 def _model_sharded_state_dict(model_chunks: list[nn.Module], metadata: dict) -> dict[str, Any]:
     if len(model_chunks) == 1:
-        return {"model": unwrap(model_chunks[0]).sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": unwrap(m).sharded_state_dict(metadata=metadata) for i, m in enumerate(model_chunks)}
+        return {"model": _chunk_sharded_state_dict(model_chunks[0], metadata)}
+    return {f"model{i}": _chunk_sharded_state_dict(m, metadata) for i, m in enumerate(model_chunks)}
 
 
 def _check_shapes(state: dict, directory: str, info: dict, model_chunks: list[nn.Module]) -> None:
@@ -370,7 +381,8 @@ def load_model_checkpoint(
         )
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        unwrap(chunk).load_state_dict(loaded[key], strict=not missing)
+        partial = getattr(unwrap(chunk), "megappo_lora", None) is not None  # adapters only: the base stays
+        unwrap(chunk).load_state_dict(loaded[key], strict=not missing and not partial)
     if fresh:
         reset_to_fresh(optimizer, loaded.get("optimizer_fresh"))
     elif optimizer is not None:

@@ -64,10 +64,11 @@ class RolloutEngine(ABC):
         """Go on after `pause`."""
 
     @abstractmethod
-    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str) -> int:
+    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str, partial: bool = False) -> int:
         """Load the actor's weights, bucket by bucket (every parameter, or ValueError), as `version`; returns it.
-        mode: the transport (rollout.weight_sync), one of the registry entry's `sync_modes`. Called between `pause`
-        and `resume`."""
+        mode: the transport (rollout.weight_sync), one of the registry entry's `sync_modes`. partial: the buckets
+        hold only the parameters that changed (a LoRA actor's adapted layers, merged); the others stay as loaded.
+        Called between `pause` and `resume`."""
 
     def update_weights_from_disk(self, model_path: str, *, version: int) -> int:
         """Load a Hugging Face directory of the same architecture as `version` (rollout.weight_sync=disk)."""

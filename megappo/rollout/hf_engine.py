@@ -193,9 +193,10 @@ class HFEngine(RolloutEngine):
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
-    def load_weights(self, buckets: Iterable[NamedTensors], *, version: int, mode: str = "tensor") -> int:
+    def load_weights(self, buckets: Iterable[NamedTensors], *, version: int, mode: str = "tensor",
+                     partial: bool = False) -> int:
         """The trainer's weight sync: the buckets' tensors copied into the model as they arrive (views suffice)."""
-        return self.update_weights(buckets, version=version)
+        return self.update_weights(buckets, version=version, complete=not partial)
 
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
         """Load a HF directory's safetensors (same architecture) into the running model."""

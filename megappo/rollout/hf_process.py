@@ -199,7 +199,8 @@ def _child_main(conn, parent_pid: int, arm_pdeathsig: bool, threads: int, model_
             elif kind == "update_begin":
                 ended: list = []
                 try:
-                    result = engine.update_weights(update_stream(rid, ended), version=msg[2])
+                    result = engine.update_weights(update_stream(rid, ended), version=msg[2],
+                                                   complete=not (len(msg) > 3 and msg[3]))
                 except Exception as e:  # answer at once (the trainer stops streaming), then drop the rest
                     conn.send(("error", rid, _pickled_error(e)))
                     if not ended:
@@ -506,7 +507,7 @@ class HFProcessEngine(RolloutEngine):
                     raise
 
     # -- weights -----------------------------------------------------------------------------------------------
-    def update_weights(self, buckets: Iterable[Union[list, tuple]], *, version: int) -> int:
+    def update_weights(self, buckets: Iterable[Union[list, tuple]], *, version: int, partial: bool = False) -> int:
         """Load checkpoint-named tensors (buckets of (name, tensor) pairs, or pairs) into the child's model as
         `version` (every parameter, or the child's ValueError); returns it. Each bucket is copied once into a shared
         staging buffer here and once into the parameters there; the caller may reuse its tensors on return."""
@@ -519,7 +520,7 @@ class HFProcessEngine(RolloutEngine):
             acks: "queue.Queue[int]" = queue.Queue()
             fut: Future = Future()
             with channel.send_lock:
-                rid = channel.request_locked("update_begin", (int(version),), fut)
+                rid = channel.request_locked("update_begin", (int(version), bool(partial)), fut)
                 with channel.lock:
                     channel.acks[rid] = acks
             acked, sent = 0, 0
@@ -555,11 +556,12 @@ class HFProcessEngine(RolloutEngine):
             self.weight_version = fut.result()
             return self.weight_version
 
-    def load_weights(self, buckets: Iterable[list], *, version: int, mode: str = "tensor") -> int:
+    def load_weights(self, buckets: Iterable[list], *, version: int, mode: str = "tensor",
+                     partial: bool = False) -> int:
         """The trainer's weight sync (rollout.weight_sync=tensor): `update_weights`."""
         if mode not in self.modes:
             raise ValueError(f"{type(self).__name__} loads weights in modes {self.modes}, not {mode!r}")
-        return self.update_weights(buckets, version=version)
+        return self.update_weights(buckets, version=version, partial=partial)
 
     def update_weights_from_disk(self, model_path: str, *, version: int) -> int:
         """Load a Hugging Face directory of the same architecture (safetensors) into the child's model."""

@@ -278,7 +278,8 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = version
         return version
 
-    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed") -> int:
+    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed",
+                     partial: bool = False) -> int:
         """The trainer's weight sync into this one server: a broadcast per bucket. Colocated servers take weights by
         handle (mode "tensor") through `SGLangFleet`, which keeps the shared staging buffers."""
         if mode != "distributed":

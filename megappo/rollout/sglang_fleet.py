@@ -306,8 +306,10 @@ class SGLangFleet(RolloutEngine):
         self.weight_version = version
         return version
 
-    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed") -> int:
-        """The trainer's weight sync: one broadcast per bucket (distributed) or by handle (tensor: colocated)."""
+    def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed",
+                     partial: bool = False) -> int:
+        """The trainer's weight sync: one broadcast per bucket (distributed) or by handle (tensor: colocated).
+        A server takes any subset of its parameters: `partial` needs nothing more."""
         send = self.update_weights_from_tensor if mode == "tensor" else self.update_weights
         return send(buckets, version=version)
 

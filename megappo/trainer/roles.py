@@ -6,6 +6,7 @@ megatron's optimizer and LR schedule. On GPU the frozen reference is offloaded t
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,6 +30,10 @@ class Role:
     optimizer: Any = None
     scheduler: Any = None
     offloaded: bool = field(default=False, repr=False)
+    # a LoRA reference: the actor's chunks, run with the adapters off (no second copy of the model)
+    adapters_off: bool = False
+    # a LoRA role: {"path", "sha256"} of the frozen base its checkpoints hold the adapters of
+    lora_base: Optional[dict] = None
     # the learning rates as built, before anything loads or scales them: each param group's (max_lr, min_lr), and
     # the schedule's (max_lr, min_lr, init_lr)
     base_lrs: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -79,8 +84,20 @@ def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
 
 def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> list[nn.Module]:
     hf, tc = _architecture(model_cfg, path)
+    if name in ("actor", "critic") and model_cfg.lora.rank > 0:
+        tc["use_transformer_engine"] = False  # adapters hook megatron's own linear layers (models/lora.py)
     chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc)
     load_hf_weights(chunks, path, ps)
+    if name in ("actor", "critic") and model_cfg.lora.rank > 0:
+        from megappo.models.lora import LoRASettings, apply_lora
+
+        # a critic trains its fresh value head along with the adapters
+        apply_lora(chunks, LoRASettings.from_config(model_cfg.lora, seed=seed),
+                   trainable=("output_layer",) if name == "critic" else ())
+        if model_cfg.lora.adapter_path:
+            from megappo.convert.peft_io import load_peft_adapter
+
+            load_peft_adapter(chunks, os.path.expanduser(model_cfg.lora.adapter_path), ps, hf)
     return chunks
 
 
@@ -91,6 +108,13 @@ def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: Parallel
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)
     role = Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt))
+    if model_cfg.lora.rank > 0:
+        from megappo.models.lora import base_checksum
+
+        lc = model_cfg.lora  # what `convert mcore-to-hf --merge-lora/--lora-only` rebuilds the adapters with
+        role.lora_base = {"path": os.path.abspath(path), "sha256": base_checksum(path),
+                          "lora": {"rank": lc.rank, "alpha": lc.alpha, "target_modules": list(lc.target_modules),
+                                   "exclude_modules": list(lc.exclude_modules)}}
     role.remember_lrs()
     return role
 
@@ -108,7 +132,11 @@ def build_roles(cfg: MegappoConfig, ps: ParallelState, platform: Platform, total
     path = arr.model.path
     actor = _trainable("actor", path, arr.model, cfg, ps, platform, total_steps, seed)
     uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref = _frozen("ref", path, arr.model, ps, platform, seed) if uses_ref else None
+    ref = None
+    if uses_ref and arr.model.lora.rank > 0:  # the reference is the actor's base: the actor with adapters off
+        ref = Role("ref", actor.chunks, path, adapters_off=True)
+    elif uses_ref:
+        ref = _frozen("ref", path, arr.model, ps, platform, seed)
     critic = None
     if cfg.critic.enable:
         critic = _trainable("critic", cfg.critic.model.path, cfg.critic.model, cfg, ps, platform, total_steps,
@@ -124,13 +152,22 @@ class on_device:  # noqa: N801 - used as a context manager, like torch.no_grad
 
     def __init__(self, role: Role, platform: Platform):
         self.role, self.platform = role, platform
+        self.off = None
 
     def __enter__(self) -> Role:
         if self.role.offloaded:
             reload(self.role.chunks, self.platform.device)
+        if self.role.adapters_off:
+            from megappo.models.lora import adapters_disabled
+
+            self.off = adapters_disabled(self.role.chunks)
+            self.off.__enter__()
         return self.role
 
     def __exit__(self, *exc: Any) -> None:
+        if self.off is not None:
+            self.off.__exit__(*exc)
+            self.off = None
         if self.role.offloaded:
             offload_to_cpu(self.role.chunks)
 
@@ -138,6 +175,14 @@ class on_device:  # noqa: N801 - used as a context manager, like torch.no_grad
 def describe(roles: Roles, ps: ParallelState) -> list[str]:
     out = []
     for role in (roles.actor, roles.ref, roles.critic, roles.reward):
-        if role is not None:
+        if role is not None and role.adapters_off:
+            out.append("ref: the actor with its LoRA adapters off (no separate copy)")
+        elif role is not None:
             out.append(model_config_summary(role.chunks, ps))
+            if role.lora_base is not None:
+                from megappo.models.lora import trainable_summary
+
+                trained, total = trainable_summary(role.chunks)
+                out.append(f"{role.name} LoRA: {trained:,} of {total:,} parameters trainable on this rank "
+                           f"({100 * trained / max(total, 1):.2f}%)")
     return out

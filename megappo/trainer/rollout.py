@@ -103,8 +103,14 @@ class RolloutWorker:
         # views of the parameters (no export copy) for engines that copy each bucket away at once; the disk writer
         # and an engine that keeps the tensors (CUDA IPC hands over their memory) get copies
         keep = mode == "disk" or (target is not None and target.needs_copies(mode))
+        # a LoRA actor changes only its adapted layers (sent merged); the engines keep the rest of the base they
+        # loaded. The disk mode writes a complete directory.
+        from megappo.models.lora import lora_settings
+
+        only_adapted = mode != "disk" and lora_settings(list(actor_chunks)) is not None
         buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                  dtype=self.platform.dtype, copy=keep)
+                                  dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted)
+        partial = {"partial": True} if only_adapted else {}
         nbytes = 0
 
         def counted():
@@ -118,7 +124,8 @@ class RolloutWorker:
             if target is not None:
                 self._around_sync(target, version, lambda: target.update_weights_from_disk(directory, version=version))
         elif target is not None:
-            self._around_sync(target, version, lambda: target.load_weights(counted(), version=version, mode=mode))
+            self._around_sync(target, version, lambda: target.load_weights(counted(), version=version, mode=mode,
+                                                                                 **partial))
         else:
             for _ in counted():  # every rank takes part in the gathers that build each bucket
                 pass

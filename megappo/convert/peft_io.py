@@ -1,0 +1,214 @@
+"""LoRA adapters <-> Hugging Face: merged exports and PEFT adapter directories (`megappo.models.lora`).
+
+- `lora_to_hf(ckpt, out, lora_only=False)`: `megappo convert mcore-to-hf --merge-lora` (a complete HF model with
+  `W + alpha/r * B A` in every adapted layer) or `--lora-only` (a PEFT directory: `adapter_config.json` and
+  `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained(base, dir)` loads onto the base). The
+  checkpoint is a LoRA role's trainer checkpoint (`global_step_N/actor`): adapters only, with `lora_base.json`
+  naming the base model, its checksum and the adapter shape.
+- `load_peft_adapter(chunks, dir, ps, hf_config)`: the reverse, `model.lora.adapter_path`.
+
+PEFT names adapters per HF linear layer; megatron fuses q/k/v (`linear_qkv`) and gate/up (`linear_fc1`). A fused
+layer's B is split as the conversion code splits the fused weight (`mapping.merge_to_hf`: per query group, gate/up
+halves), and its A, shared by the parts, is written once per part: q_proj, k_proj and v_proj carry the same A.
+Reading back takes the first part's A (they are equal when megappo wrote them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megappo.convert.mapping import ConversionError, ParamMap, merge_to_hf, model_spec_from_hf_config, param_maps
+
+PEFT_PREFIX = "base_model.model."
+
+
+def _adapted(model_chunks: list[nn.Module], spec: Any, ps: Any) -> list[tuple[str, Any]]:
+    """(canonical weight name, adapter) of this rank's adapted layers (global layer numbers)."""
+    from megappo.convert.mapping import canonical_name
+    from megappo.models.builder import unwrap
+    from megappo.models.lora import LoRAAdapter
+
+    out = []
+    num_local = spec.num_experts // ps.ep_size if spec.num_experts else 0
+    for chunk in model_chunks:
+        m = unwrap(chunk)
+        numbers = [layer.layer_number for layer in m.decoder.layers]
+        for name, module in m.named_modules():
+            if isinstance(getattr(module, "lora", None), LoRAAdapter) and not name.endswith(".lora"):
+                out.append((canonical_name(f"{name}.weight", numbers, ps.ep_rank * num_local), module.lora))
+    return out
+
+
+def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    n = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    if n == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def _peft_key(hf_weight: str, factor: str) -> str:
+    return f"{PEFT_PREFIX}{hf_weight[: -len('.weight')]}.{factor}.weight"
+
+
+@torch.no_grad()
+def peft_state_dict(model_chunks: list[nn.Module], ps: Any, hf_config: Any,
+                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """The adapters as PEFT names them (full tensors, every rank). Tensor parallel only (pp = ep = 1)."""
+    if ps.pp_size > 1 or ps.ep_size > 1:
+        raise ConversionError("a PEFT export runs at pipeline and expert parallel size 1 (tensor parallel allowed)")
+    spec = model_spec_from_hf_config(hf_config)
+    maps = {pm.mcore: pm for pm in param_maps(spec, "actor")}
+    out: dict[str, torch.Tensor] = {}
+    for canonical, ad in _adapted(model_chunks, spec, ps):
+        pm: ParamMap = maps[canonical]
+        group = ps.expert_tp_group if pm.expert else ps.tp_group
+        a, b = ad.lora_A.detach(), ad.lora_B.detach()
+        if ad.kind == "column":  # B split like the weight's rows; A replicated and shared by the fused parts
+            parts = merge_to_hf(pm, spec, _gather(b, group))
+            for hf_name, b_part in parts:
+                out[_peft_key(hf_name, "lora_A")] = a.clone()
+                out[_peft_key(hf_name, "lora_B")] = b_part.clone()
+        else:  # A split like the weight's columns; B replicated
+            ((hf_name, a_full),) = merge_to_hf(pm, spec, _gather(a, group))
+            out[_peft_key(hf_name, "lora_A")] = a_full.clone()
+            out[_peft_key(hf_name, "lora_B")] = b.clone()
+    if dtype is not None:
+        out = {k: v.to(dtype) for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, base: str,
+                   all_layers: bool) -> dict:
+    """PEFT's adapter_config.json for `tensors`: short target names when every layer of those kinds is adapted,
+    else a regex of the exact modules (exclude_modules)."""
+    modules = sorted({k[len(PEFT_PREFIX):].rsplit(".lora_", 1)[0] for k in tensors})
+    short = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    targets: Any = short if all_layers else "^(" + "|".join(re.escape(m) for m in modules) + ")$"
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+            "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base,
+            "inference_mode": True}
+
+
+def write_peft_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(out_dir, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return out_dir
+
+
+@torch.no_grad()
+def load_peft_adapter(model_chunks: list[nn.Module], adapter_dir: str, ps: Any, hf_config: Any) -> int:
+    """Set the chunks' adapters from a PEFT directory (as `write_peft_dir` writes, or PEFT saves for the same
+    layers). Returns the number of adapters set; a layer the directory lacks raises ConversionError."""
+    from safetensors.torch import load_file
+
+    from megappo.convert.mapping import shard_from_hf
+
+    path = os.path.join(adapter_dir, "adapter_model.safetensors")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: missing; model.lora.adapter_path must be a PEFT adapter directory")
+    saved = load_file(path)
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    spec = model_spec_from_hf_config(hf_config)
+    maps = {pm.mcore: pm for pm in param_maps(spec, "actor")}
+    n = 0
+    for canonical, ad in _adapted(model_chunks, spec, ps):
+        if abs(cfg["lora_alpha"] / cfg["r"] - ad.scaling) > 1e-9 or cfg["r"] != ad.lora_A.shape[0]:
+            raise ConversionError(f"{adapter_dir}: r={cfg['r']} lora_alpha={cfg['lora_alpha']} differ from "
+                                  f"model.lora (rank {ad.lora_A.shape[0]}, alpha/rank {ad.scaling:g})")
+        pm = maps[canonical]
+        tp_rank, tp_size = (ps.etp_rank, ps.etp_size) if pm.expert else (ps.tp_rank, ps.tp_size)
+
+        def read(factor):
+            def reader(name, dim, start, stop):
+                key = _peft_key(name, factor)
+                if key not in saved:
+                    raise ConversionError(f"{path} lacks {key}")
+                t = saved[key]
+                return t if dim is None else t.narrow(dim, start, stop - start)
+            return reader
+
+        if ad.kind == "column":
+            ad.lora_A.copy_(saved[_peft_key(pm.hf[0], "lora_A")])
+            ad.lora_B.copy_(shard_from_hf(pm, spec, read("lora_B"), tp_rank, tp_size, tuple(ad.lora_B.shape)))
+        else:
+            ad.lora_A.copy_(shard_from_hf(pm, spec, read("lora_A"), tp_rank, tp_size, tuple(ad.lora_A.shape)))
+            ad.lora_B.copy_(saved[_peft_key(pm.hf[0], "lora_B")])
+        n += 1
+    return n
+
+
+def read_lora_base(ckpt_dir: str) -> dict:
+    from megappo.trainer.checkpointing import LORA_BASE_FILE
+
+    path = os.path.join(ckpt_dir, LORA_BASE_FILE)
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: missing; --merge-lora / --lora-only need a LoRA role's trainer checkpoint "
+                              "(global_step_N/actor of a run with model.lora.rank > 0)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Optional[str] = None,
+               dtype: Optional[str] = None, force: bool = False, tp: int = 1, max_shard_bytes: int = 5 * 10**9,
+               progress: bool = True) -> str:
+    """Export a LoRA checkpoint merged into its base (a complete HF directory) or as a PEFT adapter directory.
+    base: the base HF directory (default: the one the checkpoint names, which must still have its checksum)."""
+    from megappo.convert.hf_io import check_output_dir
+    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.convert.mcore_to_hf import output_config, write_hf_dir
+    from megappo.models.builder import build_model
+    from megappo.models.checkpoint import load_model_checkpoint
+    from megappo.models.hf_config import load_hf_config_dict
+    from megappo.models.lora import LoRASettings, apply_lora, base_checksum
+    from megappo.parallel import init_parallel
+    from megappo.platform import detect_platform, parse_dtype
+    from megappo.platform.layout import ParallelLayout
+
+    info = read_lora_base(ckpt_dir)
+    base = os.path.abspath(base or info["path"])
+    if base_checksum(base) != info["sha256"]:
+        raise ConversionError(f"{base} is not the base model the adapters in {ckpt_dir} were trained on "
+                              f"(sha256 differs from {info['sha256'][:12]}...); pass --base with that model")
+    check_output_dir(out_dir, {"--mcore": ckpt_dir, "--base": base}, force)
+    lora = info["lora"]
+    hf_config = load_hf_config_dict(base)
+    out_dtype = parse_dtype(dtype) if dtype else torch.float32
+    platform = detect_platform(dtype=torch.float32)
+    ps = init_parallel(ParallelLayout(tp=tp), platform)
+    chunks = build_model(base, "actor", ps, platform, config_overrides={"use_transformer_engine": False})
+    load_hf_weights(chunks, base, ps)
+    apply_lora(chunks, LoRASettings(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"],
+                                    exclude_modules=lora["exclude_modules"]))
+    load_model_checkpoint(chunks, ckpt_dir)
+    rank0 = ps.rank == 0
+    if lora_only:
+        tensors = peft_state_dict(chunks, ps, hf_config, dtype=out_dtype)
+        if rank0:
+            write_peft_dir(tensors, adapter_config(tensors, lora["rank"], lora["alpha"], base,
+                                                   all_layers=not lora["exclude_modules"]), out_dir)
+            if progress:
+                print(f"mcore-to-hf --lora-only: {len(tensors)} adapter tensors -> {out_dir}", flush=True)
+    else:
+        from megappo.convert.export import iter_hf_weights
+
+        items = (item for bucket in iter_hf_weights(chunks, ps, hf_config, dtype=out_dtype) for item in bucket)
+        write_hf_dir(items, base, out_dir, rank0, force, max_shard_bytes, progress,
+                     output_config(hf_config, "actor", out_dtype))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out_dir

@@ -1,0 +1,49 @@
+"""model.lora: verl's megatron LoRA keys load and validate; adapter targeting by module name (no torch work)."""
+from __future__ import annotations
+
+import pytest
+
+from megappo.config import ConfigError, load_config, validate
+from megappo.models.lora import LoRASettings, is_adapter_param, is_lora_target_weight
+
+RECIPE = "recipes/cpu/tiny_ppo_lora.yaml"
+
+
+def test_verl_lora_keys_load():
+    cfg = load_config(RECIPE, ["actor_rollout_ref.model.lora.type=lora", "actor_rollout_ref.model.lora.rank=16",
+                               "actor_rollout_ref.model.lora.alpha=32", "actor_rollout_ref.model.lora.dropout=0.05",
+                               "actor_rollout_ref.model.lora.merge=true",
+                               "actor_rollout_ref.model.lora.lora_A_init_method=kaiming",
+                               "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj]",
+                               "actor_rollout_ref.model.lora.exclude_modules="
+                               "[decoder.layers.0.self_attention.linear_qkv]",
+                               "critic.model.lora.rank=8"])
+    lora = cfg.actor_rollout_ref.model.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.05, ["linear_qkv", "linear_proj"])
+    assert cfg.critic.model.lora.rank == 8
+    validate(cfg, 1, check_files=False)
+    assert load_config("recipes/cpu/tiny_ppo.yaml").actor_rollout_ref.model.lora.rank == 0  # off by default
+
+
+@pytest.mark.parametrize("override, words", [
+    ("actor_rollout_ref.model.lora.target_modules=[q_proj]", "linear_qkv"),
+    ("actor_rollout_ref.model.lora.rank=-1", "positive rank"),
+    ("critic.model.lora.alpha=0", "alpha"),
+])
+def test_bad_lora_settings_are_named(override, words):
+    cfg = load_config(RECIPE, [override, "critic.model.lora.rank=4"] if "critic" in override else [override])
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, 1, check_files=False)
+
+
+def test_targets_and_exclusions():
+    s = LoRASettings(rank=8, target_modules=("linear_qkv", "linear_fc2"),
+                     exclude_modules=("decoder.layers.1.self_attention.linear_qkv",))
+    assert s.targets("decoder.layers.0.self_attention.linear_qkv")
+    assert not s.targets("decoder.layers.1.self_attention.linear_qkv")
+    assert not s.targets("decoder.layers.0.self_attention.linear_proj")
+    assert s.targets("decoder.layers.3.mlp.experts.local_experts.7.linear_fc2")
+    assert is_lora_target_weight("decoder.layers.0.mlp.linear_fc2.weight", s)
+    assert not is_lora_target_weight("decoder.layers.0.self_attention.linear_qkv.bias", s)
+    assert is_adapter_param("decoder.layers.0.mlp.linear_fc2.lora.lora_B")
+    assert s.scaling == 32.0 / 8
