@@ -6,6 +6,11 @@ pipeline stage turns its output into per-token results (vocab-parallel log-probs
 reference, per-token values for the critic); those are then broadcast over the pipeline group so every rank
 returns the same tensors.
 
+Packing. With `MicroBatching(packed=True)` (verl's use_remove_padding) and an attention that takes packed
+sequences (`can_pack`), each micro-batch runs as one pack of its sequences without padding (`megappo.models.packing`:
+input_ids [1, T] and megatron's `PackedSeqParams`), and the last stage reads each row's outputs at its place in the
+pack; everything after that (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors as padded.
+
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
 over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
