@@ -17,8 +17,12 @@ download) on the same prompts (fixed-length chat prompts of tokenizer words), wi
   has no old_log_prob or weight_sync phase; it scores with a reward model where megappo calls a function
   (--megappo-reward-model gives megappo the same reward model).
 
-Sizes: "tiny" (hidden 32, 2 layers, batch 8, 16-token responses: megappo's fixed per-step overheads by phase) and
-"compute" (about 30M parameters, batch 16, 64-token responses; the target is megappo <= 0.5x TRL's step time).
+Sizes: "tiny" (hidden 32, 2 layers, batch 8, 16-token responses: megappo's fixed per-step overheads by phase),
+"compute" (about 30M parameters, batch 16, 64-token responses; the target is megappo <= 0.5x TRL's step time) and
+"varlen" (3.4M parameters, batch 16, variable-length responses up to 512 tokens: EOS is honoured on both sides and
+the policy's EOS row is shaped (`shape_eos`) for lognormal lengths, median ~50; megappo runs packed micro-batches,
+TRL pads every batch to its longest response; the target is megappo <= 0.6x TRL's step time). Not in the default
+--sizes: shaping the EOS row samples a few 512-token probes first (minutes on CPU).
 
     pip install -e ".[bench]"        # trl==1.12.0 (check that torch stays at your version)
     python tools/bench/bench_ppo_iteration.py [--sizes tiny,compute] [--steps 3] [--threads 1] [--skip-trl]
