@@ -257,7 +257,14 @@ class SDPAttention(MegatronModule):
         nkv = key.size(1)
         if nq % nkv:
             raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
-        bounds = cu_q.tolist()
+        # one device-to-host copy per forward: every layer gets the same PackedSeqParams object
+        bounds = getattr(packed_seq_params, "_megappo_bounds", None)
+        if bounds is None:
+            bounds = cu_q.tolist()
+            try:
+                packed_seq_params._megappo_bounds = bounds
+            except AttributeError:  # a slotted or frozen params object: no cache
+                pass
         if bounds[0] != 0 or bounds[-1] != t:
             raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the pack of {t} tokens")
         gqa = {}
