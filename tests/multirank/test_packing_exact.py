@@ -54,6 +54,10 @@ def _run_layout(layout_kw, hf_dir, micro_kw):
     from megappo.platform.layout import ParallelLayout
 
     torch.set_num_threads(1)
+    layout_kw = dict(layout_kw)
+    overrides = {}
+    if layout_kw.pop("recompute", False):  # model.enable_gradient_checkpointing's megatron settings
+        overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
     full = _batch()
@@ -61,7 +65,7 @@ def _run_layout(layout_kw, hf_dir, micro_kw):
     settings = OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=4)
     res: dict = {}
     for role in ("actor", "critic"):
-        chunks = build_model(hf_dir, role, ps, plat, seed=3)
+        chunks = build_model(hf_dir, role, ps, plat, seed=3, config_overrides=overrides)
         load_hf_weights(chunks, hf_dir, ps)
         ddp = wrap_ddp(chunks, settings, plat)
         opt = build_optimizer(ddp, settings, plat)
@@ -114,9 +118,11 @@ def _spawn(world, hf_dir, layouts, timeout=400):
 
 
 def test_packed_equals_padded_tp1(hf_model_dir):
-    """World 1: fixed micro-batches of 3 (a micro-batch is one pack) and a token budget (budget fills packs)."""
+    """World 1: fixed micro-batches of 3 (a micro-batch is one pack), a token budget (budget fills packs), and
+    full activation recompute (gradient checkpointing: the packed params reach the recomputed layers)."""
     hf_dir = hf_model_dir("qwen2")
-    layouts = [({}, {"micro_batch_size": 3}), ({}, {"use_dynamic_bsz": True, "max_token_len": 80})]
+    layouts = [({}, {"micro_batch_size": 3}), ({}, {"use_dynamic_bsz": True, "max_token_len": 80}),
+               ({"recompute": True}, {"micro_batch_size": 4})]
     (per_layout,) = _spawn(1, hf_dir, layouts, timeout=300)
     for (layout, micro), res in zip(layouts, per_layout):
         _check(res, f"tp1 {micro}")
