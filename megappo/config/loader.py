@@ -386,6 +386,11 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
         actor.data_loader_seed = cfg.data.seed
     if model.tokenizer_path is None:
         model.tokenizer_path = model.path
+    if model.use_remove_padding is None:
+        model.use_remove_padding = True
+    for follower in (cfg.critic.model, cfg.reward_model):
+        if follower.use_remove_padding is None:
+            follower.use_remove_padding = model.use_remove_padding
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = model.tokenizer_path
     if cfg.data.gen_batch_size is None:

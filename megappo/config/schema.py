@@ -129,6 +129,10 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     override_config: dict[str, Any] = field(default_factory=dict)  # keys set on the HF config before building
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # critic.model.lora: a LoRA critic (adapters + value head)
+    # verl's name: run packed micro-batches (sequences concatenated without padding, megatron's THD format) where
+    # the attention supports it (megappo's SDPA local spec on CPU, transformer-engine on GPU); equal to the padded
+    # path to float summation order. None: true for actor_rollout_ref.model, the actor's value for critic.model
+    use_remove_padding: Optional[bool] = None
 
 
 @dataclass
@@ -390,6 +394,7 @@ class RewardModelConfig:
     enable: bool = False  # score with a learned reward model (otherwise rule rewards only)
     path: Optional[str] = None  # reward model directory when enable is true
     micro_batch_size_per_gpu: Optional[int] = None  # reward model forward micro batch
+    use_remove_padding: Optional[bool] = None  # packed forward (see ModelConfig); None: the actor's
     # Rule-reward batch scorer (megappo.rewards): how per-sample reward functions run in parallel.
     num_workers: int = 2  # worker processes (or Ray tasks in flight)
     backend: Literal["process", "ray", "serial"] = "process"  # serial: in the trainer process (debugging)

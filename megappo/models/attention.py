@@ -45,9 +45,14 @@ Semantics, matched to `DotProductAttention`:
   attention refuses GQA); otherwise the KV heads are repeated first, as megatron does, so that the memory-efficient
   kernel (fp32, explicit masks) still applies.
 
+Packed sequences (megatron's THD format, `packed_seq_params.qkv_format == "thd"`, see `megappo.models.packing`):
+query/key/value arrive as [t, heads, hn], the sequences concatenated at `cu_seqlens`; each sequence gets its own
+causal SDPA call on its slice (block-diagonal causal attention without a [t, t] mask), and the context is
+[t, np * hn]. `DotProductAttention` refuses packed sequences.
+
 Not supported (the builder keeps megatron's class then, see `SDPAttention.supports`): context parallelism (as
-`DotProductAttention`), sliding-window attention, `softmax_type` other than "vanilla". `attention_bias` and
-`packed_seq_params` are refused as in `DotProductAttention`.
+`DotProductAttention`), sliding-window attention, `softmax_type` other than "vanilla". `attention_bias` is refused
+as in `DotProductAttention`.
 """
 from __future__ import annotations
 
@@ -170,8 +175,7 @@ class SDPAttention(MegatronModule):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn], attention_mask bool (True = blocked) or None
         -> context [sq, b, np * hn]."""
         if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences are not supported by SDPAttention (nor by megatron's "
-                                      "DotProductAttention); use transformer-engine's attention")
+            return self._forward_packed(query, key, value, attention_mask, packed_seq_params)
         if attention_bias is not None:
             raise NotImplementedError("attention bias is not supported by SDPAttention (nor by DotProductAttention)")
         sq, b, nq, hn = query.shape
@@ -232,3 +236,67 @@ class SDPAttention(MegatronModule):
 
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)
+
+    def _forward_packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                        packed_seq_params: Any) -> Tensor:
+        """THD: query [t, np, hn], key/value [t, ng, hn] of sequences concatenated at `cu_seqlens`
+        -> [t, np * hn]; causal attention within each sequence, one SDPA call per sequence (no [t, t] mask)."""
+        if getattr(packed_seq_params, "qkv_format", None) != "thd":
+            raise NotImplementedError(f"SDPAttention packs the 'thd' format only, not "
+                                      f"{getattr(packed_seq_params, 'qkv_format', None)!r}")
+        if attention_mask is not None:
+            raise ValueError("packed sequences take no attention_mask: each sequence is causal by itself")
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError(f"packed SDPAttention is causal only, not {self.attn_mask_type}")
+        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None or (
+                cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv)):
+            raise NotImplementedError("packed SDPAttention needs cu_seqlens_kv == cu_seqlens_q and no padded "
+                                      "cu_seqlens (self attention, no context parallelism)")
+        t, nq, hn = query.shape
+        nkv = key.size(1)
+        if nq % nkv:
+            raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
+        # one device-to-host copy per forward: every layer gets the same PackedSeqParams object
+        bounds = getattr(packed_seq_params, "_megappo_bounds", None)
+        if bounds is None:
+            bounds = cu_q.tolist()
+            try:
+                packed_seq_params._megappo_bounds = bounds
+            except AttributeError:  # a slotted or frozen params object: no cache
+                pass
+        if bounds[0] != 0 or bounds[-1] != t:
+            raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the pack of {t} tokens")
+        gqa = {}
+        repeat = 1
+        if nq != nkv:
+            if _HAS_ENABLE_GQA and (query.device.type == "cpu" or query.dtype in (torch.float16, torch.bfloat16)):
+                gqa = {"enable_gqa": True}
+            else:
+                repeat = nq // nkv
+        dropout_p = self.dropout_p if self.training else 0.0
+        # [t, h, d] -> [1, h, t, d] views; each sequence is a slice along t
+        q_all = query.permute(1, 0, 2).unsqueeze(0)
+        k_all = key.permute(1, 0, 2).unsqueeze(0)
+        v_all = value.permute(1, 0, 2).unsqueeze(0)
+        if repeat > 1:
+            k_all = k_all.repeat_interleave(repeat, dim=1)
+            v_all = v_all.repeat_interleave(repeat, dim=1)
+
+        def attend() -> list[Tensor]:
+            outs = []
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                if hi <= lo:
+                    continue
+                outs.append(F.scaled_dot_product_attention(
+                    q_all[:, :, lo:hi], k_all[:, :, lo:hi], v_all[:, :, lo:hi], dropout_p=dropout_p,
+                    is_causal=hi - lo > 1, scale=self.softmax_scale, **gqa))  # [1, np, L, hn]
+            return outs
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                outs = attend()
+        else:
+            outs = attend()
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [1, np, t, hn]
+        return out[0].permute(1, 0, 2).reshape(t, nq * hn)

@@ -6,6 +6,11 @@ pipeline stage turns its output into per-token results (vocab-parallel log-probs
 reference, per-token values for the critic); those are then broadcast over the pipeline group so every rank
 returns the same tensors.
 
+Packing. With `MicroBatching(packed=True)` (verl's use_remove_padding) and an attention that takes packed
+sequences (`can_pack`), each micro-batch runs as one pack of its sequences without padding (`megappo.models.packing`:
+input_ids [1, T] and megatron's `PackedSeqParams`), and the last stage reads each row's outputs at its place in the
+pack; everything after that (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors as padded.
+
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
 over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
@@ -26,12 +31,13 @@ from torch import nn
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
 from megappo.models.microbatch import MicroBatchPlan, split_batch
+from megappo.models.packing import Pack, pack_micro_batch, unpack_window
 from megappo.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from megappo.parallel import ParallelState
 
 __all__ = [
     "ModelOutputs", "MicroBatchContext", "StepMetrics", "MicroBatching", "LossFn",
-    "compute_log_probs", "compute_values", "train_step", "left_aligned", "causal_mask",
+    "compute_log_probs", "compute_values", "train_step", "left_aligned", "causal_mask", "can_pack",
 ]
 
 
@@ -66,7 +72,10 @@ class MicroBatching:
 
     micro_batch_size: Optional[int] = None  # sequences per micro-batch; None: the whole batch at once
     use_dynamic_bsz: bool = False  # group by a token budget instead
-    max_token_len: Optional[int] = None  # padded tokens per micro-batch with use_dynamic_bsz
+    max_token_len: Optional[int] = None  # tokens per micro-batch with use_dynamic_bsz (padded, or packed)
+    # verl's use_remove_padding: each micro-batch runs as one pack of its sequences without padding (THD,
+    # megappo.models.packing) where the attention supports it (SDPAttention, transformer-engine); padded otherwise
+    packed: bool = False
 
 
 @dataclass
@@ -129,19 +138,27 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
 
 
 def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool, calculate_entropy: bool,
-                      temperature: float, tp_group: Any, vocab_size: Optional[int]) -> ModelOutputs:
+                      temperature: float, tp_group: Any, vocab_size: Optional[int],
+                      pack: Optional[Pack] = None) -> ModelOutputs:
     """The last stage's output [b, s, V/tp] (logits) or [b, s] (values) -> per-response-token outputs [b, r].
 
     Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
     (the value of the state before token j) are read from columns P-1 .. P+R-2: in the left-aligned rows the model
-    ran on, each row's last prompt token and the R - 1 columns after it.
+    ran on, each row's last prompt token and the R - 1 columns after it. With a `pack` the output is the packed
+    [1, T, ...] and those columns are read at each row's place in the pack.
     """
     if mb.prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
     window = _response_window(mb)  # the model ran on left-aligned rows (see `left_aligned`)
-    if value_model:
+    if pack is not None:
+        picked = unpack_window(output, pack, window)  # [b, R] values or [b, R, V/tp] logits
+        if value_model:
+            return ModelOutputs(values=picked.float())
+        logits = picked
+    elif value_model:
         return ModelOutputs(values=output.gather(1, window).float())
-    logits = output.gather(1, window.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+    else:
+        logits = output.gather(1, window.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature; a greedy rollout's "
                          "log-probs are under temperature 1 (use SamplingParams.logprob_temperature)")
@@ -153,8 +170,14 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
     return ModelOutputs(log_probs=logp, entropy=ent)
 
 
-def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable) -> tuple:
+def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable,
+                  packs: Optional[dict[int, Pack]] = None) -> tuple:
     mb = next(data_iterator)
+    pack = packs.get(id(mb)) if packs else None
+    if pack is not None:
+        output = model(input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=None,
+                       packed_seq_params=pack.packed_seq_params())
+        return output, partial(loss_func, mb, pack=pack)
     input_ids, position_ids = left_aligned(mb)
     spec = getattr(unwrap(model), "megappo_spec", None)
     # transformer-engine and megappo's SDPAttention apply the causal mask themselves (TE ignores one passed)
@@ -204,16 +227,47 @@ def _device(model_chunks: Sequence[nn.Module]) -> torch.device:
     return next(iter(model_chunks[0].parameters())).device
 
 
+def can_pack(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> bool:
+    """Whether these chunks run packed (THD) micro-batches: megappo's SDPAttention (local spec) or
+    transformer-engine attention, without context parallelism (TE's THD context parallelism: not wired yet)."""
+    model = unwrap(model_chunks[0])
+    spec = getattr(model, "megappo_spec", None)
+    attention = getattr(model, "megappo_sdpa_attention", False) or getattr(spec, "use_transformer_engine", False)
+    return bool(attention) and parallel_state.cp_size == 1
+
+
+def _pack_multiple(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> int:
+    # sequence parallelism splits the pack's tokens over the TP ranks
+    return parallel_state.tp_size if getattr(unwrap(model_chunks[0]).config, "sequence_parallel", False) else 1
+
+
 def _plan(model_chunks: Sequence[nn.Module], batch: ModelBatch, micro: MicroBatching,
           parallel_state: ParallelState) -> MicroBatchPlan:
-    """Micro-batches for megatron's schedule, on the model's device, with the constraints of this layout."""
+    """Micro-batches for megatron's schedule, on the model's device, with the constraints of this layout.
+
+    Packed (`micro.packed` and `can_pack`): `plan.packs` maps each micro-batch (by id) to its `Pack`; packs are
+    padded at the tail to one length where megatron needs equal shapes (virtual pipeline stages: every
+    micro-batch; the allgather MoE dispatcher: micro-batch i over the data-parallel group)."""
     device = _device(model_chunks)
+    packed = micro.packed and can_pack(model_chunks, parallel_state)
+    shape_group = _shape_group(model_chunks, parallel_state)
     plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
                        use_dynamic_bsz=micro.use_dynamic_bsz, dp_group=parallel_state.dp_group,
                        count_multiple=_count_multiple(parallel_state),
-                       uniform_shape=bool(parallel_state.vpp_size),
-                       shape_group=_shape_group(model_chunks, parallel_state), comm_device=device)
+                       uniform_shape=bool(parallel_state.vpp_size) and not packed,
+                       shape_group=None if packed else shape_group, comm_device=device, packed=packed)
     plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
+    if packed:
+        multiple = _pack_multiple(model_chunks, parallel_state)
+        packs = [pack_micro_batch(mb, multiple=multiple) for mb in plan.micro_batches]
+        lens = torch.tensor([p.num_tokens for p in packs], dtype=torch.long, device=device)
+        if parallel_state.vpp_size:
+            lens[:] = lens.max()
+        if shape_group is not None and dist.get_world_size(shape_group) > 1:
+            dist.all_reduce(lens, op=dist.ReduceOp.MAX, group=shape_group)
+        packs = [p if p.num_tokens == n else pack_micro_batch(mb, pack_len=n, multiple=multiple)
+                 for p, mb, n in zip(packs, plan.micro_batches, lens.tolist())]
+        plan.packs = {id(mb): p for mb, p in zip(plan.micro_batches, packs)}
     return plan
 
 
@@ -226,13 +280,18 @@ def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_
     n = len(plan)
     # One iterator per model chunk: with virtual pipeline stages every chunk walks the same micro-batches.
     iters = [iter(plan.micro_batches) for _ in model_chunks]
+    if plan.packs:  # packs are [T, 1, H] activations
+        seq_length, mbs = max(p.num_tokens for p in plan.packs.values()), 1
+    else:
+        seq_length = max(mb.seq_len for mb in plan.micro_batches)
+        mbs = max(mb.batch_size for mb in plan.micro_batches)
     return fbf(
-        forward_step_func=partial(_forward_step, loss_func=loss_func),
+        forward_step_func=partial(_forward_step, loss_func=loss_func, packs=plan.packs),
         data_iterator=iters if len(iters) > 1 else iters[0],
         model=list(model_chunks),
         num_microbatches=n,
-        seq_length=max(mb.seq_len for mb in plan.micro_batches),
-        micro_batch_size=max(mb.batch_size for mb in plan.micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=mbs,
         forward_only=forward_only,
     )
 
@@ -270,9 +329,10 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     vocab_size = _real_vocab_size(model_chunks)
     plan = _plan(model_chunks, batch, micro, parallel_state)
 
-    def loss_func(mb: ModelBatch, output: torch.Tensor):
+    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None):
         out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
-                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
+                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
+                                pack=pack)
         return torch.zeros((), device=output.device), out
 
     with torch.no_grad(), _mode(model_chunks, train=False):
@@ -393,9 +453,10 @@ def train_step(
     index_of = {id(mb): i for i, mb in enumerate(plan.micro_batches)}
     undo = float(n * parallel_state.dp_size)  # megatron divides by n (schedule) and by dp (DDP grad average)
 
-    def loss_func(mb: ModelBatch, output: torch.Tensor):
+    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None):
         out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
-                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
+                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
+                                pack=pack)
         ctx = MicroBatchContext(mb, n_tokens, n_seqs, index_of[id(mb)], n)
         loss, metrics = loss_fn(out, ctx)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -5,9 +5,9 @@ responses right-padded only to its longest response, so short sequences grouped 
 removes padding columns only; position ids travel with their tokens and padding is masked out of attention, so
 the model's per-token outputs do not depend on how sequences were grouped.
 
-With a token budget (`use_dynamic_bsz`, verl's `ppo_max_token_len_per_gpu`) the budget bounds the *padded*
-micro-batch, rows x (prompt + response columns), since that is what the model allocates: megatron's local
-attention on CPU and without transformer-engine runs on padded [b, s] tensors, not packed THD sequences.
+With a token budget (`use_dynamic_bsz`, verl's `ppo_max_token_len_per_gpu`) the budget bounds what the model
+allocates: the *padded* micro-batch, rows x (prompt + response columns), or, when micro-batches run packed
+(`packed`, verl's use_remove_padding, see `megappo.models.packing`), the sum of the rows' real tokens.
 
 Megatron's pipeline schedule runs the same number of micro-batches on every rank that shares a step, so the count
 is all-reduced (max) over the data-parallel group and ranks with fewer split their largest micro-batches.
@@ -33,6 +33,7 @@ class MicroBatchPlan:
     indices: list[torch.Tensor]  # [b_i] long: rows of the original batch, in micro-batch order
     batch_size: int  # B of the original batch
     response_len: int  # R of the original batch
+    packs: Optional[dict] = None  # id(micro-batch) -> megappo.models.packing.Pack when the micro-batches run packed
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -56,33 +57,38 @@ class MicroBatchPlan:
         return out
 
 
-def _group_cost(plen: torch.Tensor, rlen: torch.Tensor) -> int:
-    return int(plen.numel() * (int(plen.max()) + int(rlen.max())))
+def _cost(group: list[int], plen: list[int], rlen: list[int], packed: bool) -> int:
+    """Tokens the model runs on for a micro-batch: n * (max p + max r) padded, sum(p + r) packed."""
+    if packed:
+        return sum(plen[i] + rlen[i] for i in group)
+    return len(group) * (max(plen[i] for i in group) + max(rlen[i] for i in group))
 
 
-def _greedy(order: list[int], plen: list[int], rlen: list[int], budget: int) -> list[list[int]]:
-    """Contiguous groups of `order` whose padded cost n * (max p + max r) stays within `budget`.
+def _greedy(order: list[int], plen: list[int], rlen: list[int], budget: int,
+            packed: bool = False) -> list[list[int]]:
+    """Contiguous groups of `order` whose cost (`_cost`) stays within `budget`.
 
     The cost only grows as a group is extended, so filling greedily gives the fewest groups for a budget.
     """
     groups: list[list[int]] = []
     cur: list[int] = []
-    mp = mr = 0
+    mp = mr = tot = 0
     for i in order:
-        np_, nr = max(mp, plen[i]), max(mr, rlen[i])
-        if cur and (len(cur) + 1) * (np_ + nr) > budget:
+        np_, nr, nt = max(mp, plen[i]), max(mr, rlen[i]), tot + plen[i] + rlen[i]
+        cost = nt if packed else (len(cur) + 1) * (np_ + nr)
+        if cur and cost > budget:
             groups.append(cur)
-            cur, np_, nr = [], plen[i], rlen[i]
+            cur, np_, nr, nt = [], plen[i], rlen[i], plen[i] + rlen[i]
         cur.append(i)
-        mp, mr = np_, nr
+        mp, mr, tot = np_, nr, nt
     if cur:
         groups.append(cur)
     return groups
 
 
 def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
-                num_groups: Optional[int] = None) -> list[list[int]]:
-    """Group rows into micro-batches of padded cost <= `max_token_len`, balanced, longest first.
+                num_groups: Optional[int] = None, packed: bool = False) -> list[list[int]]:
+    """Group rows into micro-batches of cost <= `max_token_len` (padded, or `packed`), balanced, longest first.
 
     Rows are sorted by length, so similar lengths share a micro-batch (little padding). Without `num_groups` the
     fewest groups that fit are returned; with it (>= that minimum) exactly `num_groups`: the smallest budget that
@@ -96,7 +102,7 @@ def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
             "ppo_max_token_len_per_gpu (or log_prob_max_token_len_per_gpu) to at least the longest prompt + response"
         )
     order = sorted(range(n), key=lambda i: (-(plen[i] + rlen[i]), i))
-    groups = _greedy(order, plen, rlen, max_token_len)
+    groups = _greedy(order, plen, rlen, max_token_len, packed)
     if num_groups is None or num_groups == len(groups):
         return groups
     if num_groups < len(groups):
@@ -109,14 +115,14 @@ def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
     lo, hi = max(longest, 1), max_token_len  # greedy(hi) fits in <= num_groups; find the smallest such budget
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(_greedy(order, plen, rlen, mid)) <= num_groups:
+        if len(_greedy(order, plen, rlen, mid, packed)) <= num_groups:
             hi = mid
         else:
             lo = mid + 1
-    groups = _greedy(order, plen, rlen, lo)
+    groups = _greedy(order, plen, rlen, lo, packed)
     while len(groups) < num_groups:  # the bisection can land on fewer groups: split the costliest in two
         k = max((g for g in range(len(groups)) if len(groups[g]) > 1),
-                key=lambda g: len(groups[g]) * (max(plen[i] for i in groups[g]) + max(rlen[i] for i in groups[g])))
+                key=lambda g: _cost(groups[g], plen, rlen, packed))
         g = groups.pop(k)
         groups[k:k] = [g[: len(g) // 2], g[len(g) // 2:]]
     return groups
@@ -148,6 +154,7 @@ def split_batch(
     uniform_shape: bool = False,
     shape_group: Optional[dist.ProcessGroup] = None,
     comm_device: Union[str, torch.device] = "cpu",
+    packed: bool = False,
 ) -> MicroBatchPlan:
     """Split `batch` into micro-batches with the same count on every rank of `dp_group`.
 
@@ -160,6 +167,7 @@ def split_batch(
     `shape_group`: pad micro-batch i to its largest shape on any rank of this group (collectives that need equal
     sizes across ranks, e.g. megatron's allgather MoE token dispatcher under expert parallelism).
     `comm_device`: where the few integers of those collectives live ("cuda" for NCCL groups).
+    `packed`: the micro-batches run packed (`megappo.models.packing`): the token budget counts real tokens.
     """
     plen_t = batch.prompt_lengths()
     rlen_t = batch.response_lengths()
@@ -174,7 +182,7 @@ def split_batch(
     if use_dynamic_bsz:
         if not max_token_len or max_token_len <= 0:
             raise ValueError("use_dynamic_bsz=true needs a positive ppo_max_token_len_per_gpu")
-        groups = plan_groups(plen, rlen, max_token_len)
+        groups = plan_groups(plen, rlen, max_token_len, packed=packed)
     else:
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}; set "
@@ -189,7 +197,8 @@ def split_batch(
         count = int(t.item())
     count = -(-count // count_multiple) * count_multiple
     if count > len(groups):
-        groups = plan_groups(plen, rlen, max_token_len, count) if use_dynamic_bsz else _split_to(groups, count)
+        groups = (plan_groups(plen, rlen, max_token_len, count, packed=packed) if use_dynamic_bsz
+                  else _split_to(groups, count))
 
     micro, indices = [], []
     for g in groups:

@@ -79,23 +79,26 @@ class Batching:
 def batching(cfg: MegappoConfig) -> Batching:
     arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
     train = cfg.data.train_batch_size
+    lm_packed, critic_packed = bool(arr.model.use_remove_padding), bool(c.model.use_remove_padding)
     return Batching(
         actor_mini_batches=train // a.ppo_mini_batch_size,
         critic_mini_batches=train // (c.ppo_mini_batch_size or a.ppo_mini_batch_size),
         actor_epochs=a.ppo_epochs, critic_epochs=c.ppo_epochs or a.ppo_epochs,
         actor_shuffle=a.shuffle, critic_shuffle=bool(c.shuffle),
         shuffle_seed=a.data_loader_seed if a.data_loader_seed is not None else cfg.data.seed,
-        actor_train=MicroBatching(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu),
+        actor_train=MicroBatching(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
+                                  lm_packed),
         critic_train=MicroBatching(c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
-                                   c.ppo_max_token_len_per_gpu),
+                                   c.ppo_max_token_len_per_gpu, critic_packed),
         old_log_prob=MicroBatching(arr.rollout.log_prob_micro_batch_size_per_gpu,
                                    bool(arr.rollout.log_prob_use_dynamic_bsz),
-                                   arr.rollout.log_prob_max_token_len_per_gpu),
+                                   arr.rollout.log_prob_max_token_len_per_gpu, lm_packed),
         ref_log_prob=MicroBatching(arr.ref.log_prob_micro_batch_size_per_gpu, bool(arr.ref.log_prob_use_dynamic_bsz),
-                                   arr.ref.log_prob_max_token_len_per_gpu),
+                                   arr.ref.log_prob_max_token_len_per_gpu, lm_packed),
         values=MicroBatching(c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
-                             c.forward_max_token_len_per_gpu),
-        reward_model=MicroBatching(cfg.reward_model.micro_batch_size_per_gpu),
+                             c.forward_max_token_len_per_gpu, critic_packed),
+        reward_model=MicroBatching(cfg.reward_model.micro_batch_size_per_gpu,
+                                   packed=bool(cfg.reward_model.use_remove_padding)),
     )
 
 

@@ -60,11 +60,32 @@ def _rows(out: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(MACHINE_KEYS)} for row in read_metrics(str(out))]
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_sync_trainer_metrics_are_the_stored_ones(name, tmp_path, monkeypatch):
+# The rows were stored with padded micro-batches (use_remove_padding=false: compared bit for bit). Packed ones
+# (actor_rollout_ref.model.use_remove_padding, the default) change float summation order only: their metrics equal
+# the stored ones within PACKED_REL (measured: <= 1.5e-6 relative over both runs). Gradient norms get
+# GRAD_NORM_REL: after several Adam steps the weights carry the float noise of the gradients amplified by
+# lr / (|g| + eps) for entries with g near 0 (any change of summation order does this, a TP or PP layout too), and
+# tiny_ppo's actor grad norm at step 6 sits 1.6e-5 from the stored one.
+PADDED = "actor_rollout_ref.model.use_remove_padding=false"
+PACKED_REL = 1e-5
+GRAD_NORM_REL = 5e-5
+
+
+def _differs(key: str, got, want, packed: bool) -> bool:
+    if not packed or not isinstance(want, float) or not isinstance(got, (int, float)):
+        return got != want
+    rel = GRAD_NORM_REL if key.endswith("grad_norm") else PACKED_REL
+    return abs(got - want) > rel * max(abs(want), 1.0)
+
+
+@pytest.mark.parametrize("name,packed", [(n, p) for n in sorted(RUNS) for p in (False, True)])
+def test_sync_trainer_metrics_are_the_stored_ones(name, packed, tmp_path, monkeypatch):
     recipe, overrides = RUNS[name]
-    stored = REFERENCE / f"{name}.json"
+    overrides = overrides if packed else [*overrides, PADDED]
     writing = os.environ.get("MEGAPPO_WRITE_REFERENCE") == "1"
+    if writing and packed:
+        pytest.skip("the rows are stored from the padded run")
+    stored = REFERENCE / f"{name}.json"
     if not writing:
         reference = json.loads(stored.read_text())
         if reference["cpu"] != _cpu():
@@ -85,5 +106,5 @@ def test_sync_trainer_metrics_are_the_stored_ones(name, tmp_path, monkeypatch):
         assert set(want) <= set(got), f"step {want['step']}: {sorted(set(want) - set(got))} are gone"
         added = sorted(k for k in set(got) - set(want) if not k.startswith(NEW_KEYS))
         assert not added, f"step {want['step']}: {added} are new and not from {NEW_KEYS}"
-        diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        diff = {k: (got[k], want[k]) for k in want if _differs(k, got[k], want[k], packed)}
         assert not diff, f"step {want['step']}: {diff}"

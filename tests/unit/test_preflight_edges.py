@@ -147,7 +147,7 @@ def _unknown(override: str) -> str:
 
 
 def test_unknown_key_suggestion_prefers_its_own_section():
-    msg = _unknown("actor_rollout_ref.model.use_remove_padding=true")
+    msg = _unknown("actor_rollout_ref.model.use_fused_kernels=true")
     assert "server_python" not in msg and "actor_rollout_ref.rollout" not in msg
     assert "valid keys under 'actor_rollout_ref.model': path, tokenizer_path" in msg
     assert "did you mean 'critic.model.path'" in _unknown("critic.model.pth=x")

@@ -17,8 +17,12 @@ download) on the same prompts (fixed-length chat prompts of tokenizer words), wi
   has no old_log_prob or weight_sync phase; it scores with a reward model where megappo calls a function
   (--megappo-reward-model gives megappo the same reward model).
 
-Sizes: "tiny" (hidden 32, 2 layers, batch 8, 16-token responses: megappo's fixed per-step overheads by phase) and
-"compute" (about 30M parameters, batch 16, 64-token responses; the target is megappo <= 0.5x TRL's step time).
+Sizes: "tiny" (hidden 32, 2 layers, batch 8, 16-token responses: megappo's fixed per-step overheads by phase),
+"compute" (about 30M parameters, batch 16, 64-token responses; the target is megappo <= 0.5x TRL's step time) and
+"varlen" (3.4M parameters, batch 16, variable-length responses up to 512 tokens: EOS is honoured on both sides and
+the policy's EOS row is shaped (`shape_eos`) for lognormal lengths, median ~50; megappo runs packed micro-batches,
+TRL pads every batch to its longest response; the target is megappo <= 0.6x TRL's step time). Not in the default
+--sizes: shaping the EOS row samples a few 512-token probes first (minutes on CPU).
 
     pip install -e ".[bench]"        # trl==1.12.0 (check that torch stays at your version)
     python tools/bench/bench_ppo_iteration.py [--sizes tiny,compute] [--steps 3] [--threads 1] [--skip-trl]
@@ -50,6 +54,11 @@ SIZES = {
                  batch=8, response=16, epochs=1),
     "compute": dict(model=dict(QWEN, hidden_size=512, num_hidden_layers=10, num_attention_heads=8,
                                intermediate_size=1536), batch=16, response=64, epochs=1),
+    # variable lengths: EOS honoured on both sides, the policy's EOS row set so that response lengths are lognormal
+    # (median 48, sigma 1, up to 512; see shape_eos); megappo packs (use_remove_padding), TRL pads to the longest
+    "varlen": dict(model=dict(QWEN, hidden_size=256, num_hidden_layers=4, intermediate_size=768,
+                              max_position_embeddings=1024), batch=16, response=512, epochs=1,
+                   eos=dict(median=48.0, sigma=1.0)),
 }
 PROMPT_WORDS = 12  # content words per prompt: one token each, so every prompt has the same token count
 MEGAPPO_PHASES = ("rollout", "weight_sync", "reward", "reward_model", "ref", "old_log_prob", "values", "adv",
@@ -119,6 +128,61 @@ def write_parquet(path: str, contents: list[str]) -> str:
     return path
 
 
+def shape_eos(policy_dir: str, prompt_ids: list[list[int]], median: float, sigma: float, max_len: int,
+              seed: int = 0, probe_tokens: int = 24, rounds: int = 4) -> dict:
+    """Set the policy's EOS row of `lm_head` so that sampled response lengths are about lognormal(median, sigma).
+
+    Each prompt p draws a target length L_p (lognormal, clipped to 8..max_len). Sampling `probe_tokens` tokens
+    per prompt from the unchanged model gives the final hidden states h_t (which the EOS row does not change);
+    the EOS row w is the least-squares fit of w . h_t = logit(1 / L_p) + logsumexp(other logits at t) - shift, a
+    per-token EOS probability of about 1 / L_p on prompt p's responses. The fit's per-token noise shortens the
+    responses (the hazard is convex in it), so `shift` is bisected over `rounds` sampled probes until their median
+    length is the target's. Both trainers sample from this model and stop at EOS, so they see the same length
+    distribution. Returns a summary (target and probe lengths)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    eos = tok.eos_token_id
+    g = torch.Generator().manual_seed(seed)
+    n = len(prompt_ids)
+    target = torch.exp(torch.randn(n, generator=g) * sigma + torch.log(torch.tensor(median))).clamp(8, max_len)
+    ids = torch.tensor(prompt_ids)  # equal lengths (make_prompts)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=ones, do_sample=True, max_new_tokens=probe_tokens,
+                             min_new_tokens=probe_tokens, suppress_tokens=[eos], pad_token_id=eos)
+        hidden = model(out, output_hidden_states=True).hidden_states[-1][:, ids.shape[1] - 1:-1]  # [n, k, H]
+        logits = model.lm_head(hidden)
+        others = torch.cat([logits[..., :eos], logits[..., eos + 1:]], -1).logsumexp(-1)  # [n, k]
+        q = (1.0 / target).unsqueeze(1)
+        goals = (torch.log(q / (1 - q)) + others).reshape(-1)
+        feats = hidden.reshape(-1, hidden.shape[-1])
+        gram = feats.T @ feats + 1e-3 * torch.eye(feats.shape[1])
+
+        def probe(shift: float) -> torch.Tensor:
+            model.lm_head.weight[eos] = torch.linalg.solve(gram, feats.T @ (goals - shift))
+            torch.manual_seed(seed + 1)
+            resp = model.generate(ids, attention_mask=ones, do_sample=True, max_new_tokens=max_len,
+                                  eos_token_id=eos, pad_token_id=eos)[:, ids.shape[1]:]
+            hit = resp == eos
+            return torch.where(hit.any(1), hit.float().argmax(1) + 1, torch.full((n,), resp.shape[1])).float()
+
+        lo, hi = -2.0, 8.0
+        for _ in range(rounds):
+            mid = (lo + hi) / 2
+            lengths = probe(mid)
+            lo, hi = (mid, hi) if lengths.median() < target.median() else (lo, mid)
+        shift = (lo + hi) / 2
+        lengths = probe(shift)
+    model.save_pretrained(policy_dir)
+    return {"target_median": round(float(target.median()), 1), "probe_median": float(lengths.median()),
+            "probe_min": int(lengths.min()), "probe_max": int(lengths.max()),
+            "probe_mean": round(float(lengths.mean()), 1), "shift": shift}
+
+
 # ------------------------------------------------------------------------------------------------------------
 # TRL
 # ------------------------------------------------------------------------------------------------------------
@@ -161,7 +225,8 @@ def trl_config(out_dir: str, size: dict, steps: int):
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         per_device_train_batch_size=size["batch"], gradient_accumulation_steps=1, num_mini_batches=1,
         num_ppo_epochs=size["epochs"], total_episodes=size["batch"] * steps, response_length=size["response"],
-        local_rollout_forward_batch_size=size["batch"], stop_token=None, temperature=1.0, num_sample_generations=0,
+        local_rollout_forward_batch_size=size["batch"], stop_token="eos" if "eos" in size else None,
+        temperature=1.0, num_sample_generations=0,
         learning_rate=1e-6, kl_coef=0.001, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0, seed=0)
 
@@ -222,7 +287,7 @@ def megappo_overrides(models: dict, size: dict, steps: int, work: str, data: str
         f"data.train_files={data}", f"data.val_files={data}", f"data.train_batch_size={b}",
         f"data.max_response_length={size['response']}", "data.max_prompt_length=64",
         f"{arr}.actor.ppo_mini_batch_size={b}", f"{arr}.actor.ppo_epochs={size['epochs']}",
-        f"{arr}.rollout.ignore_eos=true", f"{arr}.rollout.temperature=1.0",
+        f"{arr}.rollout.ignore_eos={'false' if 'eos' in size else 'true'}", f"{arr}.rollout.temperature=1.0",
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
         f"custom_reward_function.path={reward_py}", "custom_reward_function.name=compute_score",
         "trainer.device=cpu", "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
@@ -327,7 +392,12 @@ def bench_size(name: str, args) -> None:
         models = make_models(work, size)
         from transformers import AutoTokenizer
 
-        prompt_len = len(make_prompts(AutoTokenizer.from_pretrained(models["paths"]["policy"]), 1)[1][0])
+        tok = AutoTokenizer.from_pretrained(models["paths"]["policy"])
+        prompt_len = len(make_prompts(tok, 1)[1][0])
+        if "eos" in size:
+            shaped = shape_eos(models["paths"]["policy"], make_prompts(tok, size["batch"] * (args.steps + 1))[1],
+                               size["eos"]["median"], size["eos"]["sigma"], size["response"])
+            print(f"  {name}: EOS shaped for lognormal response lengths: {shaped}", flush=True)
         loads = {}
         trl = "skipped (--skip-trl)" if args.skip_trl else _loaded(
             loads, "TRL", lambda: trl_or_reason(models, size, args.steps, work, args.threads))
