@@ -167,3 +167,21 @@ def test_reward_sees_the_conversation():
     assert tool_sum.tool_sum_reward("megappo/tool_sum", "ignored", "141", {"messages": messages}) == 1.0
     assert tool_sum.tool_sum_reward("megappo/tool_sum", "ignored", "141", {"messages": messages[:2]}) == 0.0
     assert tool_sum.tool_sum_reward("megappo/tool_sum", "141<|im_end|>", "141", {}) == 1.0
+
+
+def test_multi_turn_config_names_and_rules():
+    from megappo.config import ConfigError, load_config, validate
+
+    cfg = load_config("cpu/tiny_tool_ppo")
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable and mt.format == "hermes" and mt.max_parallel_calls == 1 and mt.max_tool_response_length == 256
+    with pytest.raises(ConfigError) as info:
+        load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_assistant_turn=2"])
+    assert "max_assistant_turns" in str(info.value)
+    for overrides, expected in ((["actor_rollout_ref.rollout.multi_turn.tool_config_path=null"], "tool_config_path"),
+                                (["async_training.mode=fully_async", "async_training.partial_rollout=true"],
+                                 "partial_rollout"),
+                                (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"], "max_assistant_turns")):
+        with pytest.raises(ConfigError) as info:
+            validate(load_config("cpu/tiny_tool_ppo", overrides), check_files=False)
+        assert expected in str(info.value), str(info.value)
