@@ -10,7 +10,7 @@ from megappo.config import load_config
 from megappo.testing.prompts import read_metrics
 from megappo.trainer import fit
 
-pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.long]  # ~2 minutes (the warm start ~1 of them)
 
 
 def test_tool_recipe_on_sglang_one_step_off(sglang_python, tmp_path, monkeypatch):
@@ -18,6 +18,8 @@ def test_tool_recipe_on_sglang_one_step_off(sglang_python, tmp_path, monkeypatch
     cfg = load_config("cpu/tiny_tool_ppo", [
         f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[]", "trainer.total_training_steps=4",
         "trainer.val_before_train=false", "async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false",
+        # the plumbing, not the learning: small steps keep one_step_off's stale batches under the KL guard
+        "actor_rollout_ref.actor.optim.lr=1e-4", "critic.optim.lr=1e-4", "actor_rollout_ref.rollout.verify_sync=true",
         "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}"])
     cfg.actor_rollout_ref.rollout.engine_kwargs = {}
     assert fit(cfg) == 0

@@ -181,7 +181,8 @@ def test_multi_turn_config_names_and_rules():
     for overrides, expected in ((["actor_rollout_ref.rollout.multi_turn.tool_config_path=null"], "tool_config_path"),
                                 (["async_training.mode=fully_async", "async_training.partial_rollout=true"],
                                  "partial_rollout"),
-                                (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"], "max_assistant_turns")):
+                                (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"],
+                                 "max_assistant_turns")):
         with pytest.raises(ConfigError) as info:
             validate(load_config("cpu/tiny_tool_ppo", overrides), check_files=False)
         assert expected in str(info.value), str(info.value)

@@ -8,8 +8,9 @@ length (`Forced`: the engine still generates every token, from the whole context
 - multi-turn: trajectories/s of --trajectories trajectories with `calls` calls each (calls + 1 turns), against
   single-turn generation of the same number of model tokens (one engine call, EOS ignored);
 - the round trip's overhead: (multi-turn time - single-turn time - the tool's own run time) per round (all
-  trajectories' calls of a round together) and per call (divided by the trajectories too), in ms. It includes the engine's re-entry (the in-process engine re-reads the whole context each turn: no prefix
-  cache across calls) and the prefill of the tool answers' tokens;
+  trajectories' calls of a round together) and per call (divided by the trajectories too), in ms. It includes the
+  engine's re-entry (the in-process engine re-reads the whole context each turn: no prefix cache across calls) and
+  the prefill of the tool answers' tokens;
 - the loop's own cost per call (parsing, rendering the template around the answers, tokenising them, bookkeeping)
   with an engine that costs nothing (`Instant`), in ms: the target is <= 50 ms per call.
 The sandbox's start-up (the Python tool) is not included: a tool's run time is the tool's.
@@ -97,8 +98,9 @@ def main() -> None:
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp)
     engine = HFEngine(tmp)
     tools = {"calculator": CalculatorTool({}, tool_sum.TOOL_SCHEMA)}
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "37+85+19="}], tools=[tool_sum.TOOL_SCHEMA],
-                                                tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    text = tok.apply_chat_template([{"role": "user", "content": "37+85+19="}], tools=[tool_sum.TOOL_SCHEMA],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
     prompts = [prompt] * args.trajectories
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {len(tok)}; {args.trajectories} trajectories, "
           f"{args.turn_tokens} tokens a turn; threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.2f}")
@@ -125,7 +127,8 @@ def main() -> None:
         m, s, i, t = (sorted(x)[len(x) // 2] for x in (multi, single, instant, tool_s))
         n_calls = calls * args.trajectories
         print(f"{calls:>5} {args.trajectories / m:>12.2f} {args.trajectories / s:>13.2f} "
-              f"{(m - s - t) / calls * 1e3:>17.1f} {(m - s - t) / n_calls * 1e3:>16.2f} {(i - t) / n_calls * 1e3:>12.3f} {t / n_calls * 1e3:>8.3f}")
+              f"{(m - s - t) / calls * 1e3:>17.1f} {(m - s - t) / n_calls * 1e3:>16.2f} "
+              f"{(i - t) / n_calls * 1e3:>12.3f} {t / n_calls * 1e3:>8.3f}")
         loop.close()
 
 
