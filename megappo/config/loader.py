@@ -129,10 +129,12 @@ def find_recipe(recipe: Union[str, Path]) -> Path:
 
 
 def bundled_recipes() -> dict[str, Path]:
-    """Every recipe under recipes/ (any depth), by its name for `--config`: the path there without `.yaml`."""
+    """Every recipe under recipes/ (any depth), by its name for `--config`: the path there without `.yaml`. Files in
+    a `tools/` folder are tool configs (rollout.multi_turn.tool_config_path), not recipes."""
     if not RECIPES_DIR.is_dir():
         return {}
-    return {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in sorted(RECIPES_DIR.rglob("*.yaml"))}
+    return {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in sorted(RECIPES_DIR.rglob("*.yaml"))
+            if "tools" not in p.relative_to(RECIPES_DIR).parts[:-1]}
 
 
 def read_recipe(path: Path) -> Mapping:

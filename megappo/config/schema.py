@@ -233,6 +233,26 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn tool-calling rollouts (verl 0.9.1's `rollout.multi_turn`; megappo/multi_turn/loop.py): the model
+    writes a tool call (`format`), the trainer runs the tool and appends its answer as the chat template renders it,
+    and the model goes on, until it answers without a call, response_length tokens are spent over all turns, or a
+    turn limit is reached. Only the model's tokens are trained on (the tool answers' tokens are masked)."""
+
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None  # None: no limit but response_length
+    max_user_turns: Optional[int] = None  # tool rounds; None: no limit but response_length
+    tool_config_path: Optional[str] = None  # YAML of verl's shape (megappo/multi_turn/tools.py)
+    max_parallel_calls: int = 1  # tool calls of one assistant turn that are run (later ones are dropped)
+    max_tool_response_length: int = 256  # characters of a tool answer the model reads
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    format: Literal["hermes"] = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5/3)
+    # strict: check each trajectory's tokens against the chat template applied to its final messages
+    # (multi_turn/template_mismatch_fraction); disable: skip the check
+    tokenization_sanity_check_mode: Literal["strict", "disable"] = "strict"
+
+
+@dataclass
 class RolloutConfig:
     # The engine (megappo/rollout/registry.py): hf, megappo's in-process engine (works on CPU); sglang, SGLang
     # servers the trainer starts (or server_urls), shared by every data-parallel replica.
@@ -302,6 +322,7 @@ class RolloutConfig:
     verify_sync: bool = False
     verify_sync_atol: Optional[float] = None
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -64,6 +64,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_layouts(cfg, errors)
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
+    _check_multi_turn(cfg, errors, check_files)
     _check_dapo(cfg, errors)
     for prefix, model in (("actor_rollout_ref.model.lora", cfg.actor_rollout_ref.model),
                           ("critic.model.lora", cfg.critic.model)):
@@ -334,6 +335,27 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
         value = _lookup(cfg, key)
         _need(errors, value is None or value >= 1, key, f"must be >= 1 or null, got {value}",
               "use null for the whole local batch")
+
+
+def _check_multi_turn(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
+    mt, p = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    if not mt.enable:
+        return
+    for key in ("max_assistant_turns", "max_user_turns"):
+        value = getattr(mt, key)
+        _need(errors, value is None or value >= 1, f"{p}.{key}", f"must be >= 1 or null, got {value}",
+              "use null for no limit but response_length")
+    _need(errors, mt.max_parallel_calls >= 1, f"{p}.max_parallel_calls", f"must be >= 1, got {mt.max_parallel_calls}",
+          "use 1")
+    _need(errors, mt.max_tool_response_length >= 1, f"{p}.max_tool_response_length",
+          f"must be >= 1, got {mt.max_tool_response_length}", "use e.g. 256")
+    _need(errors, bool(mt.tool_config_path), f"{p}.tool_config_path", "is not set but multi_turn.enable is",
+          "name a tool config YAML (verl's shape, see megappo/multi_turn/tools.py)")
+    if check_files and mt.tool_config_path:
+        _need(errors, os.path.isfile(os.path.expanduser(mt.tool_config_path)), f"{p}.tool_config_path",
+              f"{mt.tool_config_path} does not exist", "give the path of the tool config YAML")
+    _need(errors, not cfg.async_training.partial_rollout, "async_training.partial_rollout",
+          "cannot continue a multi-turn trajectory across a weight sync", f"set it to false with {p}.enable")
 
 
 def _check_rewards(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:

@@ -63,10 +63,17 @@ def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
     from megappo.data import PromptDataset, PromptLoader
 
     d = cfg.data
+    template_kwargs = {}
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if mt.enable:  # the tools' schemas go to the chat template, as verl gives them
+        from megappo.multi_turn.tools import load_tools
+
+        template_kwargs["tools"] = [t.tool_schema for t in load_tools(mt.tool_config_path).values()] or None
 
     def dataset(files):
         return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                             filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key)
+                             filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key,
+                             chat_template_kwargs=template_kwargs or None)
 
     # a loader batch is a generation batch: train_batch_size prompts unless algorithm.filter_groups generates more
     train = PromptLoader(dataset(d.train_files), d.gen_batch_size, shuffle=d.shuffle, seed=d.seed)

@@ -44,9 +44,19 @@ def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) 
     with timer("rollout"):
         samples, metrics = source.take(step)
         metrics.update(phases.staleness(run, samples))
+        metrics.update(_turn_metrics(samples))
     with timer("reward"):
         scores, reward_metrics, _ = _score(run, samples)
     return Scored(samples, scores, metrics, reward_metrics)
+
+
+def _turn_metrics(samples: Samples) -> dict[str, float]:
+    """multi_turn/* and tool/* of multi-turn samples ({} for single-turn ones)."""
+    if not samples.multi_turn:
+        return {}
+    from megappo.multi_turn.loop import multi_turn_metrics
+
+    return multi_turn_metrics(samples.turn_stats, samples.tool_results)
 
 
 def overlong_penalties(lengths: list[int], max_response_length: int, buffer_len: int, factor: float) -> list[float]:
@@ -60,6 +70,9 @@ def _score(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str,
     if run.cfg.reward_model.enable:
         return None, {}, None
     scored = phases.score_samples(run, samples)
+    if samples.multi_turn:  # the tools' own rewards add to the step reward
+        scored = replace(scored, scores=[s + (t["tool_reward"] if t else 0.0)
+                                         for s, t in zip(scored.scores, samples.turn_stats)])
     ob = run.cfg.reward_model.overlong_buffer
     if not ob.enable:
         return scored.scores, scored.metrics, scored
@@ -131,6 +144,7 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     # counts add up over the generation batches; the reward function's means are averaged over them
     reward_metrics = {k: v if k.startswith("reward/num_") else v / gen for k, v in sums.items()}
     metrics = phases.staleness(run, merged)
+    metrics.update(_turn_metrics(merged))
     metrics.update({"train/num_gen_batches": float(gen), "filter_groups/num_dropped_groups": float(dropped),
                     "filter_groups/reward_mean_all": sum(all_scores) / max(len(all_scores), 1)})
     return Scored(merged, part_scores, metrics, reward_metrics)

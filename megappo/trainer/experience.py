@@ -7,7 +7,7 @@ phases fill in one after another (scores, reference and old log-probs, values, r
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 import torch
@@ -32,6 +32,19 @@ class Samples:
     weight_versions: list[int]  # N, the version of the actor's weights that generated it (its first token's)
     dataset_indices: list[int]  # N, the prompt's position in the dataset (exactly-once accounting)
     partial: list[bool]  # N, generated across a weight sync (async_training.partial_rollout): tokens of 2 versions
+    # N, multi-turn rollouts: 1 on the model's response tokens, 0 on tool answers and template tokens (None: all 1)
+    loss_masks: list[Optional[list[int]]] = field(default_factory=list)
+    turn_stats: list[Optional[dict]] = field(default_factory=list)  # N, multi-turn: the trajectory's stats
+    tool_results: list[Optional[list[dict]]] = field(default_factory=list)  # N, multi-turn: each tool call's record
+
+    def __post_init__(self) -> None:
+        for name in ("loss_masks", "turn_stats", "tool_results"):  # samples saved before these fields existed
+            if len(getattr(self, name)) != len(self.response_ids):
+                setattr(self, name, [None] * len(self.response_ids))
+
+    @property
+    def multi_turn(self) -> bool:
+        return any(m is not None for m in self.loss_masks)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -46,7 +59,7 @@ class Samples:
     @classmethod
     def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]]) -> "Samples":
         """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
-        out = cls([], [], [], [], [], [], [], [], [], [], [])
+        out = cls([], [], [], [], [], [], [], [], [], [], [], [], [], [])
         for b, group in enumerate(completions):
             ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
             for c in group:
@@ -57,10 +70,16 @@ class Samples:
                 out.uids.append(b)
                 out.data_sources.append(prompts.data_sources[b])
                 out.ground_truths.append(prompts.ground_truths[b])
-                out.extra_infos.append(prompts.extra_infos[b])
+                turns = c.extra.get("multi_turn")
+                out.extra_infos.append(prompts.extra_infos[b] if turns is None else {
+                    **(prompts.extra_infos[b] or {}), "messages": c.extra.get("messages", []),
+                    "tool_results": c.extra.get("tool_results", []), "num_turns": int(turns["turns"])})
                 out.weight_versions.append(int(c.weight_version))
                 out.dataset_indices.append(int(prompts.indices[b]))
                 out.partial.append(bool(c.extra.get("partial", False)))
+                out.loss_masks.append(c.extra.get("loss_mask"))
+                out.turn_stats.append(turns)
+                out.tool_results.append(c.extra.get("tool_results") if turns is not None else None)
         return out
 
 
@@ -89,7 +108,14 @@ class Experience:
         return self.batch.response_mask
 
     def response_lengths(self) -> torch.Tensor:
-        return self.mask.sum(-1)
+        """[B] response tokens: the model's and, in multi-turn rollouts, the tool answers' too."""
+        return self.batch.attention_mask[:, self.batch.prompt_len:].sum(-1)
+
+    def last_scored_index(self) -> torch.Tensor:
+        """[B] each response's last token the loss sees (where the sequence score goes); 0 for an empty one."""
+        m = self.mask.bool()
+        cols = torch.arange(m.shape[1], device=m.device).expand_as(m)
+        return torch.where(m, cols, torch.zeros_like(cols)).amax(-1) if m.shape[1] else m.sum(-1)
 
 
 def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int) -> Experience:
@@ -101,6 +127,9 @@ def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int
     for row, i in enumerate(idx):
         lp = samples.rollout_log_probs[i]
         logp[row, :len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
+        loss_mask = samples.loss_masks[i]
+        if loss_mask is not None:  # multi-turn: tool answers and template tokens are not trained on
+            batch.response_mask[row, :len(loss_mask)] = torch.as_tensor(loss_mask, dtype=batch.response_mask.dtype)
     return Experience(
         batch=batch, indices=idx, uids=torch.as_tensor([samples.uids[i] for i in idx], dtype=torch.long),
         data_sources=[samples.data_sources[i] for i in idx],

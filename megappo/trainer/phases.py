@@ -195,7 +195,7 @@ def token_rewards(run: Run, exp: Experience) -> dict[str, float]:
     """The score at each response's last token, minus kl_coef * KL(old || ref) per token when
     algorithm.use_kl_in_reward; the KL controller is updated with the step's mean KL."""
     alg, mask = run.cfg.algorithm, exp.mask
-    last = (exp.response_lengths() - 1).clamp(min=0).long().unsqueeze(1)
+    last = exp.last_scored_index().long().unsqueeze(1)
     scores = torch.zeros_like(mask, dtype=torch.float32).scatter(1, last, exp.scores.unsqueeze(1)) * mask
     metrics: dict[str, float] = {}
     t = exp.train

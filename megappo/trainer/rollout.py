@@ -50,6 +50,11 @@ class RolloutWorker:
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
         self.deployment: RolloutDeployment = registry.deploy(cfg, ps, platform)
+        if self.rollout.multi_turn.enable and self.deployment.engine is not None:
+            from megappo.multi_turn.loop import build_multi_turn
+
+            # the holder runs the tool-calling loop over its share; weights still go to the engine itself
+            self.deployment.engine = build_multi_turn(cfg, self.deployment.engine)
         self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
 
     @property
@@ -180,6 +185,10 @@ class RolloutWorker:
                                   self.platform.dtype)
 
     def close(self) -> None:
+        engine = self.deployment.engine
+        if engine is not None and hasattr(engine, "loop"):  # the multi-turn wrapper: its loop, then the engine
+            engine.close()
+            self.deployment.engine = engine.inner
         self.deployment.close()
 
 

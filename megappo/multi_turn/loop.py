@@ -1,0 +1,371 @@
+"""Multi-turn tool-calling rollouts over any rollout engine (`rollout.multi_turn`).
+
+A trajectory is built from the engine's own token ids (token in, token out): the model's turns are the tokens the
+engine sampled, never re-tokenised; after a turn that calls tools, the tools' answers are appended as the chat
+template renders them (`ChatDelta`: the text the template adds after the assistant's text, tokenised alone, which
+a strict check compares with the template applied to the final messages). The response is every token after the
+prompt; its loss mask is 1 on the model's tokens and 0 on the tool answers and the template's tokens, whose engine
+log-probs are 0.
+
+Turns are batched: every live trajectory of a request generates its next turn in one `engine.generate` call (a
+round); the tool calls of a round run concurrently in a thread pool. Generation stops at the end of a tool call
+(the `</tool_call>` token when the tokenizer has it as one token, as Qwen's does; otherwise at EOS and the whole turn
+is parsed, as verl does). A trajectory ends when a turn has no tool call, when `response_length` tokens are spent
+over all its turns (flagged `budget_hit`; the turn is cut to fit), or at max_assistant_turns / max_user_turns
+(flagged `turn_limit_hit`).
+
+Seeds: the first turn of sample j of prompt k is drawn exactly as single-turn sampling draws it (the request's
+seed, prompt_offset + k, j); later turns with a seed of the request's seed and the round, per row of the round's
+request (the share's trajectories still live, in order): repeatable for the same data-parallel layout.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+from megappo.multi_turn.parser import PARSERS, STOP_STRINGS, ToolCall
+from megappo.multi_turn.tools import BaseTool, ToolResult
+from megappo.rollout.base import RolloutEngine
+from megappo.rollout.sampling import Completion, SamplingParams
+
+logger = logging.getLogger(__name__)
+_STUB_USER = [{"role": "user", "content": "?"}]  # the conversation a delta is rendered after (templates are local)
+
+
+def truncate(text: str, limit: int, side: str) -> str:
+    """verl's truncation of a tool answer to `limit` characters (left: keep the end; right: keep the start; middle:
+    keep both ends)."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
+
+
+class ChatDelta:
+    """The chat template's tokens around tool answers, given the tokenizer (its chat template) and the tools'
+    schemas (the template's `tools=`)."""
+
+    def __init__(self, tokenizer, tool_schemas: list[dict]):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn rollouts need a tokenizer with a chat template (it renders the tool answers)")
+        self.tokenizer, self.schemas = tokenizer, tool_schemas or None
+        self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
+        self._head = self._render(_STUB_USER, True)
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def content(self, turn_ids: Sequence[int]) -> str:
+        """An assistant turn's message content: its text without a closing EOS."""
+        ids = list(turn_ids)
+        if ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        return self.decode(ids)
+
+    def tool_answer(self, turn_ids: Sequence[int], answers: list[str]) -> list[int]:
+        """The tokens the template puts after an assistant turn (`turn_ids`, as generated) and before the next
+        assistant turn's text: the turn's closing, the tool messages and the next generation prompt."""
+        before = self._head + self.decode(turn_ids)
+        after = self._render(_STUB_USER + [{"role": "assistant", "content": self.content(turn_ids)}]
+                             + [{"role": "tool", "content": a} for a in answers], True)
+        if not after.startswith(before):
+            raise RuntimeError("the chat template renders an assistant turn differently from the generated text, so "
+                               "tool answers cannot be appended token-in-token-out; the template must render an "
+                               "assistant message's content verbatim")
+        return self.encode(after[len(before):])
+
+    def expected_response(self, messages: list[dict]) -> list[int]:
+        """The template's tokens of a trajectory's turns (`messages` after the prompt) as one rendering."""
+        return self.encode(self._render(_STUB_USER + messages, False)[len(self._head):])
+
+
+@dataclass
+class Trajectory:
+    index: int  # in the request: prompt k's sample j is k * n + j
+    prompt_index: int
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # the response so far
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    tool_results: list[dict] = field(default_factory=list)
+    instances: dict[str, str] = field(default_factory=dict)  # tool name -> instance id
+    turns: int = 0
+    user_turns: int = 0
+    budget_hit: bool = False
+    turn_limit_hit: bool = False
+    aborted: bool = False
+    weight_version: Optional[int] = None
+
+    def add(self, ids: Sequence[int], log_probs: Optional[Sequence[float]], model: bool) -> None:
+        self.ids += list(ids)
+        self.mask += [1 if model else 0] * len(ids)
+        self.log_probs += list(log_probs) if model else [0.0] * len(ids)
+
+
+class MultiTurnRollout:
+    """The multi-turn loop of one engine holder: `generate` has `RolloutEngine.generate`'s contract."""
+
+    def __init__(self, mt_cfg, tokenizer, tools: dict[str, BaseTool], response_length: int):
+        self.cfg, self.tools, self.response_length = mt_cfg, tools, response_length
+        self.delta = ChatDelta(tokenizer, [t.tool_schema for t in tools.values()])
+        self.parse = PARSERS[mt_cfg.format]
+        end = tokenizer.convert_tokens_to_ids(STOP_STRINGS[mt_cfg.format])
+        unk = getattr(tokenizer, "unk_token_id", None)
+        self.stop_ids = (end,) if isinstance(end, int) and end != unk else ()
+        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="megappo-tool")
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def generate(self, engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 prompt_offset: int = 0) -> list[list[Completion]]:
+        n = params.n
+        base = replace(params, stop_token_ids=tuple(params.stop_token_ids) + self.stop_ids)
+        trajs = [Trajectory(k * n + j, k, list(p)) for k, p in enumerate(prompts) for j in range(n)]
+        first = engine.generate(prompts, replace(base, max_new_tokens=self.response_length),
+                                prompt_offset=prompt_offset)
+        outputs = [c for group in first for c in group]
+        live, rnd = trajs, 0
+        while live:
+            calls = [self._take_turn(t, c) for t, c in zip(live, outputs)]
+            self._run_tools([(t, cs) for t, cs in zip(live, calls) if cs])
+            live = [t for t, cs in zip(live, calls) if cs and self._continues(t)]
+            if not live:
+                break
+            rnd += 1
+            budget = max(self.response_length - len(t.ids) for t in live)
+            seed = None if params.seed is None else (params.seed * 1_000_003 + rnd * 7_919) % (2**31 - 1)
+            answer = engine.generate([t.prompt + t.ids for t in live],
+                                     replace(base, n=1, max_new_tokens=budget, seed=seed))
+            outputs = [group[0] for group in answer]
+        for t in trajs:
+            self._release(t)
+        grouped: list[list[Completion]] = [[] for _ in prompts]
+        for t in trajs:
+            grouped[t.prompt_index].append(self._completion(t))
+        return grouped
+
+    def _take_turn(self, t: Trajectory, c: Completion) -> list[ToolCall]:
+        """Append a generated turn; return its tool calls to run (none: the trajectory ends)."""
+        if t.weight_version is None:
+            t.weight_version = c.weight_version
+        room = self.response_length - len(t.ids)
+        ids, logps = list(c.output_ids)[:room], list(c.log_probs)[:room]
+        t.add(ids, logps, model=True)
+        t.turns += 1
+        t.messages.append({"role": "assistant", "content": self.delta.content(ids)})
+        if c.finish_reason == "abort":
+            t.aborted = True
+            return []
+        if len(ids) < len(c.output_ids) or (c.finish_reason == "length" and len(t.ids) >= self.response_length):
+            t.budget_hit = True
+            return []
+        if c.finish_reason != "stop":
+            return []
+        _, calls = self.parse(self.delta.decode(ids))
+        if not calls:
+            return []
+        mt = self.cfg
+        if (mt.max_assistant_turns and t.turns >= mt.max_assistant_turns) or \
+                (mt.max_user_turns and t.user_turns >= mt.max_user_turns):
+            t.turn_limit_hit = True
+            return []
+        return calls[:mt.max_parallel_calls]
+
+    def _continues(self, t: Trajectory) -> bool:
+        """After a tool round: whether the trajectory generates another turn (its answers fitted the budget)."""
+        return not t.budget_hit and len(t.ids) < self.response_length
+
+    # -- tools -----------------------------------------------------------------------------------------------------
+    def _run_tools(self, work: list[tuple[Trajectory, list[ToolCall]]]) -> None:
+        futures = [[self.pool.submit(self._call, t, call) for call in calls] for t, calls in work]
+        for (t, calls), fs in zip(work, futures):
+            results = [f.result() for f in fs]
+            answers = [r["text"] for r in results]
+            tokens = self.delta.tool_answer(t.ids[len(t.ids) - self._last_turn_len(t):], answers)
+            t.user_turns += 1
+            t.tool_results += results
+            if len(t.ids) + len(tokens) >= self.response_length:
+                t.budget_hit = True  # no room for the answers and a turn after them: end on the model's call
+                continue
+            t.add(tokens, None, model=False)
+            t.messages += [{"role": "tool", "content": a} for a in answers]
+
+    @staticmethod
+    def _last_turn_len(t: Trajectory) -> int:
+        k = len(t.mask)
+        while k > 0 and t.mask[k - 1] == 1:
+            k -= 1
+        return len(t.mask) - k
+
+    def _call(self, t: Trajectory, call: ToolCall) -> dict[str, Any]:
+        """Run one call; every failure is an answer that says what was wrong."""
+        record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "error": 0.0, "timeout": 0.0,
+                                  "latency_s": 0.0, "reward": 0.0, "metrics": {}}
+        tool = self.tools.get(call.name)
+        if call.error is not None:
+            text, record["error"] = f"Error: {call.error}", 1.0
+        elif tool is None:
+            text, record["error"] = (f"Error: there is no tool named {call.name!r}; the tools are: "
+                                     f"{', '.join(sorted(self.tools)) or 'none'}"), 1.0
+        else:
+            t0 = time.perf_counter()
+            try:
+                if call.name not in t.instances:
+                    t.instances[call.name] = f"{uuid.uuid4().hex}-{t.index}"
+                    tool.create(t.instances[call.name])
+                result = tool.execute(t.instances[call.name], call.arguments)
+                if not isinstance(result, ToolResult):
+                    result = ToolResult(str(result))
+                text, record["reward"] = result.text, float(result.reward)
+                record["metrics"] = dict(result.metrics)
+                record["error"] = float(bool(result.metrics.get("error", 0.0)))
+                record["timeout"] = float(bool(result.metrics.get("timeout", 0.0)))
+            except Exception as e:  # a broken tool is the tool's answer, not a crashed step
+                text, record["error"] = f"Error: the tool {call.name} failed: {type(e).__name__}: {e}", 1.0
+            record["latency_s"] = time.perf_counter() - t0
+        record["text"] = truncate(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
+        return record
+
+    def _release(self, t: Trajectory) -> None:
+        for name, instance in t.instances.items():
+            try:
+                self.tools[name].release(instance)
+            except Exception as e:  # noqa: BLE001 - a release failure must not lose the step
+                logger.warning("tool %s: release(%s) failed: %s", name, instance, e)
+        t.instances.clear()
+
+    # -- the result ------------------------------------------------------------------------------------------------
+    def _completion(self, t: Trajectory) -> Completion:
+        mismatch = 0.0
+        if self.cfg.tokenization_sanity_check_mode == "strict" and not t.budget_hit and not t.aborted:
+            expected = self.delta.expected_response(t.messages)
+            mismatch = 0.0 if expected[:len(t.ids)] == t.ids else 1.0
+        stats = {"turns": float(t.turns), "tool_calls": float(len(t.tool_results)),
+                 "tool_errors": sum(r["error"] for r in t.tool_results),
+                 "tool_timeouts": sum(r["timeout"] for r in t.tool_results),
+                 "tool_latency_s": sum(r["latency_s"] for r in t.tool_results),
+                 "tool_reward": sum(r["reward"] for r in t.tool_results),
+                 "budget_hit": float(t.budget_hit), "turn_limit_hit": float(t.turn_limit_hit),
+                 "template_mismatch": mismatch}
+        finish = "abort" if t.aborted else "length" if t.budget_hit else "stop"
+        return Completion(prompt_index=t.prompt_index, output_ids=t.ids, log_probs=t.log_probs, finish_reason=finish,
+                          weight_version=t.weight_version or 0,
+                          extra={"loss_mask": t.mask, "multi_turn": stats,
+                                 "messages": t.messages, "tool_results": t.tool_results})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def multi_turn_metrics(stats: Sequence[Optional[dict]], tool_results: Sequence[Sequence[dict]]) -> dict[str, float]:
+    """The step's multi_turn/* and tool/* metrics from each sample's stats (None: a single-turn sample)."""
+    rows = [s for s in stats if s]
+    if not rows:
+        return {}
+    n = len(rows)
+    calls = [r for results in tool_results for r in (results or [])]
+    out = {"multi_turn/turns_mean": sum(s["turns"] for s in rows) / n,
+           "multi_turn/turns_max": max(s["turns"] for s in rows),
+           "multi_turn/budget_hit_fraction": sum(s["budget_hit"] for s in rows) / n,
+           "multi_turn/turn_limit_fraction": sum(s["turn_limit_hit"] for s in rows) / n,
+           "multi_turn/template_mismatch_fraction": sum(s["template_mismatch"] for s in rows) / n,
+           "tool/calls_per_sample": len(calls) / n,
+           "tool/error_fraction": sum(c["error"] for c in calls) / max(len(calls), 1),
+           "tool/timeout_fraction": sum(c["timeout"] for c in calls) / max(len(calls), 1),
+           "tool/latency_s": sum(c["latency_s"] for c in calls) / max(len(calls), 1)}
+    by_tool: dict[str, list[dict]] = {}
+    for c in calls:
+        if c["name"]:
+            by_tool.setdefault(c["name"], []).append(c)
+    for name, cs in by_tool.items():
+        k = len(cs)
+        out[f"tool/{name}/calls_per_sample"] = k / n
+        out[f"tool/{name}/error_fraction"] = sum(c["error"] for c in cs) / k
+        out[f"tool/{name}/latency_s"] = sum(c["latency_s"] for c in cs) / k
+        keys = {key for c in cs for key in c["metrics"] if key not in ("error", "timeout")}
+        for key in sorted(keys):
+            vals = [float(c["metrics"][key]) for c in cs if isinstance(c["metrics"].get(key), (int, float))]
+            if vals:
+                out[f"tool/{name}/{key}"] = sum(vals) / len(vals)
+    return out
+
+
+class MultiTurnEngine(RolloutEngine):
+    """An engine whose `generate` runs the multi-turn loop over another engine (every other call goes to it)."""
+
+    def __init__(self, inner: RolloutEngine, loop: MultiTurnRollout):
+        self.inner, self.loop = inner, loop
+
+    @property
+    def weight_version(self) -> int:  # type: ignore[override]
+        return self.inner.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.inner.weight_version = version
+
+    def generate(self, prompts, params, *, prompt_offset: int = 0):
+        return self.loop.generate(self.inner, prompts, params, prompt_offset=prompt_offset)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def pause(self) -> None:
+        self.inner.pause()
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    def load_weights(self, buckets, *, version: int, mode: str) -> int:
+        return self.inner.load_weights(buckets, version=version, mode=mode)
+
+    def update_weights_from_disk(self, model_path: str, *, version: int) -> int:
+        return self.inner.update_weights_from_disk(model_path, version=version)
+
+    def check_version(self, version: int) -> None:
+        self.inner.check_version(version)
+
+    def needs_copies(self, mode: str) -> bool:
+        return self.inner.needs_copies(mode)
+
+    def prompt_log_probs(self, token_ids):
+        return self.inner.prompt_log_probs(token_ids)
+
+    def close(self) -> None:
+        """The loop's threads; the engine itself is its deployment's to close."""
+        self.shutdown_submitter()
+        self.loop.close()
+
+    def __getattr__(self, name: str):  # engine-specific attributes (a fleet's servers, ...)
+        if name in ("inner", "loop"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def build_multi_turn(cfg, engine: RolloutEngine) -> MultiTurnEngine:
+    """The holder's engine wrapped in the loop of `actor_rollout_ref.rollout.multi_turn` (enable must be set)."""
+    from transformers import AutoTokenizer
+
+    from megappo.multi_turn.tools import load_tools
+
+    arr = cfg.actor_rollout_ref
+    tok_path = cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path
+    tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=arr.model.trust_remote_code)
+    tools = load_tools(arr.rollout.multi_turn.tool_config_path)
+    loop = MultiTurnRollout(arr.rollout.multi_turn, tokenizer, tools, cfg.data.max_response_length)
+    return MultiTurnEngine(engine, loop)
