@@ -1,0 +1,81 @@
+"""Tiny random-weight Qwen2.5-VL / Qwen2-VL models and image batches for tests.
+
+Sizes divide every layout the tests use: LM 4 layers, 4 heads / 2 KV heads (TP2 x PP2); vision 4 blocks, 2 heads,
+window attention in blocks 0 and 2, full attention in 1 and 3.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 500, 501, 502, 503
+
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05,
+             rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3]))
+
+
+def tiny_vlm_config(family: str = "qwen2_5_vl", **overrides: Any):
+    import transformers
+
+    ids = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+               vision_end_token_id=VISION_END, tie_word_embeddings=False)
+    if family == "qwen2_5_vl":
+        vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3],
+                      initializer_range=0.05)
+        return transformers.Qwen2_5_VLConfig(text_config=dict(_TEXT), vision_config=vision, **ids, **overrides)
+    if family == "qwen2_vl":
+        vision = dict(depth=4, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.05)
+        return transformers.Qwen2VLConfig(text_config=dict(_TEXT), vision_config=vision, **ids, **overrides)
+    raise ValueError(f"unknown VLM family {family!r}")
+
+
+def make_hf_vlm(out_dir: str, family: str = "qwen2_5_vl", seed: int = 0, **overrides: Any) -> str:
+    """Write a random-weight Qwen2(.5)-VL model directory (config + safetensors) and return its path."""
+    import transformers
+
+    cfg = tiny_vlm_config(family, **overrides)
+    cls = transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else \
+        transformers.Qwen2VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    with torch.no_grad():  # HF initialises norms to one: randomise them so that a swapped norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def image_batch(sizes=((56, 84), (112, 56), (140, 112)), seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random RGB images of the given (height, width) through the real Qwen2-VL image processor, one per row.
+
+    Returns input_ids [B, T] (right-padded with 0: text, vision_start, image placeholders, vision_end, text),
+    attention_mask [B, T], pixel_values [N, 3 * 2 * 14 * 14], image_grid_thw [B, 3].
+    """
+    from transformers import Qwen2VLImageProcessor
+
+    rng = np.random.default_rng(seed)
+    proc = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                 min_pixels=28 * 28, max_pixels=28 * 28 * 64)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    out = proc(images=images, return_tensors="pt")
+    rows = []
+    for i, (t, h, w) in enumerate(out["image_grid_thw"].tolist()):
+        pre = rng.integers(1, 400, 2 + i).tolist()
+        post = rng.integers(1, 400, 5 - i).tolist()
+        rows.append(pre + [VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END] + post)
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": out["pixel_values"].float(),
+            "image_grid_thw": out["image_grid_thw"]}
