@@ -96,6 +96,14 @@ def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState
     groups are used. Tensors are on the parameters' device; fresh copies (safe to keep) unless `copy=False`, which
     may yield views of the parameters, valid until they next change (module docstring).
     """
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+
+    if is_vlm_config(hf_config):
+        from megappo.convert.qwen2_vl import iter_hf_vlm_weights
+
+        yield from iter_hf_vlm_weights(model_chunks, parallel_state, hf_config, bucket_bytes=bucket_bytes, role=role,
+                                       dtype=dtype, copy=copy)
+        return
     spec = model_spec_from_hf_config(hf_config)
     role = role or model_role(model_chunks)
     ordered = param_maps(spec, role)

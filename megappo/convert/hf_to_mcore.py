@@ -122,6 +122,13 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoi
     default the whole world); an unused tensor means the config and the weights disagree.
     """
     ckpt = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint.open(hf_dir)
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+
+    if is_vlm_config(ckpt.config):
+        from megappo.convert.qwen2_vl import load_hf_vlm_weights
+
+        return load_hf_vlm_weights(model_chunks, ckpt, parallel_state, strict=strict, role=role,
+                                   world_group=world_group)
     spec = model_spec_from_hf_config(ckpt.config, os.path.join(ckpt.path, "config.json"))
     role = _infer_role(model_chunks, ckpt, role)
     maps = {pm.mcore: pm for pm in param_maps(spec, role)}

@@ -72,7 +72,7 @@ def vision_param_maps(args) -> list[ParamMap]:
 
 def vlm_param_maps(hf_config: Any, role: str = "actor"):
     """(text ModelSpec, VLMArgs, ParamMaps): vision tower first, then the language model, in export order."""
-    from megappo.models.vlm.model import read_vlm_config
+    from megappo.models.vlm.config import read_vlm_config
 
     args = read_vlm_config(hf_config)
     spec = model_spec_from_hf_config(args.text_config)
@@ -219,7 +219,7 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
 
 
 def is_vlm_checkpoint_config(cfg: Any) -> bool:
-    from megappo.models.vlm.model import is_vlm_config
+    from megappo.models.vlm.config import is_vlm_config
 
     return is_vlm_config(cfg)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 500, 501, 502, 503
@@ -53,29 +52,9 @@ def make_hf_vlm(out_dir: str, family: str = "qwen2_5_vl", seed: int = 0, **overr
     return out_dir
 
 
-def image_batch(sizes=((56, 84), (112, 56), (140, 112)), seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random RGB images of the given (height, width) through the real Qwen2-VL image processor, one per row.
+def image_batch(hf_dir_or_config: Any, sizes=((56, 84), (112, 56), (140, 112)), seed: int = 0
+                ) -> dict[str, torch.Tensor]:
+    """Images of the given (height, width) through the real image processor; see megappo.convert.vlm_verify."""
+    from megappo.convert.vlm_verify import image_batch as make
 
-    Returns input_ids [B, T] (right-padded with 0: text, vision_start, image placeholders, vision_end, text),
-    attention_mask [B, T], pixel_values [N, 3 * 2 * 14 * 14], image_grid_thw [B, 3].
-    """
-    from transformers import Qwen2VLImageProcessor
-
-    rng = np.random.default_rng(seed)
-    proc = Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
-                                 min_pixels=28 * 28, max_pixels=28 * 28 * 64)
-    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-    out = proc(images=images, return_tensors="pt")
-    rows = []
-    for i, (t, h, w) in enumerate(out["image_grid_thw"].tolist()):
-        pre = rng.integers(1, 400, 2 + i).tolist()
-        post = rng.integers(1, 400, 5 - i).tolist()
-        rows.append(pre + [VISION_START] + [IMAGE_TOKEN] * (t * h * w // 4) + [VISION_END] + post)
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": out["pixel_values"].float(),
-            "image_grid_thw": out["image_grid_thw"]}
+    return make(hf_dir_or_config, sizes, seed)

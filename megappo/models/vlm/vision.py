@@ -101,7 +101,7 @@ def _projector_config(args: VisionArgs, tp: int, dtype: torch.dtype, use_cpu_ini
 
     merged = args.hidden_size * args.spatial_merge_size ** 2
     return TransformerConfig(
-        num_layers=1, hidden_size=args.out_hidden_size, ffn_hidden_size=merged, num_attention_heads=1,
+        num_layers=1, hidden_size=args.out_hidden_size, ffn_hidden_size=merged, num_attention_heads=tp,  # unused
         activation_func=F.gelu, gated_linear_unit=False, add_bias_linear=True, bias_activation_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
