@@ -218,10 +218,27 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
         yield bucket
 
 
-def is_vlm_checkpoint_config(cfg: Any) -> bool:
-    from megappo.models.vlm.config import is_vlm_config
+def vlm_materialiser(model_chunks: list[nn.Module], ckpt, parallel_state, role: str, used: set[str]):
+    """For the streaming `convert hf-to-mcore`: (materialise(meta parameter) -> its shard read from `ckpt`,
+    {id(parameter): canonical name}); `used` collects the HF names read."""
+    spec, args, ordered = vlm_param_maps(ckpt.config, role)
+    maps = {pm.mcore: pm for pm in ordered}
+    by_id = {id(p): (name, rank, size)
+             for name, p, rank, size in vlm_local_params(model_chunks, spec, maps, parallel_state)}
+    read = _Reader(ckpt)
 
-    return is_vlm_config(cfg)
+    def materialise(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in by_id:
+            raise ConversionError(f"a checkpoint tensor of shape {tuple(t.shape)} is no parameter of the {args.family} "
+                                  f"model; this model part cannot be converted by streaming")
+        name, rank, size = by_id[id(t)]
+        if name == LM_PREFIX + VALUE_HEAD and role == "critic" and "score.weight" not in ckpt.files:
+            return t  # the fresh value head
+        shard = shard_for(maps[name], spec, args, read, rank, size, t.shape)
+        used.update(read.used)
+        return shard
+
+    return materialise, by_id
 
 
 def hf_vlm_state_dict(model_chunks, parallel_state, hf_config, **kw) -> dict[str, torch.Tensor]:
