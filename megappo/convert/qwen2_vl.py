@@ -241,6 +241,20 @@ def vlm_materialiser(model_chunks: list[nn.Module], ckpt, parallel_state, role: 
     return materialise, by_id
 
 
+def iter_hf_vlm_weights_from_checkpoint(mcore_dir: str, hf_config: Any, role: str, *,
+                                        dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) straight out of a megatron dist_checkpoint, one parameter at a time (no model built):
+    `dist_reader`'s global tensors are the TP-1 parameters (vision blocks are saved unstacked, one per block)."""
+    from megappo.convert.dist_reader import DistCheckpointReader
+
+    reader = DistCheckpointReader(mcore_dir)
+    spec, args, ordered = vlm_param_maps(hf_config, role)
+    for pm in ordered:
+        t = reader.read(pm.mcore, LM_PREFIX) if pm.mcore.startswith(LM_PREFIX) else reader.read(pm.mcore)
+        for name, full in merge_for(pm, spec, args, [t]):
+            yield name, (full.to(dtype) if dtype is not None else full)
+
+
 def hf_vlm_state_dict(model_chunks, parallel_state, hf_config, **kw) -> dict[str, torch.Tensor]:
     """All of `iter_hf_vlm_weights` in one dict (tests and small models)."""
     return {n: t for b in iter_hf_vlm_weights(model_chunks, parallel_state, hf_config, **kw) for n, t in b}

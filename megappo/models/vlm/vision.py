@@ -182,6 +182,39 @@ def segment_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
     return (seg[:, None] != seg[None, :])[None, None]
 
 
+def _sharded_state_dict(module: nn.Module, prefix: str, sharded_offsets: tuple, metadata) -> dict:
+    """megatron's sharded state dict of `module`, descending through plain containers (ModuleList, nn.Module).
+
+    megatron's default treats a child without `sharded_state_dict` as replicated: the TP-split linears inside a
+    ModuleList of blocks would then be saved as one rank's shard under the full tensor's name."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    # a replicated tensor's replica id must name its TP rank (only TP rank 0 saves it); megatron leaves that to
+    # the caller once metadata brings a data-parallel group
+    tp = mpu.get_tensor_model_parallel_group()
+    if hasattr(module, "sharded_state_dict") or not any(True for _ in module.children()):
+        return sharded_state_dict_default(module, prefix, sharded_offsets, metadata, tp_group=tp)
+    out = sharded_state_dict_default(_OwnTensors(module), prefix, sharded_offsets, metadata, tp_group=tp)
+    for name, child in module.named_children():
+        out.update(_sharded_state_dict(child, f"{prefix}{name}.", sharded_offsets, metadata))
+    return out
+
+
+class _OwnTensors(nn.Module):
+    """A view of a container's own parameters and buffers only (its children are handled one by one)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._own = module
+
+    def state_dict(self, *args, prefix: str = "", keep_vars: bool = False, **kw):
+        own = {**dict(self._own.named_parameters(recurse=False)),
+               **{n: b for n, b in self._own.named_buffers(recurse=False)
+                  if n not in self._own._non_persistent_buffers_set}}
+        return {prefix + n: (t if keep_vars else t.detach()) for n, t in own.items()}
+
+
 class VisionModel(nn.Module):
     """The vision tower: pixel patches [N, C_in * tp * p * p] + grid_thw -> merged image embeddings [N / m^2, H_lm]."""
 
@@ -214,6 +247,13 @@ class VisionModel(nn.Module):
         spatial = args.head_dim // 2
         inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """For megatron's dist_checkpointing: TP-split tensors saved under their full (TP-1) shapes."""
+        out = {}
+        for name, child in self.named_children():
+            out.update(_sharded_state_dict(child, f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C_in * tp * p * p] (the HF processor's flattening), grid_thw [I, 3] -> [N / m^2, H_lm]."""
