@@ -4,7 +4,8 @@ One process (a world of one, fresh for megatron's global state): the tiny random
 `load_hf_weights` (the VLM hook), run on three images of different sizes (4x6, 8x4 and 10x8 patches: partial
 windows, several windows, full-attention blocks) and compared with `Qwen2_5_VLForConditionalGeneration` on the real
 tokens; the mrope positions equal transformers' `get_rope_index`; the export (`hf_state_dict`) reproduces the
-checkpoint bit for bit. The critic gets a value head and the vision tower is frozen by default.
+checkpoint bit for bit; `convert hf-to-mcore` + `verify` (images through both models) pass. The critic gets a value
+head and the vision tower is frozen by default.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megappo.testing.dist import run_distributed
 
 
 
-def _job(rank, world_size, hf_dir, batch):
+def _job(rank, world_size, hf_dir, mcore_dir, batch):
     from megappo.convert.export import hf_state_dict
     from megappo.convert.hf_io import read_json_object
     from megappo.convert.hf_to_mcore import load_hf_weights
@@ -37,10 +38,17 @@ def _job(rank, world_size, hf_dir, batch):
     critic = build_model(hf_dir, "critic", ps, plat)
     load_hf_weights(critic, hf_dir, ps)
     values = vlm_mcore_forward(critic, ps, batch)
+    # the conversion commands: streaming hf-to-mcore into a dist_checkpoint, then verify runs images through both
+    from megappo.convert.hf_to_mcore import hf_to_mcore
+    from megappo.convert.verify import verify
+
+    hf_to_mcore(hf_dir, mcore_dir, progress=False)
+    verified = verify(hf_dir, mcore_dir)
     destroy_parallel()
     return {"logits": logits, "positions": positions, "exported": exported, "trainable": trainable,
             "unfrozen_vision_trainable": all(p.requires_grad for p in unfrozen[0].vision_model.parameters()),
-            "values": values, "value_head": tuple(critic[0].language_model.output_layer.weight.shape)}
+            "values": values, "value_head": tuple(critic[0].language_model.output_layer.weight.shape),
+            "verified": verified}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
@@ -53,7 +61,7 @@ def test_vlm_matches_transformers_with_images(tmp_path, family):
     hf_dir = make_hf_vlm(str(tmp_path / family), family)
     batch = image_batch(hf_dir)
     assert sorted(map(tuple, batch["image_grid_thw"].tolist())) == [(1, 4, 6), (1, 8, 4), (1, 10, 8)]
-    (out,) = run_distributed(_job, 1, hf_dir, batch, timeout=300)
+    (out,) = run_distributed(_job, 1, hf_dir, str(tmp_path / "mcore"), batch, timeout=300)
 
     ref = hf_vlm_forward(hf_dir, batch)
     real = batch["attention_mask"].bool()
@@ -77,3 +85,5 @@ def test_vlm_matches_transformers_with_images(tmp_path, family):
     assert out["unfrozen_vision_trainable"]
     assert out["value_head"] == (1, 64)
     assert out["values"].shape == batch["input_ids"].shape and torch.isfinite(out["values"]).all()
+    assert out["verified"]["ok"] and out["verified"]["max_abs_diff"] < 1e-4, out["verified"]
+    assert len(out["verified"]["images"]) == 3
