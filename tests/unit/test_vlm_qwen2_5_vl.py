@@ -35,6 +35,12 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch):
     exported = hf_state_dict(actor, ps, read_json_object(f"{hf_dir}/config.json", "config"))
     trainable = {n for n, p in actor[0].named_parameters() if p.requires_grad}
     unfrozen = build_model(hf_dir, "actor", ps, plat, freeze_vision_tower=False)
+    grads = {}
+    for name, chunks in (("frozen", actor), ("unfrozen", unfrozen)):  # backward reaches what trains, only that
+        m = chunks[0].train()
+        m(batch["input_ids"], None, None, batch["pixel_values"], batch["image_grid_thw"],
+          token_mask=batch["attention_mask"]).float().pow(2).mean().backward()
+        grads[name] = {n: p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in m.named_parameters()}
     critic = build_model(hf_dir, "critic", ps, plat)
     load_hf_weights(critic, hf_dir, ps)
     values = vlm_mcore_forward(critic, ps, batch)
@@ -48,7 +54,7 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch):
     return {"logits": logits, "positions": positions, "exported": exported, "trainable": trainable,
             "unfrozen_vision_trainable": all(p.requires_grad for p in unfrozen[0].vision_model.parameters()),
             "values": values, "value_head": tuple(critic[0].language_model.output_layer.weight.shape),
-            "verified": verified}
+            "verified": verified, "grads": grads}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
@@ -83,6 +89,9 @@ def test_vlm_matches_transformers_with_images(tmp_path, family):
     # freeze_vision_tower (default on): nothing under vision_model trains, the whole language model does
     assert out["trainable"] and not any(n.startswith("vision_model.") for n in out["trainable"])
     assert out["unfrozen_vision_trainable"]
+    for name, has_grad in out["grads"]["frozen"].items():
+        assert has_grad != name.startswith("vision_model."), name
+    assert all(out["grads"]["unfrozen"].values()), [n for n, g in out["grads"]["unfrozen"].items() if not g]
     assert out["value_head"] == (1, 64)
     assert out["values"].shape == batch["input_ids"].shape and torch.isfinite(out["values"]).all()
     assert out["verified"]["ok"] and out["verified"]["max_abs_diff"] < 1e-4, out["verified"]

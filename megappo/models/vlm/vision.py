@@ -55,7 +55,12 @@ class VisionArgs:
 
 
 def vision_args_from_hf(vcfg: dict[str, Any], family: str) -> VisionArgs:
+    """VisionArgs from a HF `vision_config` dict (transformers 4 or 5 spelling)."""
+    from megappo.models.hf_config import UnsupportedModelError
+
     if family == "qwen2_vl":
+        if vcfg.get("hidden_act", "quick_gelu") != "quick_gelu":
+            raise UnsupportedModelError(f"Qwen2-VL vision hidden_act {vcfg['hidden_act']!r}: only quick_gelu")
         return VisionArgs(
             depth=int(vcfg["depth"]), hidden_size=int(vcfg["embed_dim"]), num_heads=int(vcfg["num_heads"]),
             intermediate_size=int(vcfg["embed_dim"] * vcfg.get("mlp_ratio", 4)),
@@ -64,11 +69,14 @@ def vision_args_from_hf(vcfg: dict[str, Any], family: str) -> VisionArgs:
             in_channels=int(vcfg.get("in_channels", vcfg.get("in_chans", 3))), gated_mlp=False, norm="LayerNorm",
         )
     rope = vcfg.get("rope_parameters") or {}
+    if vcfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"Qwen2.5-VL vision hidden_act {vcfg['hidden_act']!r}: only silu is supported")
     return VisionArgs(
         depth=int(vcfg["depth"]), hidden_size=int(vcfg["hidden_size"]), num_heads=int(vcfg["num_heads"]),
         intermediate_size=int(vcfg["intermediate_size"]), out_hidden_size=int(vcfg["out_hidden_size"]),
         patch_size=int(vcfg["patch_size"]), temporal_patch_size=int(vcfg["temporal_patch_size"]),
-        spatial_merge_size=int(vcfg["spatial_merge_size"]), in_channels=int(vcfg.get("in_channels", 3)),
+        spatial_merge_size=int(vcfg["spatial_merge_size"]),
+        in_channels=int(vcfg.get("in_channels", vcfg.get("in_chans", 3))),  # transformers 4: in_chans
         window_size=int(vcfg.get("window_size", 0) or 0),
         fullatt_block_indexes=tuple(int(i) for i in vcfg.get("fullatt_block_indexes") or ()),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
