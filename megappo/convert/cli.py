@@ -45,7 +45,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert checkpoints between Hugging Face and megatron (and verify a conversion)",
         description="Checkpoint conversion between Hugging Face safetensors directories and megatron "
-                    "dist_checkpoints, for llama, qwen2 (tied too), qwen3, qwen2_moe, qwen3_moe and mixtral; critic "
+                    "dist_checkpoints, for llama, qwen2 (tied too), qwen3, qwen2_moe, qwen3_moe, mixtral and the "
+                    "vision-language qwen2_5_vl and qwen2_vl; critic "
                     "and reward models (value head <-> score.weight) included.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
