@@ -208,6 +208,8 @@ class ActorConfig:
     use_kl_loss: bool = False  # add kl_loss_coef * KL(actor || ref) to the policy loss (GRPO style)
     kl_loss_coef: float = 0.001
     kl_loss_type: KLKind = "low_var_kl"
+    # vision-language models: keep the vision tower and its patch merger fixed (verl's name; on by default here)
+    freeze_vision_tower: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

@@ -45,7 +45,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert checkpoints between Hugging Face and megatron (and verify a conversion)",
         description="Checkpoint conversion between Hugging Face safetensors directories and megatron "
-                    "dist_checkpoints, for llama, qwen2 (tied too), qwen3, qwen2_moe, qwen3_moe and mixtral; critic "
+                    "dist_checkpoints, for llama, qwen2 (tied too), qwen3, qwen2_moe, qwen3_moe, mixtral and the "
+                    "vision-language qwen2_5_vl and qwen2_vl; critic "
                     "and reward models (value head <-> score.weight) included.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -176,7 +177,11 @@ def _check_layout_fits(args) -> None:
     cfg_path = os.path.join(src, "config.json")
     if not os.path.isfile(cfg_path):
         return
-    spec = model_spec_from_hf_config(read_json_object(cfg_path, "the model's Hugging Face config.json"), cfg_path)
+    hf_cfg = read_json_object(cfg_path, "the model's Hugging Face config.json")
+    from megappo.models.vlm.config import is_vlm_config, read_vlm_config  # VLM hook (issue 26): its language model
+
+    spec = model_spec_from_hf_config(read_vlm_config(hf_cfg).text_config if is_vlm_config(hf_cfg) else hf_cfg,
+                                     cfg_path)
     world = max(_needed_world(args), int(os.environ.get("WORLD_SIZE", "1")))
     try:
         check_layout(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp), world,

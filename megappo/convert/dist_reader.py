@@ -57,10 +57,12 @@ class DistCheckpointReader:
         self.metadata = self._reader.read_metadata()
         self._tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
-    def read(self, canonical: str) -> torch.Tensor:
+    def read(self, canonical: str, prefix: str = "") -> torch.Tensor:
+        """prefix: of the GPTModel's names in the checkpoint (`language_model.` in a vision-language model)."""
         import torch.distributed.checkpoint as dcp
 
-        keys, index = checkpoint_key(canonical)
+        keys, index = checkpoint_key(canonical[len(prefix):])
+        keys = [prefix + k for k in keys]
         key = next((k for k in keys if k in self._tensors), None)
         if key is None:
             raise ConversionError(
@@ -121,5 +123,6 @@ def iter_hf_weights_from_checkpoint(mcore_dir: str, spec: ModelSpec, role: str, 
 def checkpoint_dtype(mcore_dir: str) -> Optional[torch.dtype]:
     """The dtype of the embedding as saved (the checkpoint's parameter dtype)."""
     reader = DistCheckpointReader(mcore_dir)
-    md = reader._tensors.get("embedding.word_embeddings.weight")
+    md = reader._tensors.get("embedding.word_embeddings.weight",
+                             reader._tensors.get("language_model.embedding.word_embeddings.weight"))  # VLM
     return md.properties.dtype if md is not None else None

@@ -101,6 +101,14 @@ def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState
     leave W); `only_adapted` yields only the adapted layers' weights, the ones a LoRA step changes (every rank
     must pass the same value).
     """
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+
+    if is_vlm_config(hf_config):
+        from megappo.convert.qwen2_vl import iter_hf_vlm_weights
+
+        yield from iter_hf_vlm_weights(model_chunks, parallel_state, hf_config, bucket_bytes=bucket_bytes, role=role,
+                                       dtype=dtype, copy=copy)
+        return
     spec = model_spec_from_hf_config(hf_config)
     role = role or model_role(model_chunks)
     ordered = param_maps(spec, role)

@@ -130,6 +130,13 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoi
     default the whole world); an unused tensor means the config and the weights disagree.
     """
     ckpt = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint.open(hf_dir)
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+
+    if is_vlm_config(ckpt.config):
+        from megappo.convert.qwen2_vl import load_hf_vlm_weights
+
+        return load_hf_vlm_weights(model_chunks, ckpt, parallel_state, strict=strict, role=role,
+                                   world_group=world_group)
     spec = model_spec_from_hf_config(ckpt.config, os.path.join(ckpt.path, "config.json"))
     role = _infer_role(model_chunks, ckpt, role)
     maps = {pm.mcore: pm for pm in param_maps(spec, role)}
@@ -200,7 +207,15 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     t0 = time.time()
     out = check_output_dir(out_dir, {"--hf": hf_dir}, force)  # before anything is read or built
     ckpt = HFCheckpoint.open(hf_dir)  # validates config, index and every shard before any rank builds anything
-    spec = model_spec_from_hf_config(ckpt.config, os.path.join(hf_dir, "config.json"))
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+
+    vlm = is_vlm_config(ckpt.config)
+    if vlm:
+        from megappo.convert.qwen2_vl import vlm_materialiser, vlm_param_maps
+
+        spec = vlm_param_maps(ckpt.config, role)[0]  # the language model's: sizes init_parallel checks
+    else:
+        spec = model_spec_from_hf_config(ckpt.config, os.path.join(hf_dir, "config.json"))
     if role == "reward" and "score.weight" not in ckpt.files:
         raise ConversionError(f"{hf_dir}: --role reward needs a sequence-classification checkpoint (score.weight)")
     platform = detect_platform(dtype=dtype or _checkpoint_dtype(ckpt))
@@ -214,21 +229,11 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     # init is skipped. The critic's fresh value head is real (ValueHead initialises it on the CPU).
     with torch.device("meta"):
         chunks = build_for_conversion(hf_dir, role, ps, platform)
-    maps = {pm.mcore: pm for pm in param_maps(spec, role)}
-    by_id = {id(lp.param): lp for lp in local_params(chunks, spec, ps, maps)}
     used: set[str] = set()
-
-    def materialise(t: torch.Tensor) -> torch.Tensor:
-        lp = by_id.get(id(t))
-        if lp is None:
-            raise ConversionError(f"a checkpoint tensor of shape {tuple(t.shape)} is no parameter of the {spec.family} "
-                                  f"model; this model part cannot be converted by streaming")
-        shard = _hf_shard(lp, maps[lp.canonical], spec, ckpt, role)
-        if shard is None:
-            return t  # the fresh value head
-        used.update(maps[lp.canonical].hf)
-        return shard
-
+    if vlm:
+        materialise, by_id = vlm_materialiser(chunks, ckpt, ps, role, used)
+    else:
+        materialise, by_id = _materialiser(chunks, ckpt, spec, ps, role, used)
     bar = None
     if progress and rank0:
         from tqdm import tqdm
@@ -256,7 +261,8 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
             write_marker(tmp, chunks, has_optimizer=False)
             copy_side_files(hf_dir, tmp)
             meta = dict(role=role, source=os.path.abspath(hf_dir), dtype=str(platform.dtype).replace("torch.", ""),
-                        layout=dict(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp), family=spec.family)
+                        layout=dict(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp),
+                        family=ckpt.config["model_type"] if vlm else spec.family)
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump(meta, f, indent=2)
             replace_dir(tmp, out)
@@ -283,6 +289,25 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
               f"(tp{tp} pp{pp} ep{ep}) in {seconds:.1f} s ({summary['bytes'] / 1e9 / max(seconds, 1e-9):.3f} GB/s; "
               f"{stats['buckets']} buckets) -> {out}", flush=True)
     return summary
+
+
+def _materialiser(chunks, ckpt: HFCheckpoint, spec: ModelSpec, ps: ParallelState, role: str, used: set[str]):
+    """(materialise(meta param) -> its shard read from `ckpt`, {id(param): LocalParam}); `used` collects HF names."""
+    maps = {pm.mcore: pm for pm in param_maps(spec, role)}
+    by_id = {id(lp.param): lp for lp in local_params(chunks, spec, ps, maps)}
+
+    def materialise(t: torch.Tensor) -> torch.Tensor:
+        lp = by_id.get(id(t))
+        if lp is None:
+            raise ConversionError(f"a checkpoint tensor of shape {tuple(t.shape)} is no parameter of the {spec.family} "
+                                  f"model; this model part cannot be converted by streaming")
+        shard = _hf_shard(lp, maps[lp.canonical], spec, ckpt, role)
+        if shard is None:
+            return t  # the fresh value head
+        used.update(maps[lp.canonical].hf)
+        return shard
+
+    return materialise, by_id
 
 
 def _checkpoint_dtype(ckpt: HFCheckpoint) -> str:

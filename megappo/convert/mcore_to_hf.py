@@ -90,12 +90,19 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, fo
                               f"(convert hf-to-mcore does); copy the model's config.json there")
     hf_config = read_json_object(cfg_path, "the model's Hugging Face config.json")
     role = info.get("role") or "actor"
-    spec = model_spec_from_hf_config(hf_config, cfg_path)
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+
+    vlm = is_vlm_config(hf_config)
+    spec = None if vlm else model_spec_from_hf_config(hf_config, cfg_path)
     saved = checkpoint_dtype(mcore_dir) or torch.float32
     out_dtype = parse_dtype(dtype) if dtype else saved
     if from_model:
         items, rank0, t_load = _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, etp,
                                                  bucket_bytes)
+    elif vlm:
+        from megappo.convert.qwen2_vl import iter_hf_vlm_weights_from_checkpoint
+
+        items, rank0, t_load = iter_hf_vlm_weights_from_checkpoint(mcore_dir, hf_config, role, dtype=out_dtype), True, 0.0
     else:
         items, rank0, t_load = iter_hf_weights_from_checkpoint(mcore_dir, spec, role, dtype=out_dtype), True, 0.0
     summary = write_hf_dir(items, mcore_dir, out_dir, rank0, force, max_shard_bytes, progress,

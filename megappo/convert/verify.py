@@ -151,6 +151,12 @@ def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1
     ps = init_parallel(layout, platform)
     chunks = build_for_conversion(mcore_dir, role, ps, platform)
     load_model_checkpoint(chunks, mcore_dir)
+    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): images through both models
+
+    if is_vlm_config(mcfg):
+        from megappo.convert.vlm_verify import verify_vlm
+
+        return verify_vlm(hf_dir, chunks, ps, mcfg, atol=atol, dtype=parse_dtype(dtype), seed=seed)
     ids = verify_tokens(int(mcfg["vocab_size"]), batch, seq_len, seed, avoid=mcfg.get("pad_token_id"))
     is_value = role in ("critic", "reward")
     ours = mcore_forward(chunks, ps, ids, vocab_size=int(mcfg["vocab_size"]))

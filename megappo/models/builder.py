@@ -170,6 +170,7 @@ def build_model(
     seed: int = 0,
     config_overrides: Optional[Mapping[str, Any]] = None,
     make_vocab_size_divisible_by: int = 128,
+    freeze_vision_tower: bool = True,
 ) -> list[nn.Module]:
     """Build this rank's model chunks for `role` ("actor", "ref", "critic", "reward").
 
@@ -177,9 +178,21 @@ def build_model(
     RNGs; same seed and layout give the same weights); load real ones with the conversion code or
     `checkpoint.load_model_checkpoint`. `layout` defaults to `parallel_state.layout`. Each chunk gets
     `.megappo_config` (TransformerConfig), `.megappo_spec` (ModelSpecArgs) and `.megappo_role` attributes.
+    Qwen2.5-VL / Qwen2-VL configs build `megappo.models.vlm.model.VLMModel` chunks (vision tower frozen when
+    `freeze_vision_tower`, the default; ignored for text-only models).
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
+    # -- vision-language models (issue 26): their own chunk class, see megappo.models.vlm --------------------------
+    from megappo.models.vlm.config import is_vlm_config
+
+    if is_vlm_config(hf_dir_or_config):
+        from megappo.models.vlm.model import build_vlm_model
+
+        return build_vlm_model(hf_dir_or_config, role, parallel_state, platform, seed=seed,
+                               config_overrides=config_overrides, freeze_vision_tower=freeze_vision_tower,
+                               make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    # -- end VLM hook ------------------------------------------------------------------------------------------------
     layout = layout or parallel_state.layout
     if layout != parallel_state.layout:
         raise ValueError(f"layout {layout} differs from the initialised parallel layout {parallel_state.layout}")

@@ -1,0 +1,52 @@
+"""Reading a Qwen2.5-VL / Qwen2-VL Hugging Face config (no megatron import: the builder and converters ask
+`is_vlm_config` of every model)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional, Union
+
+from megappo.models.hf_config import UnsupportedModelError, load_hf_config_dict
+from megappo.models.vlm.vision import VisionArgs, vision_args_from_hf
+
+VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+
+
+def is_vlm_config(hf_dir_or_config: Any) -> bool:
+    """Whether a HF config (directory, path, dict or PretrainedConfig) is one of VLM_MODEL_TYPES."""
+    try:
+        return load_hf_config_dict(hf_dir_or_config).get("model_type") in VLM_MODEL_TYPES
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class VLMArgs:
+    family: str
+    vision: VisionArgs
+    image_token_id: int
+    video_token_id: Optional[int]
+    text_config: dict  # a plain qwen2 causal-LM config dict: what the text-only builder and converter read
+
+
+def read_vlm_config(hf_dir_or_config: Union[str, os.PathLike, Mapping[str, Any], Any]) -> VLMArgs:
+    """Split a Qwen2(.5)-VL config into its vision args and a qwen2 text config (transformers 4 and 5 layouts)."""
+    cfg = load_hf_config_dict(hf_dir_or_config)
+    family = cfg.get("model_type")
+    if family not in VLM_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {family!r} is not a vision-language model ({VLM_MODEL_TYPES})")
+    # transformers 5 nests the LM under text_config; transformers 4 wrote its fields at the top level
+    text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    mrope_section = rope.get("mrope_section")
+    if not mrope_section:
+        raise UnsupportedModelError(f"{family} config has no mrope_section in rope_parameters / rope_scaling")
+    theta = rope.get("rope_theta", text.get("rope_theta", cfg.get("rope_theta", 1000000.0)))
+    text.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
+                mrope_section=[int(x) for x in mrope_section],
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
+    text.pop("rope_scaling", None)
+    text.pop("rope_theta", None)
+    return VLMArgs(family=family, vision=vision_args_from_hf(dict(cfg["vision_config"]), family),
+                   image_token_id=int(cfg.get("image_token_id", text.get("image_token_id", 151655))),
+                   video_token_id=cfg.get("video_token_id"), text_config=text)
