@@ -70,6 +70,7 @@ RUN printf '%s\n' \
       "psutil==7.2.2" \
       "pytest==9.2.0" \
       "pytest-timeout==2.4.0" \
+      "peft==0.21.2" \
       "pip==26.3" \
       "setuptools==84.2.1" \
       "wheel==0.48.0" \

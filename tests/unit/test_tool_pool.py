@@ -42,11 +42,23 @@ def hang_schema(name="hang"):
     return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
 
 
+_BEFORE: set[int] = set()  # descendants an earlier test of the session left for life (torch's shm manager)
+
+
+@pytest.fixture(autouse=True)
+def _earlier_descendants():
+    _BEFORE.clear()
+    _BEFORE.update(p.pid for p in descendants())
+
+
 def descendants() -> list[psutil.Process]:
-    """This process's live descendants, but multiprocessing's resource tracker (this process's own, for life)."""
+    """This process's live descendants that the test started, but multiprocessing's resource tracker (this
+    process's own, for life)."""
     found = []
     for c in psutil.Process().children(recursive=True):
         try:
+            if c.pid in _BEFORE:
+                continue
             if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
                 found.append(c)
         except psutil.NoSuchProcess:
