@@ -252,6 +252,12 @@ class MultiTurnConfig:
     # strict: check each trajectory's tokens against the chat template applied to its final messages
     # (multi_turn/template_mismatch_fraction); disable: skip the check
     tokenization_sanity_check_mode: Literal["strict", "disable"] = "strict"
+    # the pool the tool calls run in (megappo/multi_turn/pool.py): thread, or ray (actors holding copies of the
+    # tools; one past a deadline is replaced); calls at once; a call's deadline (None: the tool's own timeout_s
+    # plus 5 s, or 60 s)
+    tool_backend: Literal["thread", "ray"] = "thread"
+    tool_workers: int = 32
+    tool_timeout_s: Optional[float] = None
 
 
 @dataclass

@@ -8,7 +8,9 @@ prompt; its loss mask is 1 on the model's tokens and 0 on the tool answers and t
 log-probs are 0.
 
 Turns are batched: every live trajectory of a request generates its next turn in one `engine.generate` call (a
-round); the tool calls of a round run concurrently in a thread pool. Generation stops at the end of a tool call
+round); the tool calls of a round run concurrently in a bounded `ToolPool` (threads, or Ray actors with
+multi_turn.tool_backend=ray), each answered by its deadline (the tool's timeout_s plus a grace, or
+multi_turn.tool_timeout_s) however slow the tool is. Generation stops at the end of a tool call
 (the `</tool_call>` token when the tokenizer has it as one token, as Qwen's does; otherwise at EOS and the whole turn
 is parsed, as verl does). A trajectory ends when a turn has no tool call, when `response_length` tokens are spent
 over all its turns (flagged `budget_hit`; the turn is cut to fit), or at max_assistant_turns / max_user_turns
@@ -23,11 +25,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from megappo.multi_turn.parser import PARSERS, STOP_STRINGS, ToolCall
+from megappo.multi_turn.pool import ToolPool
 from megappo.multi_turn.tools import BaseTool, ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -128,7 +130,8 @@ class MultiTurnRollout:
         end = tokenizer.convert_tokens_to_ids(STOP_STRINGS[mt_cfg.format])
         unk = getattr(tokenizer, "unk_token_id", None)
         self.stop_ids = (end,) if isinstance(end, int) and end != unk else ()
-        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="megappo-tool")
+        self.pool = ToolPool(tools, max_workers=mt_cfg.tool_workers, backend=mt_cfg.tool_backend,
+                             call_timeout_s=mt_cfg.tool_timeout_s)
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def generate(self, engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -192,9 +195,9 @@ class MultiTurnRollout:
 
     # -- tools -----------------------------------------------------------------------------------------------------
     def _run_tools(self, work: list[tuple[Trajectory, list[ToolCall]]]) -> None:
-        futures = [[self.pool.submit(self._call, t, call) for call in calls] for t, calls in work]
-        for (t, calls), fs in zip(work, futures):
-            results = [f.result() for f in fs]
+        started = [[self._start(t, call) for call in calls] for t, calls in work]
+        for (t, calls), pending in zip(work, started):
+            results = [self._finish(call, p) for call, p in zip(calls, pending)]
             answers = [r["text"] for r in results]
             tokens = self.delta.tool_answer(t.ids[len(t.ids) - self._last_turn_len(t):], answers)
             t.user_turns += 1
@@ -212,31 +215,37 @@ class MultiTurnRollout:
             k -= 1
         return len(t.mask) - k
 
-    def _call(self, t: Trajectory, call: ToolCall) -> dict[str, Any]:
-        """Run one call; every failure is an answer that says what was wrong."""
+    def _start(self, t: Trajectory, call: ToolCall) -> Any:
+        """Submit one call to the pool: (future, start time), or the answer text of a call that cannot run (every
+        failure is an answer that says what was wrong)."""
+        if call.error is not None:
+            return f"Error: {call.error}"
+        if call.name not in self.tools:
+            return (f"Error: there is no tool named {call.name!r}; the tools are: "
+                    f"{', '.join(sorted(self.tools)) or 'none'}")
+        try:
+            if call.name not in t.instances:
+                t.instances[call.name] = f"{uuid.uuid4().hex}-{t.index}"
+                self.pool.create(call.name, t.instances[call.name])
+            return self.pool.submit(call.name, t.instances[call.name], call.arguments), time.perf_counter()
+        except Exception as e:  # a tool that fails to start is its answer, not a crashed step
+            return f"Error: the tool {call.name} failed: {type(e).__name__}: {e}"
+
+    def _finish(self, call: ToolCall, pending: Any) -> dict[str, Any]:
+        """The call's record: its answer (by the pool's deadline), reward, metrics, error and timeout flags."""
         record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "error": 0.0, "timeout": 0.0,
                                   "latency_s": 0.0, "reward": 0.0, "metrics": {}}
-        tool = self.tools.get(call.name)
-        if call.error is not None:
-            text, record["error"] = f"Error: {call.error}", 1.0
-        elif tool is None:
-            text, record["error"] = (f"Error: there is no tool named {call.name!r}; the tools are: "
-                                     f"{', '.join(sorted(self.tools)) or 'none'}"), 1.0
+        if isinstance(pending, str):
+            text, record["error"] = pending, 1.0
         else:
-            t0 = time.perf_counter()
-            try:
-                if call.name not in t.instances:
-                    t.instances[call.name] = f"{uuid.uuid4().hex}-{t.index}"
-                    tool.create(t.instances[call.name])
-                result = tool.execute(t.instances[call.name], call.arguments)
-                if not isinstance(result, ToolResult):
-                    result = ToolResult(str(result))
-                text, record["reward"] = result.text, float(result.reward)
-                record["metrics"] = dict(result.metrics)
-                record["error"] = float(bool(result.metrics.get("error", 0.0)))
-                record["timeout"] = float(bool(result.metrics.get("timeout", 0.0)))
-            except Exception as e:  # a broken tool is the tool's answer, not a crashed step
-                text, record["error"] = f"Error: the tool {call.name} failed: {type(e).__name__}: {e}", 1.0
+            future, t0 = pending
+            result = self.pool.result(future)
+            if not isinstance(result, ToolResult):
+                result = ToolResult(str(result))
+            text, record["reward"] = result.text, float(result.reward)
+            record["metrics"] = dict(result.metrics)
+            record["error"] = float(bool(result.metrics.get("error", 0.0)))
+            record["timeout"] = float(bool(result.metrics.get("timeout", 0.0)))
             record["latency_s"] = time.perf_counter() - t0
         record["text"] = truncate(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
         return record
@@ -244,7 +253,7 @@ class MultiTurnRollout:
     def _release(self, t: Trajectory) -> None:
         for name, instance in t.instances.items():
             try:
-                self.tools[name].release(instance)
+                self.pool.release(name, instance)
             except Exception as e:  # noqa: BLE001 - a release failure must not lose the step
                 logger.warning("tool %s: release(%s) failed: %s", name, instance, e)
         t.instances.clear()
@@ -269,7 +278,7 @@ class MultiTurnRollout:
                                  "messages": t.messages, "tool_results": t.tool_results})
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
 
 def multi_turn_metrics(stats: Sequence[Optional[dict]], tool_results: Sequence[Sequence[dict]]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from megappo.config.schema import MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool, evaluate, CalculatorError
 from megappo.multi_turn.loop import MultiTurnRollout, multi_turn_metrics, truncate
 from megappo.multi_turn.parser import parse_hermes
+from megappo.multi_turn.tools import ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.tasks import tool_sum
@@ -111,6 +112,37 @@ def test_model_mistakes_are_tool_answers(tok, call, error):
     assert result["error"] == 1.0 and error in result["text"] and result["text"].startswith("Error")
     assert c.extra["messages"][1]["content"] == result["text"] and c.finish_reason == "stop"
     assert multi_turn_metrics([c.extra["multi_turn"]], [c.extra["tool_results"]])["tool/error_fraction"] == 1.0
+
+
+def test_a_hung_tool_is_answered_at_its_deadline(tok):
+    """A tool stuck in its own code does not hold the step: the pool answers the call with a timeout at
+    multi_turn.tool_timeout_s, the model reads it and goes on."""
+    import threading
+    import time
+
+    from megappo.multi_turn.tools import BaseTool
+
+    release = threading.Event()
+
+    class Hung(BaseTool):
+        def execute(self, instance_id, arguments):
+            release.wait(30)
+            return ToolResult("late")
+
+    mt = MultiTurnRollout(MultiTurnConfig(enable=True, tool_timeout_s=0.3), tok,
+                          {"calculator": Hung({}, tool_sum.TOOL_SCHEMA)}, 400)
+    t0 = time.monotonic()
+    try:
+        engine = Scripted(tok, lambda text: "1<|im_end|>" if "<tool_response>" in text else CALL)
+        [[c]] = mt.generate(engine, [prompt_ids(tok)], SamplingParams(max_new_tokens=400))
+    finally:
+        release.set()
+        mt.close()
+    assert time.monotonic() - t0 < 5
+    [result] = c.extra["tool_results"]
+    assert result["timeout"] == 1.0 and "did not answer within 0.3 s" in result["text"]
+    assert c.finish_reason == "stop" and c.extra["multi_turn"]["turns"] == 2
+    assert multi_turn_metrics([c.extra["multi_turn"]], [c.extra["tool_results"]])["tool/timeout_fraction"] == 1.0
 
 
 def test_budget_spans_all_turns(tok):
