@@ -299,12 +299,38 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
     return _files(task, out_dir, manifest, reused=False)
 
 
-def _build(task: SyntheticTask, out_dir: str, params: dict) -> dict:
+def fresh_tmp(out_dir: str) -> str:
+    """A new build directory in `out_dir`, after removing those of builds that were killed (the caller holds the
+    task's lock, so none is running)."""
     os.makedirs(out_dir, exist_ok=True)
-    for entry in os.listdir(out_dir):  # left by a build that was killed (the lock says none is running)
+    for entry in os.listdir(out_dir):
         if entry.startswith(".tmp-"):
             shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=out_dir)
+    return tempfile.mkdtemp(prefix=".tmp-", dir=out_dir)
+
+
+def swap_in(out_dir: str, tmp: str, manifest: dict) -> None:
+    """Move a finished build (`tmp`: train.parquet, val.parquet, model/) into `out_dir`. The manifest goes first and
+    comes back last, so a crash in between leaves no valid manifest (the next call rebuilds) rather than a manifest
+    over mismatched files."""
+    try:
+        os.remove(os.path.join(out_dir, MANIFEST))
+    except FileNotFoundError:
+        pass
+    for name in ("train.parquet", "val.parquet"):
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    model_dir = os.path.join(out_dir, "model")
+    if os.path.exists(model_dir):
+        os.rename(model_dir, os.path.join(tmp, "old-model"))
+    os.rename(os.path.join(tmp, "model"), model_dir)
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(os.path.join(tmp, MANIFEST), os.path.join(out_dir, MANIFEST))
+
+
+def _build(task: SyntheticTask, out_dir: str, params: dict) -> dict:
+    tmp = fresh_tmp(out_dir)
     try:
         t0 = time.perf_counter()
         rng = random.Random(params["seed"] * 1_000_003 + 17)
@@ -325,22 +351,7 @@ def _build(task: SyntheticTask, out_dir: str, params: dict) -> dict:
                     "prompt_tokens": len(tokenizer(task.prompt(val_codes[0]))["input_ids"]),
                     "response_tokens": task.response_tokens,
                     "warm_start": metrics}
-        # Swap in: the manifest goes first and comes back last, so a crash in between leaves no valid manifest
-        # (the next call rebuilds) rather than a manifest over mismatched files.
-        try:
-            os.remove(os.path.join(out_dir, MANIFEST))
-        except FileNotFoundError:
-            pass
-        for name in ("train.parquet", "val.parquet"):
-            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-        model_dir = os.path.join(out_dir, "model")
-        if os.path.exists(model_dir):
-            os.rename(model_dir, os.path.join(tmp, "old-model"))
-        os.rename(model_tmp, model_dir)
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(os.path.join(tmp, MANIFEST), os.path.join(out_dir, MANIFEST))
+        swap_in(out_dir, tmp, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("synthetic task %s: model and prompts written to %s in %.1f s (warm start: %s)", task.name, out_dir,

@@ -21,18 +21,16 @@ This module imports neither torch nor pyarrow at import time (reward workers imp
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from megappo.tasks import synthetic
-from megappo.tasks.synthetic import MANIFEST, TaskFiles, _locked, _one_thread, _read_manifest
+from megappo.tasks.synthetic import TaskFiles, _locked, _one_thread, _read_manifest
 
 FORMAT_VERSION = 1
 PAD, EOS, BOS_TURN = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
@@ -240,8 +238,7 @@ def _build(task: ToolTask, out_dir: str, params: dict) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=out_dir)
+    tmp = synthetic.fresh_tmp(out_dir)
     try:
         t0 = time.perf_counter()
         rng = random.Random(params["seed"] * 1_000_003 + 19)
@@ -265,19 +262,7 @@ def _build(task: ToolTask, out_dir: str, params: dict) -> dict:
         metrics["seconds"] = round(time.perf_counter() - t0, 2)
         manifest = {"params": params, "data_source": task.data_source, "description": task.description,
                     "warm_start": metrics}
-        try:
-            os.remove(os.path.join(out_dir, MANIFEST))
-        except FileNotFoundError:
-            pass
-        for name in ("train.parquet", "val.parquet"):
-            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-        model_dir = os.path.join(out_dir, "model")
-        if os.path.exists(model_dir):
-            os.rename(model_dir, os.path.join(tmp, "old-model"))
-        os.rename(model_tmp, model_dir)
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-        os.replace(os.path.join(tmp, MANIFEST), os.path.join(out_dir, MANIFEST))
+        synthetic.swap_in(out_dir, tmp, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     synthetic.logger.info("tool task %s written to %s (%s)", task.name, out_dir, manifest["warm_start"])

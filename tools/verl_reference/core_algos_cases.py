@@ -27,12 +27,14 @@ the case's ``seed`` right before the call. agg_loss alone on every mode, with an
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_corr_cases import _load, _module  # noqa: E402 - verl's files loaded the same way
 
 B, T = 12, 10
 GROUPS = [0, 0, 0, 0, 1, 1, 1, 2, 3, 3, 4, 4]  # 4, 3, 1 (alone), 2, 2
@@ -49,21 +51,6 @@ LOSS_SETTINGS = [
          loss_scale_factor=7, clip_cov_ratio=0.1, clip_cov_lb=0.2, clip_cov_ub=3.0, kl_cov_ratio=0.1,
          ppo_kl_coef=0.5),
 ]
-
-
-def _module(name: str, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__dict__.update(attrs)
-    sys.modules[name] = mod
-    return mod
-
-
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Config:
