@@ -166,6 +166,7 @@ def main() -> None:
     p.add_argument("--trace", action="append", default=[], metavar="MODULE:QUALNAME",
                    help="print the resident set around every call of this function (repeatable), e.g. "
                         "megappo.rollout.hf_engine:HFEngine.generate")
+    p.add_argument("--malloc-trim", action="store_true", help="glibc malloc_trim(0) after every phase")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     for target in args.trace:
@@ -237,6 +238,10 @@ def main() -> None:
                 with real_call(self, phase):
                     yield
             finally:
+                if args.malloc_trim:
+                    import ctypes
+
+                    ctypes.CDLL("libc.so.6").malloc_trim(0)
                 peak = max(_status("VmHWM"), nested.pop())
                 if nested:
                     nested[-1] = max(nested[-1], peak)
