@@ -4,34 +4,12 @@ a different base is refused."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from megappo.testing.prompts import read_metrics
+from megappo.testing.recipes import learned, run_recipe
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_recipe(recipe: str, out: Path, *overrides: str) -> list[dict]:
-    home = out.parent / "empty_home"
-    home.mkdir(exist_ok=True)
-    env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "megappo.cli", "train", "--config", recipe, f"trainer.default_local_dir={out}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return read_metrics(str(out))
-
-
-def learned(rows: list[dict], key: str = "reward/mean") -> float:
-    rewards = [r[key] for r in rows if r["step"] > 0]
-    assert len(rewards) >= 10
-    return sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
 
 
 def test_lora_recipe_learns(tmp_path):

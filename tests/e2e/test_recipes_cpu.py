@@ -3,41 +3,12 @@ that holds nothing, and the run must visibly learn (the mean reward of the last 
 first five), log everything, checkpoint and export the actor."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from megappo.testing.prompts import read_metrics
+from megappo.testing.recipes import learned, run_recipe
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_recipe(recipe: str, out: Path, *overrides: str, nproc: int = 1, timeout: float = 600) -> list[dict]:
-    """Run a recipe from the repository root as the README does; returns its metrics rows."""
-    home = out.parent / "empty_home"  # nothing in ~: no data, no models, no caches
-    home.mkdir(exist_ok=True)
-    env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
-    train = ["train", "--config", recipe, f"trainer.default_local_dir={out}", *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megappo.cli", *train]
-    else:
-        from megappo.testing.dist import free_port
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", "-m", "megappo.cli", *train]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return read_metrics(str(out))
-
-
-def learned(rows: list[dict], key: str = "reward/mean") -> float:
-    rewards = [r[key] for r in rows if r["step"] > 0]
-    assert len(rewards) >= 10
-    return sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
 
 
 def test_main_job_learns(tmp_path):

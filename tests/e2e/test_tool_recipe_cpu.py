@@ -3,36 +3,13 @@ must learn to call the calculator (reward up by >= 0.3 first five -> last five s
 log the multi-turn metrics."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from megappo.testing.prompts import read_metrics
+from megappo.testing.recipes import learned, run_recipe
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/cpu/tiny_tool_ppo.yaml"
-
-
-def run_recipe(recipe: str, out: Path, *overrides: str, timeout: float = 600) -> list[dict]:
-    """`megappo train --config recipe` from the repository root with an empty HOME; its metrics rows."""
-    home = out.parent / "empty_home"
-    home.mkdir(exist_ok=True)
-    env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "megappo.cli", "train", "--config", recipe, f"trainer.default_local_dir={out}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return read_metrics(str(out))
-
-
-def learned(rows: list[dict], key: str = "reward/mean") -> float:
-    values = [r[key] for r in rows if r["step"] > 0]
-    assert len(values) >= 10
-    return sum(values[-5:]) / 5 - sum(values[:5]) / 5
 
 
 def test_tool_recipe_learns(tmp_path):

@@ -1,0 +1,37 @@
+"""Running a recipe as a user does, for the end-to-end tests: `megappo train --config recipes/...` in a fresh process
+from the repository root, with a HOME that holds nothing (no data, no models, no caches)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megappo.testing.prompts import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_recipe(recipe: str, out: Path, *overrides: str, nproc: int = 1, timeout: float = 600) -> list[dict]:
+    """Train `recipe` into `out` (one process, or torchrun with `nproc` ranks); its metrics rows. Asserts exit 0."""
+    home = out.parent / "empty_home"
+    home.mkdir(exist_ok=True)
+    env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
+    train = ["train", "--config", recipe, f"trainer.default_local_dir={out}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megappo.cli", *train]
+    else:
+        from megappo.testing.dist import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={free_port()}", "-m", "megappo.cli", *train]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return read_metrics(str(out))
+
+
+def learned(rows: list[dict], key: str = "reward/mean") -> float:
+    """The mean of `key` over the last five steps minus that over the first five (step 0, validation, aside)."""
+    values = [r[key] for r in rows if r["step"] > 0]
+    assert len(values) >= 10
+    return sum(values[-5:]) / 5 - sum(values[:5]) / 5
