@@ -198,9 +198,10 @@ class FullyAsyncSource(RolloutSource):
             self.launched.append(_Launched(prompts, position, future, job))
             self.next_step += 1
 
-    def _collect(self) -> tuple[Samples, dict[str, float]]:
+    def _collect(self, t0: float) -> tuple[Samples, dict[str, float]]:
+        """The oldest launched batch; `t0`: when the trainer asked for it (the launches it made since are waiting too,
+        so the first batch, generated only once asked for, hid nothing)."""
         item = self.launched.popleft()
-        t0 = time.perf_counter()
         samples = self.run.rollout.collect(item.prompts, item.future)
         waited = time.perf_counter() - t0
         job = item.job
@@ -213,8 +214,9 @@ class FullyAsyncSource(RolloutSource):
         if self.state.ready:
             samples = self.state.ready.pop(0)
         else:
+            t0 = time.perf_counter()
             self._launch_allowed()
-            samples, metrics = self._collect()
+            samples, metrics = self._collect(t0)
         self._launch_allowed()
         samples, dropped = self._drop_stale(samples, step)
         metrics.update({"async/dropped_stale": float(dropped), "async/queue_size": float(self._queue_size()),
@@ -286,7 +288,7 @@ class FullyAsyncSource(RolloutSource):
             done += 1
         agreed = int(reduce_over_ranks([done], dist.ReduceOp.MIN)[0]) if dist.get_world_size() > 1 else done
         for _ in range(agreed):
-            self.state.ready.append(self._collect()[0])
+            self.state.ready.append(self._collect(time.perf_counter())[0])
         self.state.pending_position = self.launched[0].position if self.launched else None
 
     def close(self) -> None:

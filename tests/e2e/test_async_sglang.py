@@ -33,9 +33,11 @@ def test_async_recipes_on_sglang_learn(sglang_python, tmp_path, monkeypatch, rec
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     extra: list[str] = []
     cfg = load_config(f"cpu/{recipe}", [
-        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[]", "trainer.save_freq=-1",
+        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[]",
         "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}", *extra])
     cfg.actor_rollout_ref.rollout.engine_kwargs = {}  # the recipes' threads are the in-process engine's
+    # the recipes' checkpoints stay: SGLang samples differently from run to run, and a step whose policy moves past
+    # the KL guard's threshold is rolled back to one and retried, as in a user's run
     assert fit(cfg) == 0
     rows = read_metrics(str(tmp_path / "run"))
     assert [r["step"] for r in rows][-1] == 20
