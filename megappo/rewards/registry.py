@@ -126,6 +126,13 @@ def math_dapo_reward(data_source: str, solution_str: str, ground_truth: Any, ext
 _PREFIXES.append((MATH_DAPO_PREFIX, math_dapo_reward))
 
 
+@register_reward("hiyouga/geometry3k")
+def geo3k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
+    from megappo.rewards import geo3k
+
+    return geo3k.compute_score(solution_str, ground_truth)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # user functions from a file
 # ---------------------------------------------------------------------------------------------------------------
