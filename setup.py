@@ -35,9 +35,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megappo", "megappo.*"]),
-    # a small GSM8K sample (MIT, see its README) so the quick start needs no download; DAPO-Math/AIME-shaped samples
+    # a small GSM8K sample (MIT, see its README) so the quick start needs no download; DAPO-Math/AIME/Geometry3K-shaped
+    # samples
     package_data={"megappo.data": ["samples/gsm8k/*.jsonl", "samples/gsm8k/LICENSE", "samples/gsm8k/README.md",
-                                   "samples/dapo_math/*", "samples/aime2024/*"]},
+                                   "samples/dapo_math/*", "samples/aime2024/*",
+                                   "samples/geo3k/*.md", "samples/geo3k/data/*"]},
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

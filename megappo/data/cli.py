@@ -31,6 +31,23 @@ def register(subparsers) -> None:
     gsm8k.add_argument("--force", action="store_true", help="overwrite existing train.parquet/test.parquet")
     gsm8k.set_defaults(func=_gsm8k)
 
+    geo3k = data_sub.add_parser(
+        "geo3k",
+        help="Geometry3K (images + problems) -> train.parquet and test.parquet, multimodal",
+        description="Convert Geometry3K to OUT/train.parquet and OUT/test.parquet in verl's multimodal schema "
+        "(images as bytes in an `images` column, one <image> placeholder per image in the prompt). Reads a copy of "
+        "the Hugging Face dataset hiyouga/geometry3k (INPUT/data/train-*.parquet, INPUT/data/test-*.parquet) or "
+        "Inter-GPS's original release (INPUT/train/<id>/data.json + img_diagram.png, INPUT/test/<id>/...). Each "
+        "prompt is the problem followed by verl's <think>/\\boxed{} instruction; data_source is "
+        "'hiyouga/geometry3k', scored by megappo.rewards.geo3k.",
+        epilog="example: megappo data geo3k --input megappo/data/samples/geo3k --out ~/data/geo3k",
+    )
+    geo3k.add_argument("--input", required=True, metavar="DIR", help="directory holding the Geometry3K files")
+    geo3k.add_argument("--out", "--output", dest="out", default="~/data/geo3k", metavar="DIR",
+                       help="output directory (default: ~/data/geo3k, where recipes/geo3k read)")
+    geo3k.add_argument("--force", action="store_true", help="overwrite existing train.parquet/test.parquet")
+    geo3k.set_defaults(func=_geo3k)
+
     for name, out_file, help_, desc in (
         ("dapo-math", "dapo-math-17k.parquet", "DAPO-Math-17k -> dapo-math-17k.parquet (DAPO's training set)",
          "Convert BytedTsinghua-SIA/DAPO-Math-17k (INPUT: its dapo-math-17k.parquet, or a directory holding it, "
@@ -68,6 +85,23 @@ def _gsm8k(args: argparse.Namespace) -> int:
         counts = convert(args.input, args.out, force=args.force)
     except (DataError, FileExistsError) as e:
         print(f"megappo data gsm8k: error: {e}", file=sys.stderr)
+        return 1
+    out = os.path.abspath(os.path.expanduser(args.out))
+    for split, n in counts.items():
+        print(f"wrote {os.path.join(out, split + '.parquet')} ({n} prompts)")
+    return 0
+
+
+def _geo3k(args: argparse.Namespace) -> int:
+    import os
+
+    from megappo.data.errors import DataError
+    from megappo.data.geo3k import convert
+
+    try:
+        counts = convert(args.input, args.out, force=args.force)
+    except (DataError, FileExistsError) as e:
+        print(f"megappo data geo3k: error: {e}", file=sys.stderr)
         return 1
     out = os.path.abspath(os.path.expanduser(args.out))
     for split, n in counts.items():
