@@ -343,6 +343,11 @@ class SGLangServer:
                 self._args.append("--skip-server-warmup")
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env.setdefault("OMP_NUM_THREADS", "1")
+        if _is_vlm(model_path):
+            # SGLang keeps images' vision-tower embeddings in a cache that neither a weight update nor /flush_cache
+            # clears (SGLang 0.5.23), so after a sync that changed the vision tower it would answer with the old
+            # tower's embeddings (measured: other tokens than an engine on the new weights); 0 MB turns it off
+            self.env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", "0")
         self.env["PYTHONPATH"] = ""  # the server's own environment, not the caller's
         self.proc: Optional[subprocess.Popen] = None  # the watchdog
         self.failed = False  # something went wrong: the log is kept
