@@ -118,6 +118,10 @@ class LoRAConfig:
     # the weight sync always sends merged weights (W + alpha/rank * B A) of the adapted layers; accepted for verl
     merge: bool = False
     adapter_path: Optional[str] = None  # a PEFT adapter directory to start the adapters from
+    # critic.model.lora only (megappo's key; verl has none): the critic's frozen base is the actor's own tensors (one
+    # copy of the base in memory) under the critic's adapters and value head. Needs critic.model.path, dtype and
+    # override_config equal to the actor's and LoRA on both
+    share_actor_base: bool = False
 
 
 @dataclass

@@ -20,6 +20,7 @@ scattered along the sequence, and the replicated factor is flagged `sequence_par
 gradient over TP. A merged weight shard is `W_i + scaling * B_i A_i` on each rank without communication.
 
 `adapters_disabled(chunks)` turns the adapters off: the base model, i.e. the reference policy, without a copy.
+`share_base(critic, actor)` gives a LoRA critic the actor's frozen base tensors (`critic.model.lora.share_actor_base`).
 """
 from __future__ import annotations
 
@@ -246,6 +247,45 @@ def apply_lora(model_chunks: Sequence[nn.Module], settings: LoRASettings,
         raise ValueError(f"model.lora.target_modules {list(settings.target_modules)} (excluding "
                          f"{list(settings.exclude_modules)}) matched no linear layer")
     return adapters
+
+
+@torch.no_grad()
+def share_base(model_chunks: Sequence[nn.Module], base_chunks: Sequence[nn.Module],
+               keep: Sequence[str] = ("output_layer",)) -> int:
+    """Make the (unwrapped, adapter-less) chunks use `base_chunks`' parameters: each parameter whose name and shape
+    match becomes the very same tensor (their own copies are released), except those under the `keep` modules (a
+    critic's value head) and adapters. Both must be built from the same model in the same layout; a missing or
+    mismatched parameter raises ValueError. Returns the number of parameters shared.
+
+    `critic.model.lora.share_actor_base`: the critic's frozen base is the actor's (one copy of the base in memory).
+    Shared parameters are frozen in both models, so megatron's DDP gives them no grad buffer and the optimizers never
+    see them: neither role's step can change them."""
+    from megappo.models.builder import unwrap
+
+    if len(model_chunks) != len(base_chunks):
+        raise ValueError(f"sharing a base: {len(model_chunks)} model chunks vs {len(base_chunks)} base chunks")
+    n = 0
+    for chunk, base_chunk in zip(model_chunks, base_chunks):
+        m, base = unwrap(chunk), unwrap(base_chunk)
+        theirs = {k: p for k, p in base.named_parameters() if not is_adapter_param(k)}
+        for mod_name, module in m.named_modules():
+            if any(mod_name == k or mod_name.startswith(k + ".") for k in keep):
+                continue
+            for p_name, p in list(module._parameters.items()):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if p is None or is_adapter_param(full):
+                    continue
+                other = theirs.get(full)
+                if other is None or other.shape != p.shape or other.dtype != p.dtype:
+                    raise ValueError(f"sharing a base: {full} {tuple(p.shape)} has no equal in the base model "
+                                     f"({None if other is None else tuple(other.shape)}); both must be the same "
+                                     "model in the same parallel layout")
+                if other.requires_grad:
+                    raise ValueError(f"sharing a base: {full} is trainable in the base model (only a frozen LoRA "
+                                     "base can be shared)")
+                module._parameters[p_name] = other
+                n += 1
+    return n
 
 
 def adapters(model_chunks: Sequence[nn.Module]) -> list[LoRAAdapter]:

@@ -47,3 +47,21 @@ def test_targets_and_exclusions():
     assert not is_lora_target_weight("decoder.layers.0.self_attention.linear_qkv.bias", s)
     assert is_adapter_param("decoder.layers.0.mlp.linear_fc2.lora.lora_B")
     assert s.scaling == 32.0 / 8
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["critic.model.lora.share_actor_base=true"], "LoRA on both"),  # the critic is a full model
+    (["critic.model.lora.rank=4", "critic.model.lora.share_actor_base=true", "critic.model.path=/other/model"],
+     "not the actor's model"),
+    (["critic.model.lora.rank=4", "critic.model.lora.share_actor_base=true",
+      "critic.model.override_config={rope_theta: 5.0}"], "override_config"),
+    (["actor_rollout_ref.model.lora.share_actor_base=true"], "only critic.model.lora"),
+])
+def test_shared_critic_base_needs_the_actors_model(overrides, words):
+    cfg = load_config(RECIPE, ["actor_rollout_ref.model.path=/m", *overrides])
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, 1, check_files=False)
+    ok = load_config(RECIPE, ["actor_rollout_ref.model.path=/m", "critic.model.lora.rank=4",
+                              "critic.model.lora.share_actor_base=true"])
+    validate(ok, 1, check_files=False)
+    assert ok.critic.model.lora.share_actor_base and not ok.actor_rollout_ref.model.lora.share_actor_base
