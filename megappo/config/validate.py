@@ -70,6 +70,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
                           ("critic.model.lora", cfg.critic.model)):
         _check_lora(prefix, model.lora, errors, check_files)
     _check_shared_critic_base(cfg, errors)
+    _check_lora_sync(cfg, errors)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):
         _check_optim(prefix, optim, errors)
@@ -435,6 +436,29 @@ def _lookup(cfg: MegappoConfig, key: str):
 
 
 _LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+# measured with SGLang 0.5.23's CPU backend (--enable-lora, any --lora-backend): the server dies loading the LoRA
+# layers, whose wrappers allocate pinned host buffers (torch.tensor(..., pin_memory=True) in sglang/srt/lora/layers.py)
+SGLANG_CPU_LORA = ("SGLang's CPU backend cannot serve LoRA adapters (SGLang 0.5.23 dies at start with --enable-lora: "
+                   "'pin_memory=True requires a CUDA or other accelerator backend'); use "
+                   "actor_rollout_ref.rollout.lora_sync=merged (the default) on CPU")
+
+
+def _check_lora_sync(cfg, errors: list[str]) -> None:
+    """rollout.lora_sync=adapter: a LoRA actor served by SGLang on GPU."""
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.lora_sync != "adapter":
+        return
+    key = "actor_rollout_ref.rollout.lora_sync=adapter"
+    if arr.model.lora.rank <= 0:
+        errors.append(f"{key} sends a LoRA actor's adapters: set actor_rollout_ref.model.lora.rank > 0 or "
+                      "lora_sync=merged")
+    if arr.rollout.name != "sglang":
+        errors.append(f"{key} needs rollout.name=sglang (SGLang's LoRA serving), got {arr.rollout.name!r}; use "
+                      "lora_sync=merged")
+    if cfg.trainer.device == "cpu":
+        errors.append(f"{key}: {SGLANG_CPU_LORA}")
 
 
 def _check_shared_critic_base(cfg, errors: list[str]) -> None:

@@ -105,6 +105,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         health = self.deployment.prepare_sync()
         mode, target = self.sync_mode, self.deployment.sync_target
+        if self.rollout.lora_sync == "adapter":
+            nbytes = self._sync_adapter(actor_chunks, hf_config, version, target)
+            self._set_version(version)
+            seconds = time.perf_counter() - t0
+            return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
+                    "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9), **health}
         # views of the parameters (no export copy) for engines that copy each bucket away at once; the disk writer
         # and an engine that keeps the tensors (CUDA IPC hands over their memory) get copies
         keep = mode == "disk" or (target is not None and target.needs_copies(mode))
@@ -174,6 +180,31 @@ class RolloutWorker:
         finally:
             engine.resume()
         engine.check_version(version)
+
+    def _sync_adapter(self, actor_chunks, hf_config: dict, version: int, target) -> int:
+        """rollout.lora_sync=adapter: the actor's adapters as a PEFT directory (`weight_sync_dir/lora_v<version>`,
+        rank 0 writes, collective) that the servers load in place of the previous one. Returns the bytes written."""
+        from megappo.convert.peft_io import adapter_config, peft_state_dict, write_peft_dir
+
+        lora = self.cfg.actor_rollout_ref.model.lora
+        tensors = peft_state_dict(list(actor_chunks), self.ps, hf_config, dtype=self.platform.dtype)
+        directory = os.path.join(os.path.abspath(os.path.expanduser(
+            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync"))),
+            f"lora_v{version}")
+        base = self.cfg.actor_rollout_ref.model.path
+        if dist.get_rank() == 0:
+            write_peft_dir(tensors, adapter_config(tensors, lora.rank, lora.alpha, base,
+                                                   all_layers=not lora.exclude_modules), directory)
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        if target is not None:
+            self._around_sync(target, version, lambda: target.load_lora_adapter(directory, version=version))
+        previous, self._adapter_dir = getattr(self, "_adapter_dir", None), directory
+        if dist.get_rank() == 0 and previous not in (None, directory):  # unloaded by the servers: not needed
+            import shutil
+
+            shutil.rmtree(previous, ignore_errors=True)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _write_sync_dir(self, buckets, hf_config: dict) -> str:
         """disk mode: the actor as a Hugging Face directory the servers reload (rank 0 writes it)."""
