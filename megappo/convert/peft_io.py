@@ -182,8 +182,8 @@ def read_lora_base(ckpt_dir: str) -> dict:
 
 
 def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Optional[str] = None,
-               dtype: Optional[str] = None, force: bool = False, tp: int = 1, pp: int = 1, ep: int = 1, max_shard_bytes: int = 5 * 10**9,
-               progress: bool = True) -> str:
+               dtype: Optional[str] = None, force: bool = False, tp: int = 1, pp: int = 1, ep: int = 1,
+               max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> str:
     """Export a LoRA checkpoint merged into its base (a complete HF directory) or as a PEFT adapter directory.
     base: the base HF directory (default: the one the checkpoint names, which must still have its checksum)."""
     from megappo.convert.hf_io import check_output_dir

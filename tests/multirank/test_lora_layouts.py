@@ -257,9 +257,10 @@ def test_sequence_parallel_equals_single_rank(results, hf_model_dir, tmp_path):
 
 @pytest.mark.long  # ~1-2 min on the 2-core machine; EP=2 above covers the experts' adapters at one layout
 def test_lora_on_experts_with_expert_tensor_parallel(hf_model_dir, tmp_path):
-    """TP=2 with sequence parallelism, expert_tensor_parallel_size = TP = 2 (megappo's default): each expert's weight is split over two ranks; the dispatcher hands both the same
-    tokens and sums their partial outputs, the adapters' replicated factors sum their gradients over expert-TP.
-    Loss, gradient norm and merged weights equal one rank's."""
+    """TP=2 with sequence parallelism, expert_tensor_parallel_size = TP = 2 (megappo's default): each expert's
+    weight is split over two ranks; the dispatcher hands both the same tokens and sums their partial outputs, the
+    adapters' replicated factors sum their gradients over expert-TP. Loss, gradient norm and merged weights equal
+    one rank's, and the checkpoint saved there loads at one rank."""
     hf_dir = hf_model_dir("qwen3_moe")
     r1 = run_distributed(_moe_job, 1, hf_dir, str(tmp_path), 1, timeout=300)[0]
     r2 = run_distributed(_moe_job, 2, hf_dir, str(tmp_path), 1, {"tp": 2, "sequence_parallel": True}, timeout=300)[0]
