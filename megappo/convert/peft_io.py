@@ -170,6 +170,19 @@ def load_peft_adapter(model_chunks: list[nn.Module], adapter_dir: str, ps: Any, 
     return n
 
 
+def write_sync_adapter(model_chunks: list[nn.Module], ps: Any, hf_config: Any, out_dir: str, lora: Any, base: str,
+                       dtype: torch.dtype) -> tuple[str, int]:
+    """rollout.lora_sync=adapter: the actor's adapters (`lora`: its model.lora config) as a PEFT directory that
+    SGLang loads (`/load_lora_adapter`); rank 0 writes it, every rank takes part. Returns (out_dir, bytes)."""
+    tensors = peft_state_dict(model_chunks, ps, hf_config, dtype=dtype)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_peft_dir(tensors, adapter_config(tensors, lora.rank, lora.alpha, base,
+                                               all_layers=not lora.exclude_modules), out_dir)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out_dir, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def read_lora_base(ckpt_dir: str) -> dict:
     from megappo.trainer.checkpointing import LORA_BASE_FILE
 

@@ -184,19 +184,13 @@ class RolloutWorker:
     def _sync_adapter(self, actor_chunks, hf_config: dict, version: int, target) -> int:
         """rollout.lora_sync=adapter: the actor's adapters as a PEFT directory (`weight_sync_dir/lora_v<version>`,
         rank 0 writes, collective) that the servers load in place of the previous one. Returns the bytes written."""
-        from megappo.convert.peft_io import adapter_config, peft_state_dict, write_peft_dir
+        from megappo.convert.peft_io import write_sync_adapter
 
+        root = os.path.abspath(os.path.expanduser(
+            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync")))
         lora = self.cfg.actor_rollout_ref.model.lora
-        tensors = peft_state_dict(list(actor_chunks), self.ps, hf_config, dtype=self.platform.dtype)
-        directory = os.path.join(os.path.abspath(os.path.expanduser(
-            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync"))),
-            f"lora_v{version}")
-        base = self.cfg.actor_rollout_ref.model.path
-        if dist.get_rank() == 0:
-            write_peft_dir(tensors, adapter_config(tensors, lora.rank, lora.alpha, base,
-                                                   all_layers=not lora.exclude_modules), directory)
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        directory, nbytes = write_sync_adapter(list(actor_chunks), self.ps, hf_config, os.path.join(
+            root, f"lora_v{version}"), lora, self.cfg.actor_rollout_ref.model.path, self.platform.dtype)
         if target is not None:
             self._around_sync(target, version, lambda: target.load_lora_adapter(directory, version=version))
         previous, self._adapter_dir = getattr(self, "_adapter_dir", None), directory
@@ -204,7 +198,7 @@ class RolloutWorker:
             import shutil
 
             shutil.rmtree(previous, ignore_errors=True)
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return nbytes
 
     def _write_sync_dir(self, buckets, hf_config: dict) -> str:
         """disk mode: the actor as a Hugging Face directory the servers reload (rank 0 writes it)."""

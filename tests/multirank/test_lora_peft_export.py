@@ -53,6 +53,12 @@ def _job(rank, world_size, hf_dir, tmp):
         for ad in adapters(chunks):
             ad.lora_B.copy_(0.05 * torch.randn(ad.lora_B.shape, generator=g))
     lp, _ = compute_log_probs(chunks, _batch(), parallel_state=ps)
+    from megappo.config.schema import LoRAConfig
+    from megappo.convert.peft_io import write_sync_adapter
+
+    # rollout.lora_sync=adapter's directory (what SGLang loads): the same adapter as the export
+    sync_dir, sync_bytes = write_sync_adapter(chunks, ps, load_hf_config_dict(hf_dir), os.path.join(tmp, "sync_v3"),
+                                              LoRAConfig(rank=4, alpha=8.0), hf_dir, torch.float32)
     ckpt = os.path.join(tmp, "global_step_1", "actor")
     save_model_checkpoint(chunks, ckpt)
     with open(os.path.join(ckpt, LORA_BASE_FILE), "w") as f:
@@ -68,7 +74,7 @@ def _job(rank, world_size, hf_dir, tmp):
     back, _ = compute_log_probs(fresh, _batch(), parallel_state=ps)
     destroy_parallel()
     return {"lp": lp, "back": back, "n": n, "adapters": len(adapters(chunks)), "peft": peft_dir,
-            "merged": merged_dir}
+            "merged": merged_dir, "sync": sync_dir, "sync_bytes": sync_bytes}
 
 
 def _hf_log_probs(model):
@@ -105,6 +111,13 @@ def test_peft_and_merged_exports_match_megatron(hf_model_dir, tmp_path):
     mask = r["lp"] != 0
     assert (plain - r["lp"])[mask].abs().max().item() > 1e-3  # the adapters do change the model
     assert (got - r["lp"])[mask].abs().max().item() <= 1e-4
+    from safetensors.torch import load_file
+
+    exported, synced = (load_file(f"{d}/adapter_model.safetensors") for d in (r["peft"], r["sync"]))
+    assert exported.keys() == synced.keys() and all(torch.equal(exported[k], synced[k]) for k in exported)
+    assert r["sync_bytes"] == sum(t.numel() * 4 for t in synced.values())
+    assert json.loads((tmp_path / "sync_v3" / "adapter_config.json").read_text())["target_modules"] == \
+        cfg["target_modules"]
     merged = transformers.AutoModelForCausalLM.from_pretrained(r["merged"], torch_dtype=torch.float32)
     assert (_hf_log_probs(merged) - r["lp"])[mask].abs().max().item() <= 1e-4
 
