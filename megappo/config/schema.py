@@ -118,6 +118,10 @@ class LoRAConfig:
     # the weight sync always sends merged weights (W + alpha/rank * B A) of the adapted layers; accepted for verl
     merge: bool = False
     adapter_path: Optional[str] = None  # a PEFT adapter directory to start the adapters from
+    # critic.model.lora only (megappo's key; verl has none): the critic's frozen base is the actor's own tensors (one
+    # copy of the base in memory) under the critic's adapters and value head. Needs critic.model.path, dtype and
+    # override_config equal to the actor's and LoRA on both
+    share_actor_base: bool = False
 
 
 @dataclass
@@ -325,6 +329,11 @@ class RolloutConfig:
     # --ipc=host or --shm-size).
     weight_sync_bucket_mb: int = 512
     weight_sync_dir: Optional[str] = None  # disk: where the export goes; None: <trainer.default_local_dir>/weight_sync
+    # A LoRA actor's sync (megappo's key). merged: the adapted layers' merged weights (W + alpha/r * B A) through
+    # weight_sync. adapter (sglang on GPU): a PEFT adapter directory in weight_sync_dir (visible to the servers) that
+    # each server loads (/load_lora_adapter, the previous one unloaded) and every request names: rank-r tensors
+    # instead of whole layers, the base stays as loaded. SGLang 0.5's CPU backend cannot serve LoRA (refused).
+    lora_sync: Literal["merged", "adapter"] = "merged"
     # After every sync, compare each server's log-probs of fixed tokens with the trainer's and stop the run on a
     # mismatch larger than verify_sync_atol (None: 1e-3 in float32, 5e-2 in 16-bit dtypes). Costs one forward.
     verify_sync: bool = False

@@ -284,7 +284,7 @@ def _mcore_to_hf(args) -> int:
             from megappo.convert.peft_io import lora_to_hf
 
             lora_to_hf(a.mcore, a.out, lora_only=a.lora_only, base=a.base, dtype=a.dtype, force=a.force, tp=a.tp,
-                       max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))
+                       pp=a.pp, ep=a.ep, max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))
             return 0
         mcore_to_hf(a.mcore, a.out, dtype=a.dtype, force=a.force, from_model=a.from_model, tp=a.tp, pp=a.pp, ep=a.ep,
                     etp=a.etp, max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))

@@ -61,15 +61,18 @@ def _peft_key(hf_weight: str, factor: str) -> str:
 @torch.no_grad()
 def peft_state_dict(model_chunks: list[nn.Module], ps: Any, hf_config: Any,
                     dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """The adapters as PEFT names them (full tensors, every rank). Tensor parallel only (pp = ep = 1)."""
-    if ps.pp_size > 1 or ps.ep_size > 1:
-        raise ConversionError("a PEFT export runs at pipeline and expert parallel size 1 (tensor parallel allowed)")
+    """The adapters as PEFT names them (full tensors, every rank), at any TP/PP/EP layout: B or A is gathered over
+    TP here; the pipeline stages' layers and the expert-parallel ranks' experts are then exchanged between all ranks
+    (adapters are small: rank r times the layer widths)."""
     spec = model_spec_from_hf_config(hf_config)
     maps = {pm.mcore: pm for pm in param_maps(spec, "actor")}
     out: dict[str, torch.Tensor] = {}
+    expert_keys: set[str] = set()
     for canonical, ad in _adapted(model_chunks, spec, ps):
         pm: ParamMap = maps[canonical]
         group = ps.expert_tp_group if pm.expert else ps.tp_group
+        if pm.expert:
+            expert_keys.update(_peft_key(h, f) for h in pm.hf for f in ("lora_A", "lora_B"))
         a, b = ad.lora_A.detach(), ad.lora_B.detach()
         if ad.kind == "column":  # B split like the weight's rows; A replicated and shared by the fused parts
             parts = merge_to_hf(pm, spec, _gather(b, group))
@@ -82,7 +85,22 @@ def peft_state_dict(model_chunks: list[nn.Module], ps: Any, hf_config: Any,
             out[_peft_key(hf_name, "lora_B")] = b.clone()
     if dtype is not None:
         out = {k: v.to(dtype) for k, v in out.items()}
+    if (ps.pp_size > 1 or ps.ep_size > 1) and dist.is_initialized():
+        out = _exchange(out, expert_keys, ps)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _exchange(mine: dict[str, torch.Tensor], expert_keys: set[str], ps: Any) -> dict[str, torch.Tensor]:
+    """Every rank's tensors on every rank. Only the first rank of each (expert-)TP group sends a tensor (its TP
+    ranks hold the same gathered one); data-parallel replicas send equal tensors under the same names, kept once."""
+    send = {k: v.cpu() for k, v in mine.items() if (ps.etp_rank if k in expert_keys else ps.tp_rank) == 0}
+    everyone: list[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, send)
+    out: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        for k, v in (part or {}).items():
+            out.setdefault(k, v)
+    return out
 
 
 def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, base: str,
@@ -152,6 +170,19 @@ def load_peft_adapter(model_chunks: list[nn.Module], adapter_dir: str, ps: Any, 
     return n
 
 
+def write_sync_adapter(model_chunks: list[nn.Module], ps: Any, hf_config: Any, out_dir: str, lora: Any, base: str,
+                       dtype: torch.dtype) -> tuple[str, int]:
+    """rollout.lora_sync=adapter: the actor's adapters (`lora`: its model.lora config) as a PEFT directory that
+    SGLang loads (`/load_lora_adapter`); rank 0 writes it, every rank takes part. Returns (out_dir, bytes)."""
+    tensors = peft_state_dict(model_chunks, ps, hf_config, dtype=dtype)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_peft_dir(tensors, adapter_config(tensors, lora.rank, lora.alpha, base,
+                                               all_layers=not lora.exclude_modules), out_dir)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out_dir, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def read_lora_base(ckpt_dir: str) -> dict:
     from megappo.trainer.checkpointing import LORA_BASE_FILE
 
@@ -164,8 +195,8 @@ def read_lora_base(ckpt_dir: str) -> dict:
 
 
 def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Optional[str] = None,
-               dtype: Optional[str] = None, force: bool = False, tp: int = 1, max_shard_bytes: int = 5 * 10**9,
-               progress: bool = True) -> str:
+               dtype: Optional[str] = None, force: bool = False, tp: int = 1, pp: int = 1, ep: int = 1,
+               max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> str:
     """Export a LoRA checkpoint merged into its base (a complete HF directory) or as a PEFT adapter directory.
     base: the base HF directory (default: the one the checkpoint names, which must still have its checksum)."""
     from megappo.convert.hf_io import check_output_dir
@@ -189,7 +220,7 @@ def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Op
     hf_config = load_hf_config_dict(base)
     out_dtype = parse_dtype(dtype) if dtype else torch.float32
     platform = detect_platform(dtype=torch.float32)
-    ps = init_parallel(ParallelLayout(tp=tp), platform)
+    ps = init_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep), platform)
     chunks = build_model(base, "actor", ps, platform, config_overrides={"use_transformer_engine": False})
     load_hf_weights(chunks, base, ps)
     apply_lora(chunks, LoRASettings(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"],

@@ -20,6 +20,7 @@ scattered along the sequence, and the replicated factor is flagged `sequence_par
 gradient over TP. A merged weight shard is `W_i + scaling * B_i A_i` on each rank without communication.
 
 `adapters_disabled(chunks)` turns the adapters off: the base model, i.e. the reference policy, without a copy.
+`share_base(critic, actor)` gives a LoRA critic the actor's frozen base tensors (`critic.model.lora.share_actor_base`).
 """
 from __future__ import annotations
 
@@ -114,8 +115,6 @@ class LoRAAdapter(nn.Module):
         self.tp_group = getattr(base, "tp_group", None)
         tp, rank = _group_size(self.tp_group), _group_rank(self.tp_group)
         self.explicit_expert_comm = bool(getattr(base, "explicit_expert_comm", False))
-        if self.explicit_expert_comm and tp > 1:
-            raise NotImplementedError(f"LoRA on {name}: experts with expert_tensor_parallel_size > 1")
         if getattr(base, "gather_output", False):
             raise NotImplementedError(f"LoRA on {name}: a column-parallel layer with gather_output")
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.explicit_expert_comm
@@ -149,7 +148,16 @@ class LoRAAdapter(nn.Module):
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings as mp
 
-        h = F.linear(self.dropout(x), self.lora_A)
+        a, b = self.lora_A, self.lora_B
+        if self.explicit_expert_comm and self.tp_size > 1:
+            # an expert under expert-TP: the MoE dispatcher gives every expert-TP rank the same tokens and sums the
+            # ranks' partial outputs, so the adapter, like the base, needs no communication forward; its replicated
+            # factor's gradient is a partial sum per rank, summed over expert-TP in backward (identity forward)
+            if self.kind == COLUMN:
+                a = mp.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            else:
+                b = mp.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+        h = F.linear(self.dropout(x), a)
         if self.kind == COLUMN:
             if self.sequence_parallel:
                 h = mp.gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
@@ -160,7 +168,7 @@ class LoRAAdapter(nn.Module):
                 h = mp.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
             elif not self.explicit_expert_comm and self.tp_size > 1:
                 h = mp.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        return F.linear(h, self.lora_B) * self.scaling
+        return F.linear(h, b) * self.scaling
 
     @torch.no_grad()
     def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -190,12 +198,21 @@ def _sharded_state_dict(module: nn.Module, original: Any, prefix: str = "", shar
     sd = original(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
     ad: LoRAAdapter = module.lora
     axis = {"lora_B": 0} if ad.kind == COLUMN else {"lora_A": 1}
-    if ad.explicit_expert_comm:
+    if ad.explicit_expert_comm and ad.tp_size == 1:  # an expert without expert-TP: whole on its rank
         axis = {}
     tensors = {"lora_A": ad.lora_A, "lora_B": ad.lora_B}
-    sd.update(make_sharded_tensors_for_checkpoint(tensors, f"{prefix}lora.", axis, sharded_offsets,
+    lora_sd = make_sharded_tensors_for_checkpoint(tensors, f"{prefix}lora.", axis, sharded_offsets,
                                                   tp_group=ad.tp_group,
-                                                  dp_cp_group=(metadata or {}).get("dp_cp_group")))
+                                                  dp_cp_group=(metadata or {}).get("dp_cp_group"))
+    if ad.kind == COLUMN and ".linear_fc1." in f".{ad.name}" and getattr(module.config, "gated_linear_unit", False):
+        # B's rows are the gate and up halves of this rank's shard ([gate_i; up_i]), as the fused weight's: saved as
+        # two tensors, like megatron's MLP saves linear_fc1.weight, so a checkpoint loads at another (expert-)TP size
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora.lora_B"
+        lora_sd[key] = apply_swiglu_sharded_factory(lora_sd[key], sharded_offsets,
+                                                    (metadata or {}).get("singleton_local_shards", False))
+    sd.update(lora_sd)
     return sd
 
 
@@ -246,6 +263,45 @@ def apply_lora(model_chunks: Sequence[nn.Module], settings: LoRASettings,
         raise ValueError(f"model.lora.target_modules {list(settings.target_modules)} (excluding "
                          f"{list(settings.exclude_modules)}) matched no linear layer")
     return adapters
+
+
+@torch.no_grad()
+def share_base(model_chunks: Sequence[nn.Module], base_chunks: Sequence[nn.Module],
+               keep: Sequence[str] = ("output_layer",)) -> int:
+    """Make the (unwrapped, adapter-less) chunks use `base_chunks`' parameters: each parameter whose name and shape
+    match becomes the very same tensor (their own copies are released), except those under the `keep` modules (a
+    critic's value head) and adapters. Both must be built from the same model in the same layout; a missing or
+    mismatched parameter raises ValueError. Returns the number of parameters shared.
+
+    `critic.model.lora.share_actor_base`: the critic's frozen base is the actor's (one copy of the base in memory).
+    Shared parameters are frozen in both models, so megatron's DDP gives them no grad buffer and the optimizers never
+    see them: neither role's step can change them."""
+    from megappo.models.builder import unwrap
+
+    if len(model_chunks) != len(base_chunks):
+        raise ValueError(f"sharing a base: {len(model_chunks)} model chunks vs {len(base_chunks)} base chunks")
+    n = 0
+    for chunk, base_chunk in zip(model_chunks, base_chunks):
+        m, base = unwrap(chunk), unwrap(base_chunk)
+        theirs = {k: p for k, p in base.named_parameters() if not is_adapter_param(k)}
+        for mod_name, module in m.named_modules():
+            if any(mod_name == k or mod_name.startswith(k + ".") for k in keep):
+                continue
+            for p_name, p in list(module._parameters.items()):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if p is None or is_adapter_param(full):
+                    continue
+                other = theirs.get(full)
+                if other is None or other.shape != p.shape or other.dtype != p.dtype:
+                    raise ValueError(f"sharing a base: {full} {tuple(p.shape)} has no equal in the base model "
+                                     f"({None if other is None else tuple(other.shape)}); both must be the same "
+                                     "model in the same parallel layout")
+                if other.requires_grad:
+                    raise ValueError(f"sharing a base: {full} is trainable in the base model (only a frozen LoRA "
+                                     "base can be shared)")
+                module._parameters[p_name] = other
+                n += 1
+    return n
 
 
 def adapters(model_chunks: Sequence[nn.Module]) -> list[LoRAAdapter]:

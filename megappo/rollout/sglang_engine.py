@@ -213,6 +213,8 @@ class SGLangEngine(RolloutEngine):
             register_api_key(self.url, api_key)
         self.tp_size = tp_size  # the server's tensor-parallel ranks (each joins the weight group)
         self.weight_version = 0
+        # rollout.lora_sync=adapter: the LoRA adapter the server serves the actor as; every request names it
+        self.lora_name: Optional[str] = None
         self._group: Any = None
         self._group_name = "megappo_weight_sync"
         self._staging: list = []  # update_weights' flat send buffer, reused across syncs
@@ -274,6 +276,8 @@ class SGLangEngine(RolloutEngine):
         if image_data is not None and any(i is not None for i in image_data):
             body["image_data"] = list(image_data) if batched else image_data[0]
         body.update(return_logprob=True, logprob_start_len=-1)
+        if self.lora_name is not None:
+            body["lora_path"] = [self.lora_name] * len(input_ids) if batched else self.lora_name
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):
             answer = [answer]
@@ -292,6 +296,22 @@ class SGLangEngine(RolloutEngine):
                 finish_reason=reason if reason in ("stop", "abort") else "length",
                 weight_version=self.weight_version, extra={"sglang_weight_version": meta.get("weight_version")}))
         return out
+
+    def load_lora_adapter(self, adapter_dir: str, *, version: int) -> int:
+        """rollout.lora_sync=adapter: serve the PEFT adapter directory `adapter_dir` (on a filesystem the server
+        reads) as `megappo_v<version>` over the base it loaded, unload the previous one, and stamp the server's
+        weight version; later requests name the adapter (`lora_path`). The server runs with --enable-lora."""
+        name = f"megappo_v{version}"
+        _checked(http_json(self.url + "/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir},
+                           timeout=self.sync_timeout, api_key=self.api_key), f"load_lora_adapter({adapter_dir})")
+        previous, self.lora_name = self.lora_name, name
+        if previous is not None and previous != name:
+            _checked(http_json(self.url + "/unload_lora_adapter", {"lora_name": previous}, timeout=self.sync_timeout,
+                               api_key=self.api_key), f"unload_lora_adapter({previous})")
+        http_json(self.url + "/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+                  timeout=self.sync_timeout, api_key=self.api_key)
+        self.weight_version = version
+        return version
 
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
         """Reload the server's weights from a HF directory of the same architecture."""
@@ -368,6 +388,8 @@ class SGLangEngine(RolloutEngine):
         """The server's log-prob of every token of `token_ids` after its prefix ([1][len - 1])."""
         body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name
         answer = http_json(self.url + "/generate", body, timeout=self.timeout, api_key=self.api_key)
         if isinstance(answer, list):
             answer = answer[0]

@@ -71,6 +71,7 @@ class SGLangFleet(RolloutEngine):
         self._flat_staging: list = []  # update_weights' flat send buffer, reused across syncs
         self._shm_staging = SharedStaging(slots=2)  # update_weights_from_tensor's shared buffers, idem
         self._aborting = threading.Event()  # abort() was called during the generate in flight
+        self._lora: Optional[tuple[str, int]] = None  # rollout.lora_sync=adapter: the served adapter (dir, version)
 
     def _engine(self, url: str) -> SGLangEngine:
         return SGLangEngine(url, timeout=self.timeout, tp_size=self.tp_size, **self.engine_kwargs)
@@ -82,6 +83,10 @@ class SGLangFleet(RolloutEngine):
         known = {e.url: e for e in self.engines}
         self.engines = [known.get(u.rstrip("/")) or self._engine(u) for u in urls]
         self.alive = list(alive)
+        if self._lora is not None:  # a restarted server serves the base alone: give it the current adapter
+            for k in self.live():
+                if self.engines[k].lora_name is None:
+                    self.engines[k].load_lora_adapter(self._lora[0], version=self._lora[1])
         self.weight_version = version
         if router_url and (self.router is None or self.router.url != router_url.rstrip("/")):
             self.router = self._engine(router_url)
@@ -241,6 +246,19 @@ class SGLangFleet(RolloutEngine):
         version = self.weight_version + 1 if version is None else version
         for k in self.live():
             self.engines[k].update_weights_from_disk(model_path, version=version)
+        self.weight_version = version
+        return version
+
+    def load_lora_adapter(self, adapter_dir: str, *, version: int) -> int:
+        """rollout.lora_sync=adapter: every live server serves the PEFT adapter in `adapter_dir` as the actor
+        (`SGLangEngine.load_lora_adapter`); the router's requests name it too. A server restarted since serves no
+        adapter until `set_servers` gives it the current one."""
+        self._lora = (adapter_dir, version)
+        for k in self.live():
+            self.engines[k].load_lora_adapter(adapter_dir, version=version)
+        name = self.engines[self.live()[0]].lora_name if self.live() else None
+        for e in self.engines + ([self.router] if self.router is not None else []):
+            e.lora_name = name
         self.weight_version = version
         return version
 

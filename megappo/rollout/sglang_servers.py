@@ -51,6 +51,7 @@ class ServerSet:
         self.r = cfg.actor_rollout_ref.rollout
         self.model_path = cfg.actor_rollout_ref.model.path
         self.platform, self.server_kwargs = platform, server_kwargs
+        self.lora_args = lora_server_args(cfg, platform)
         self.python = self.r.server_python or sys.executable
         self.external = bool(self.r.server_urls)
         # LOCAL_RANK is torchrun's; a process started otherwise is alone on its node
@@ -95,7 +96,7 @@ class ServerSet:
     def _server(self, index: int, port: Optional[int] = None) -> SGLangServer:
         base = self.server_kwargs.get("port")  # engine_kwargs.port: the node's first server's, the next ones follow
         kwargs = dict(self.server_kwargs, api_key=self.api_key, port=port or (base + index if base else None))
-        extra = list(kwargs.pop("extra_args", []))
+        extra = list(kwargs.pop("extra_args", [])) + self.lora_args
         if self.platform.is_cuda:
             tp = self.r.tensor_model_parallel_size
             extra += ["--tp", str(tp), "--base-gpu-id", str(index * tp),
@@ -203,3 +204,24 @@ class ServerSet:
             s.stop()
         self.servers = []
 
+
+
+def lora_server_args(cfg: MegappoConfig, platform: Platform) -> list[str]:
+    """SGLang's LoRA flags for rollout.lora_sync=adapter: the adapter's rank, the HF linear layers it targets (the
+    names `megappo.convert.peft_io` writes), room for two adapters (the new one loads before the old one unloads).
+    Refused on CPU (`SGLANG_CPU_LORA`)."""
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.lora_sync != "adapter":
+        return []
+    if not platform.is_cuda:
+        from megappo.config.validate import SGLANG_CPU_LORA
+
+        raise ValueError(f"actor_rollout_ref.rollout.lora_sync=adapter: {SGLANG_CPU_LORA}")
+    targets = sorted({hf for t in arr.model.lora.target_modules for hf in LORA_HF_TARGETS[t]})
+    return ["--enable-lora", "--max-lora-rank", str(arr.model.lora.rank), "--lora-target-modules", *targets,
+            "--max-loras-per-batch", "2"]
+
+
+# megatron's fused linear layers -> the HF linear layers PEFT (and SGLang) name (megappo.convert.mapping)
+LORA_HF_TARGETS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}

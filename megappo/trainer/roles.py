@@ -82,12 +82,20 @@ def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
     return hf, tc
 
 
-def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> list[nn.Module]:
+def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int,
+           base: Optional[list[nn.Module]] = None) -> list[nn.Module]:
+    """`base`: a LoRA actor's chunks whose frozen base the (LoRA critic's) model shares instead of loading its own."""
     hf, tc = _architecture(model_cfg, path)
     if name in ("actor", "critic") and model_cfg.lora.rank > 0:
         tc["use_transformer_engine"] = False  # adapters hook megatron's own linear layers (models/lora.py)
     chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc)
-    load_hf_weights(chunks, path, ps)
+    if base is not None:
+        from megappo.models.lora import share_base
+
+        # the critic's freshly built base is released for the actor's tensors: only the value head stays its own
+        share_base(chunks, base)
+    else:
+        load_hf_weights(chunks, path, ps)
     if name in ("actor", "critic") and model_cfg.lora.rank > 0:
         from megappo.models.lora import LoRASettings, apply_lora
 
@@ -102,8 +110,8 @@ def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfor
 
 
 def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
-               total_steps: int, seed: int) -> Role:
-    chunks = _build(name, path, model_cfg, ps, platform, seed)
+               total_steps: int, seed: int, base: Optional[list[nn.Module]] = None) -> Role:
+    chunks = _build(name, path, model_cfg, ps, platform, seed, base)
     opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)
@@ -139,8 +147,13 @@ def build_roles(cfg: MegappoConfig, ps: ParallelState, platform: Platform, total
         ref = _frozen("ref", path, arr.model, ps, platform, seed)
     critic = None
     if cfg.critic.enable:
+        from megappo.models.builder import unwrap
+
+        # critic.model.lora.share_actor_base: the critic runs on the actor's frozen base tensors (validated: same
+        # model, both LoRA); the unwrapped chunks, since DDP's wrapper adds no parameters of its own
+        shared = [unwrap(c) for c in actor.chunks] if cfg.critic.model.lora.share_actor_base else None
         critic = _trainable("critic", cfg.critic.model.path, cfg.critic.model, cfg, ps, platform, total_steps,
-                            seed + 1)
+                            seed + 1, shared)
     reward = None
     if cfg.reward_model.enable:
         reward = _frozen("reward", cfg.reward_model.path, ModelConfig(), ps, platform, seed)
@@ -179,6 +192,8 @@ def describe(roles: Roles, ps: ParallelState) -> list[str]:
             out.append("ref: the actor with its LoRA adapters off (no separate copy)")
         elif role is not None:
             out.append(model_config_summary(role.chunks, ps))
+            if role.name == "critic" and roles.critic is not None and _shares_base(roles.critic, roles.actor):
+                out.append("critic: its adapters and value head over the actor's base (one copy of the base)")
             if role.lora_base is not None:
                 from megappo.models.lora import trainable_summary
 
@@ -186,3 +201,10 @@ def describe(roles: Roles, ps: ParallelState) -> list[str]:
                 out.append(f"{role.name} LoRA: {trained:,} of {total:,} parameters trainable on this rank "
                            f"({100 * trained / max(total, 1):.2f}%)")
     return out
+
+
+def _shares_base(critic: Role, actor: Role) -> bool:
+    from megappo.models.builder import unwrap
+
+    mine = {p.data_ptr() for c in actor.chunks for p in unwrap(c).parameters() if not p.requires_grad}
+    return any(p.data_ptr() in mine for c in critic.chunks for p in unwrap(c).parameters())

@@ -105,6 +105,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         health = self.deployment.prepare_sync()
         mode, target = self.sync_mode, self.deployment.sync_target
+        if self.rollout.lora_sync == "adapter":
+            nbytes = self._sync_adapter(actor_chunks, hf_config, version, target)
+            self._set_version(version)
+            seconds = time.perf_counter() - t0
+            return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
+                    "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9), **health}
         # views of the parameters (no export copy) for engines that copy each bucket away at once; the disk writer
         # and an engine that keeps the tensors (CUDA IPC hands over their memory) get copies
         keep = mode == "disk" or (target is not None and target.needs_copies(mode))
@@ -174,6 +180,25 @@ class RolloutWorker:
         finally:
             engine.resume()
         engine.check_version(version)
+
+    def _sync_adapter(self, actor_chunks, hf_config: dict, version: int, target) -> int:
+        """rollout.lora_sync=adapter: the actor's adapters as a PEFT directory (`weight_sync_dir/lora_v<version>`,
+        rank 0 writes, collective) that the servers load in place of the previous one. Returns the bytes written."""
+        from megappo.convert.peft_io import write_sync_adapter
+
+        root = os.path.abspath(os.path.expanduser(
+            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync")))
+        lora = self.cfg.actor_rollout_ref.model.lora
+        directory, nbytes = write_sync_adapter(list(actor_chunks), self.ps, hf_config, os.path.join(
+            root, f"lora_v{version}"), lora, self.cfg.actor_rollout_ref.model.path, self.platform.dtype)
+        if target is not None:
+            self._around_sync(target, version, lambda: target.load_lora_adapter(directory, version=version))
+        previous, self._adapter_dir = getattr(self, "_adapter_dir", None), directory
+        if dist.get_rank() == 0 and previous not in (None, directory):  # unloaded by the servers: not needed
+            import shutil
+
+            shutil.rmtree(previous, ignore_errors=True)
+        return nbytes
 
     def _write_sync_dir(self, buckets, hf_config: dict) -> str:
         """disk mode: the actor as a Hugging Face directory the servers reload (rank 0 writes it)."""

@@ -38,13 +38,16 @@ def test_lora_recipe_learns(tmp_path):
 
 
 @pytest.mark.long
-def test_lora_critic(tmp_path):
-    """critic.model.lora: a LoRA critic trains its adapters and its value head; its checkpoint holds just those."""
+@pytest.mark.parametrize("share", [False, True], ids=["own_base", "actor_base"])
+def test_lora_critic(tmp_path, share):
+    """critic.model.lora: a LoRA critic trains its adapters and its value head, over its own copy of the base or the
+    actor's (share_actor_base); its checkpoint holds just those."""
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
     out = tmp_path / "lora_critic"
     rows = run_recipe("recipes/cpu/tiny_ppo_lora.yaml", out, "critic.model.lora.rank=8", "critic.model.lora.alpha=16",
-                      "critic.optim.lr=1e-2", "trainer.save_freq=20", "trainer.test_freq=-1")
+                      "critic.optim.lr=1e-2", "trainer.save_freq=20", "trainer.test_freq=-1",
+                      f"critic.model.lora.share_actor_base={str(share).lower()}")
     vf = [r["critic/vf_loss"] for r in rows if "critic/vf_loss" in r]
     assert sum(vf[-5:]) < 0.7 * sum(vf[:5]), vf
     keys = [k.replace("optimizer.state.exp_avg_sq.", "").replace("optimizer.state.exp_avg.", "")

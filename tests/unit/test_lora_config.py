@@ -47,3 +47,54 @@ def test_targets_and_exclusions():
     assert not is_lora_target_weight("decoder.layers.0.self_attention.linear_qkv.bias", s)
     assert is_adapter_param("decoder.layers.0.mlp.linear_fc2.lora.lora_B")
     assert s.scaling == 32.0 / 8
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["critic.model.lora.share_actor_base=true"], "LoRA on both"),  # the critic is a full model
+    (["critic.model.lora.rank=4", "critic.model.lora.share_actor_base=true", "critic.model.path=/other/model"],
+     "not the actor's model"),
+    (["critic.model.lora.rank=4", "critic.model.lora.share_actor_base=true",
+      "critic.model.override_config={rope_theta: 5.0}"], "override_config"),
+    (["actor_rollout_ref.model.lora.share_actor_base=true"], "only critic.model.lora"),
+])
+def test_shared_critic_base_needs_the_actors_model(overrides, words):
+    cfg = load_config(RECIPE, ["actor_rollout_ref.model.path=/m", *overrides])
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, 1, check_files=False)
+    ok = load_config(RECIPE, ["actor_rollout_ref.model.path=/m", "critic.model.lora.rank=4",
+                              "critic.model.lora.share_actor_base=true"])
+    validate(ok, 1, check_files=False)
+    assert ok.critic.model.lora.share_actor_base and not ok.actor_rollout_ref.model.lora.share_actor_base
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu"], "CPU backend cannot serve LoRA"),
+    (["actor_rollout_ref.model.lora.rank=0", "actor_rollout_ref.rollout.name=sglang", "trainer.device=cuda"],
+     "lora.rank > 0"),
+    (["trainer.device=cuda"], "rollout.name=sglang"),  # the recipe's hf engine
+])
+def test_adapter_sync_needs_a_lora_actor_on_gpu_sglang(overrides, words):
+    cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.lora_sync=adapter", *overrides])
+    with pytest.raises(ConfigError, match=words):
+        validate(cfg, 1, check_files=False)
+    assert load_config(RECIPE).actor_rollout_ref.rollout.lora_sync == "merged"
+
+
+def test_sglang_lora_flags_and_cpu_refusal():
+    from megappo.platform import detect_platform
+    from megappo.rollout.sglang_servers import lora_server_args
+
+    cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.lora_sync=adapter",
+                               "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_fc2]"])
+    cpu = detect_platform(device="cpu")
+    with pytest.raises(ValueError, match="pin_memory"):
+        lora_server_args(cfg, cpu)
+    import dataclasses
+
+    import torch
+
+    gpu = dataclasses.replace(cpu, device=torch.device("cuda"))  # the flags a GPU server gets (nothing starts)
+    assert lora_server_args(cfg, gpu) == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
+                                          "down_proj", "k_proj", "q_proj", "v_proj", "--max-loras-per-batch", "2"]
+    cfg.actor_rollout_ref.rollout.lora_sync = "merged"
+    assert lora_server_args(cfg, gpu) == []
