@@ -65,4 +65,4 @@ def test_released_gradients_hold_nothing_between_updates_and_change_no_weight(hf
     (out,) = run_distributed(_updates_job, 1, hf_model_dir("qwen2"), timeout=180)
     assert out["equal"]
     assert all(b > 0 for b in out["kept_bytes"]) and out["released_bytes"] == [0, 0, 0]
-    assert out["threshold"] == 64 << 10  # Linux/glibc CI: large blocks are mapped and go back when freed
+    assert out["threshold"] == 4 << 20  # Linux/glibc CI: large blocks are mapped and go back when freed
