@@ -283,7 +283,9 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192  # engine's per-step token budget
     max_num_seqs: int = 1024  # engine's concurrent sequence limit
     max_model_len: Optional[int] = None  # None: prompt_length + response_length
-    free_cache_engine: bool = True  # release the KV cache while training, re-allocate before generating
+    # release the KV cache while training, re-allocate before generating; the in-process hybrid engine (hf) of a
+    # full-parameter actor also frees its weights from each step's rollout to its weight sync (sync mode)
+    free_cache_engine: bool = True
     log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute micro batch
     log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu

@@ -12,7 +12,9 @@ Inputs are `OptimSettings` (plain numbers), so callers map their own config onto
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -22,7 +24,7 @@ from torch import nn
 from megappo.platform.device import Platform
 
 __all__ = ["OptimSettings", "wrap_ddp", "build_optimizer", "build_scheduler", "optimizer_step_context",
-           "finite_step"]
+           "finite_step", "release_grad_buffers", "gradients_allocated"]
 
 
 @dataclass
@@ -108,6 +110,42 @@ def wrap_ddp(model_chunks: Sequence[nn.Module], settings: OptimSettings, platfor
             if hasattr(chunk, attr):
                 setattr(w, attr, getattr(chunk, attr))
     return wrapped
+
+
+def release_grad_buffers(ddp_chunks: Sequence[nn.Module]) -> None:
+    """Free the DDP chunks' gradient buffers (megatron's `offload_grad_buffers`: the storage goes, the views stay).
+    Gradients live only inside an update (`compute.train_step` zeroes them first), so between a role's updates
+    their 4 bytes per parameter (fp32) serve nothing: during the actor's update the critic's are gone, and the other
+    way round. `gradients_allocated` brings them back."""
+    with _typed_storage_quiet():
+        for chunk in ddp_chunks:
+            if hasattr(chunk, "offload_grad_buffers"):
+                chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+
+
+@contextlib.contextmanager
+def _typed_storage_quiet():
+    """megatron's buffers resize through `Tensor.storage()`, which warns that TypedStorage is deprecated."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+        yield
+
+
+class gradients_allocated:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """The DDP chunks' gradient buffers allocated (zeroed) inside, released after (`release_grad_buffers`), also
+    when the update raises. Buffers that were never released are left as they are on entry."""
+
+    def __init__(self, ddp_chunks: Sequence[nn.Module]):
+        self.chunks = list(ddp_chunks)
+
+    def __enter__(self) -> None:
+        with _typed_storage_quiet():
+            for chunk in self.chunks:
+                if hasattr(chunk, "restore_grad_buffers"):
+                    chunk.restore_grad_buffers(synchronize=False)
+
+    def __exit__(self, *exc: Any) -> None:
+        release_grad_buffers(self.chunks)
 
 
 def build_optimizer(ddp_chunks: Sequence[nn.Module], settings: OptimSettings, platform: Platform,

@@ -89,6 +89,12 @@ class RolloutEngine(ABC):
         engine their memory): the export must then give copies, not views of the parameters."""
         return False
 
+    def release_weights(self) -> bool:
+        """Free the weights' memory in this process until the next complete `load_weights` refills it (generating
+        before that raises); returns whether anything was freed. The trainer calls it between a step's rollout and
+        its weight sync (rollout.free_cache_engine). By default nothing: a server's memory is not the trainer's."""
+        return False
+
     @abstractmethod
     def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
         """log p(token_ids[k] | token_ids[:k]) for k >= 1, one list per model replica behind this engine."""

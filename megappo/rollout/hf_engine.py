@@ -84,6 +84,7 @@ class HFEngine(RolloutEngine):
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.weight_version = 0
         self._weights = HFWeightLoader(self.model)
+        self._released: Optional[list] = None  # release_weights(): the freed parameters, their shapes and dtypes
         self._abort = threading.Event()  # abort(): ends the generation in flight at its next decode step
         # transformers 5 renamed the KV cache argument (past_key_values -> cache); logits_to_keep=1 spares the
         # prompt's full-vocabulary logits
@@ -103,6 +104,7 @@ class HFEngine(RolloutEngine):
         `params.seed` is None), so a share of the batch samples what the whole batch would."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        self._check_weights()
         seed = params.seed
         if seed is None and not params.is_greedy:
             seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator, device=self.generator.device))
@@ -240,6 +242,12 @@ class HFEngine(RolloutEngine):
         weight version (`version`, else the old one + 1). Each tensor is copied into its parameter as it arrives
         and not kept, so the export's views (`iter_hf_weights(..., copy=False)`) suffice: one copy per byte.
         """
+        if self._released is not None:
+            if not complete:
+                raise ValueError("a partial weight update cannot refill released weights (release_weights): the "
+                                 "parameters it does not send would be garbage; send every parameter")
+            for p, shape, dtype in self._released:  # every element is overwritten below (complete)
+                p.data = torch.empty(shape, dtype=dtype, device=p.device)
         filled: dict[str, int] = {}
         for item in tensors:
             pairs = [item] if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else item
@@ -251,12 +259,34 @@ class HFEngine(RolloutEngine):
             if missing:
                 raise ValueError(f"weight update left {len(missing)} parameters unset (e.g. {missing[:4]}); the "
                                  f"exporter and the engine's model disagree")
+        self._released = None
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
+    def release_weights(self) -> bool:
+        """Free the parameters' memory until the next complete weight update refills it (their shapes and the
+        model stay; buffers such as rotary frequencies are kept): a hybrid engine's copy of the policy between its
+        rollout and the trainer's next sync (`RolloutWorker.release_engine`). Generating or scoring before that
+        raises. Idempotent."""
+        if self._released is not None:
+            return True
+        # Each parameter's data is swapped for an empty tensor (its storage may come from the checkpoint's loader
+        # and not be resizable); model.parameters() gives a tied parameter once.
+        self._released = []
+        for p in self.model.parameters():
+            self._released.append((p, p.shape, p.dtype))
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        return True
+
+    def _check_weights(self) -> None:
+        if self._released is not None:
+            raise RuntimeError("the engine's weights were released (release_weights, rollout.free_cache_engine) "
+                               "and no complete weight update has refilled them yet: sync the actor's weights first")
+
     def load_weights(self, buckets: Iterable[NamedTensors], *, version: int, mode: str = "tensor",
                      partial: bool = False) -> int:
-        """The trainer's weight sync: the buckets' tensors copied into the model as they arrive (views suffice)."""
+        """The trainer's weight sync: the buckets' tensors copied into the model as they arrive (views suffice); a
+        complete one refills released weights."""
         return self.update_weights(buckets, version=version, complete=not partial)
 
     def update_weights_from_disk(self, model_path: str, *, version: Optional[int] = None) -> int:
@@ -274,6 +304,7 @@ class HFEngine(RolloutEngine):
                          ) -> list[list[float]]:
         """[log p(token_ids[k] | token_ids[:k]) for k >= 1] of the one model this engine holds; `multi_modal`: the
         images of a vision-language prompt."""
+        self._check_weights()
         ids = torch.tensor([list(token_ids)], device=self.device)
         kw: dict = {}
         if self.vision is not None:

@@ -107,6 +107,7 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
         if estimator_needs(cfg, "needs_greedy_baseline"):
             with timer("greedy_baseline"):
                 m.update(phases.greedy_baselines(run, samples, exp))
+        phases.release_engine(run, step)  # done with the engine until this step's sync
         if run.roles.reward is not None:
             with timer("reward_model"):
                 phases.reward_model_scores(run, exp)

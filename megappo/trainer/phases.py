@@ -19,6 +19,7 @@ from megappo.algos import estimators
 from megappo.algos import rollout_correction as correction
 from megappo.config.loader import estimator
 from megappo.models.compute import compute_log_probs, compute_values, train_step
+from megappo.models.optim import gradients_allocated
 from megappo.parallel import ParallelState, gather_over_ranks, reduce_over_ranks, reduce_tensor
 from megappo.rewards.scorer import ScoreItem
 from megappo.trainer import settings
@@ -340,8 +341,9 @@ def _train(run: Run, role, exp: Experience, loss_fn, micro, *, count: int, epoch
 
 def update_critic(run: Run, exp: Experience, step: int) -> dict[str, float]:
     b = run.batching
-    metrics = _train(run, run.roles.critic, exp, run.critic_loss, b.critic_train, count=b.critic_mini_batches,
-                     epochs=b.critic_epochs, shuffle=b.critic_shuffle, step=step, prefix="critic", lm=False)
+    with gradients_allocated(run.roles.critic.chunks):  # freed between updates: the actor's update has the memory
+        metrics = _train(run, run.roles.critic, exp, run.critic_loss, b.critic_train, count=b.critic_mini_batches,
+                         epochs=b.critic_epochs, shuffle=b.critic_shuffle, step=step, prefix="critic", lm=False)
     metrics["critic/vf_explained_var"] = _explained_variance(exp.train.returns, exp.train.values, exp.mask, run.ps)
     return metrics
 
@@ -360,9 +362,10 @@ def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch
 
 def update_actor(run: Run, exp: Experience, step: int) -> dict[str, float]:
     b = run.batching
-    return _train(run, run.roles.actor, exp, run.actor_loss, b.actor_train, count=b.actor_mini_batches,
-                  epochs=b.actor_epochs, shuffle=b.actor_shuffle, step=step, prefix="actor", lm=True,
-                  kl_stop=run.guard.epoch_kl_stop)
+    with gradients_allocated(run.roles.actor.chunks):
+        return _train(run, run.roles.actor, exp, run.actor_loss, b.actor_train, count=b.actor_mini_batches,
+                      epochs=b.actor_epochs, shuffle=b.actor_shuffle, step=step, prefix="actor", lm=True,
+                      kl_stop=run.guard.epoch_kl_stop)
 
 
 def guard_verdict(run: Run, metrics: dict[str, float], step: int) -> Optional[str]:
@@ -383,9 +386,26 @@ def sync_weights(run: Run) -> dict[str, float]:
     return metrics
 
 
+def release_engine(run: Run, step: int) -> None:
+    """rollout.free_cache_engine: the engine's weights are freed for the rest of the step (the updates' peak), when
+    this step's weight sync will refill them: a step that updates the actor (past critic_warmup), in sync mode
+    (the async modes keep the engine generating)."""
+    if step > run.cfg.trainer.critic_warmup and run.cfg.async_training.mode == "sync":
+        run.rollout.release_engine()
+
+
+def refill_engine(run: Run) -> None:
+    """An engine released for the step (`release_engine`) whose sync was skipped (the run stops after the step)
+    and that still has to generate (validation before the save) gets the actor's weights under the current
+    version; collective, a no-op (one small reduction) otherwise."""
+    if reduce_over_ranks([1 if run.rollout.engine_released else 0], dist.ReduceOp.MAX)[0]:
+        run.rollout.sync_weights(run.roles.actor.chunks, run.roles.hf_config, run.state.weight_version)
+
+
 def skip_sync(run: Run) -> dict[str, float]:
     """The sync of a run that saves and stops after this step: the weights get their version number (the
-    checkpoint records it) but go nowhere (`RolloutWorker.skip_sync`)."""
+    checkpoint records it) but go nowhere (`RolloutWorker.skip_sync`). An engine released for the step
+    (`release_engine`) stays so; `refill_engine` gives it weights should it generate before the run stops."""
     run.state.synced(run.state.weight_version + 1, run.state.step + 1)
     return run.rollout.skip_sync(run.state.weight_version)
 
@@ -438,6 +458,7 @@ def step_metrics(run: Run, exp: Experience) -> dict[str, float]:
 
 def validate(run: Run, val_batches) -> dict[str, float]:
     """Generate with `rollout.val_kwargs` (greedy by default) on the validation prompts; mean score per source."""
+    refill_engine(run)
     params = settings.sampling(run.cfg, validate=True, seed=run.cfg.data.seed)
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # score sum, length sum, count
     offset = 0  # every validation prompt its own seeds, whatever val_batch_size splits them into

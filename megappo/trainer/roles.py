@@ -16,7 +16,7 @@ from megappo.config.schema import MegappoConfig, ModelConfig
 from megappo.convert.hf_to_mcore import load_hf_weights
 from megappo.models.builder import build_model, model_config_summary, offload_to_cpu, reload
 from megappo.models.hf_config import load_hf_config_dict
-from megappo.models.optim import build_optimizer, build_scheduler, wrap_ddp
+from megappo.models.optim import build_optimizer, build_scheduler, release_grad_buffers, wrap_ddp
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.trainer import settings
@@ -115,6 +115,7 @@ def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: Parallel
     opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)
+    release_grad_buffers(ddp)  # allocated by each update (phases.update_actor/critic), free between them
     role = Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt))
     if model_cfg.lora.rank > 0:
         from megappo.models.lora import base_checksum

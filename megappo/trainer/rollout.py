@@ -56,6 +56,7 @@ class RolloutWorker:
             # the holder runs the tool-calling loop over its share; weights still go to the engine itself
             self.deployment.engine = build_multi_turn(cfg, self.deployment.engine)
         self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
+        self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 
     @property
     def engine(self) -> RolloutEngine | None:
@@ -141,6 +142,7 @@ class RolloutWorker:
             for _ in counted():  # every rank takes part in the gathers that build each bucket
                 pass
         self._set_version(version)
+        self.engine_released = False
         seconds = time.perf_counter() - t0
         return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
                 "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9), **health}
@@ -150,6 +152,18 @@ class RolloutWorker:
         the weights learn it here)."""
         if self.engine is not None:
             self.engine.weight_version = version
+
+    def release_engine(self) -> bool:
+        """rollout.free_cache_engine: free the weights of the engine this rank syncs (the in-process hybrid engine;
+        a server's memory is not this process's) until the step's weight sync refills them; returns whether this
+        rank freed any. Only for a full-parameter actor: a LoRA actor's syncs send only its adapted layers, so the
+        engine keeps its base. Call it once the step is done with the engine (after its rollout) and only in a
+        step that syncs."""
+        target = self.deployment.sync_target
+        if not self.rollout.free_cache_engine or target is None or self.cfg.actor_rollout_ref.model.lora.rank > 0:
+            return False
+        self.engine_released = target.release_weights()
+        return self.engine_released
 
     def skip_sync(self, version: int) -> dict[str, float]:
         """The sync of a run that saves and stops now: the weights get their version number (the checkpoint records

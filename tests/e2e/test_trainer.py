@@ -181,3 +181,22 @@ def test_verify_sync_checks_the_engine_holds_the_actor_weights(data, tmp_path, m
     monkeypatch.setattr(RolloutWorker, "sync_weights", stale_sync)
     with pytest.raises(RuntimeError, match="the rollout engine's log-probs differ from the trainer's"):
         _run(data, tmp_path / "bad", steps=1, extra=["actor_rollout_ref.rollout.verify_sync=true"])
+
+
+def test_validation_in_a_step_that_stops_the_run_scores_the_updated_actor(data, tmp_path, monkeypatch):
+    """rollout.free_cache_engine frees the in-process engine's weights from the rollout to the weight sync. A step
+    after which the run stops skips its sync; validation before the save then refills the engine with the actor's
+    weights, so the stopped run validates what the uninterrupted run does."""
+    from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest
+
+    extra = ["trainer.test_freq=1", "trainer.val_before_train=false"]
+    full = _run(data, tmp_path / "full", steps=2, extra=extra, val=True)
+    monkeypatch.setattr(StopRequest, "reason", lambda self: "stop requested by the test")
+    out = tmp_path / "stopped"
+    cfg = load_config(RECIPE, tiny_run_overrides(str(out), data["model"], data["train"], val_file=data["val"],
+                                                 steps=2, extra=extra))
+    assert fit(cfg) == EXIT_REQUEUE
+    (row,) = read_metrics(str(out))
+    assert row["rollout/weight_sync_skipped"] == 1.0
+    val = {k: v for k, v in full[0].items() if k.startswith("val/")}
+    assert val and {k: row[k] for k in val} == val

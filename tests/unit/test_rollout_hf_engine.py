@@ -113,3 +113,30 @@ def test_a_sample_depends_on_its_seed_prompt_index_and_sample_index_not_on_its_b
     a, b = HFEngine(hf_dir, seed=3), HFEngine(hf_dir, seed=3)
     assert [_tokens(a.generate(PROMPTS, unseeded)) for _ in range(2)] == \
         [_tokens(b.generate(PROMPTS, unseeded)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_released_weights_are_freed_and_a_complete_update_restores_them_exactly(hf_model_dir, family):
+    """rollout.free_cache_engine: the hybrid engine's parameters hold no memory between its rollout and the next
+    sync, generating then fails clearly, a partial sync cannot refill them, and the complete sync gives the same
+    tokens and log-probs as before the release."""
+    from megappo.convert.hf_io import HFCheckpoint
+
+    hf_dir = hf_model_dir(family)
+    engine = HFEngine(hf_dir)
+    before = engine.generate(PROMPTS, GREEDY)
+    ckpt = HFCheckpoint.open(hf_dir)
+    tensors = [(n, ckpt.read(n).clone()) for n in ckpt.files]
+    ckpt.close()
+    assert engine.release_weights() and engine.release_weights()  # idempotent
+    assert sum(p.untyped_storage().nbytes() for p in engine.model.parameters()) == 0
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(PROMPTS, GREEDY)
+    with pytest.raises(ValueError, match="partial weight update"):
+        engine.load_weights([tensors[:1]], version=1, partial=True)
+    with pytest.raises(RuntimeError, match="released"):
+        engine.prompt_log_probs([5, 6, 7])
+    assert engine.load_weights([tensors], version=1) == 1
+    after = engine.generate(PROMPTS, GREEDY)
+    assert _tokens(after) == _tokens(before)
+    assert [c.log_probs for g in after for c in g] == [c.log_probs for g in before for c in g]

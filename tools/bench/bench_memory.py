@@ -1,7 +1,7 @@
 """Peak host memory of a full-parameter PPO run, by phase and by role: where the bytes per parameter go.
 
 One `megappo.trainer.fit` in this process (world size 1, CPU, fp32, the in-process rollout engine) on a Qwen2 of
---hidden/--layers (default 113.8M parameters: hidden 768, 12 layers, intermediate 3072, the test tokenizer's
+--hidden/--layers (default 102.3M parameters: hidden 768, 12 layers, intermediate 3072, the test tokenizer's
 512-token vocabulary) with actor, critic and reference, GAE, the KL penalty in the reward, and the prompts, reward
 and batch of tools/bench/bench_ppo_iteration.py. It reports:
 
@@ -12,15 +12,31 @@ and batch of tools/bench/bench_ppo_iteration.py. It reports:
   counted once; the resident set before setup (Python, torch, megatron); and the rest, which nothing above holds
   (transient buffers the allocator kept, activations of a phase).
 
-    python tools/bench/bench_memory.py [--hidden 768] [--layers 12] [--steps 2] [--trace MODULE:QUALNAME]
-        [--json out.json]
+    python tools/bench/bench_memory.py [--hidden 768] [--layers 12] [--steps 2] [--micro 4]
+        [--trace MODULE:QUALNAME] [--json out.json]
 
-Measured on the 2-core CPU machine (102.3M parameters, batch 16 x 64 tokens, 3 steps): peak 7.03 GB = 68.7 bytes
-per parameter, resident after the first step 56.4: Python/torch/megatron 5.9, actor and critic parameters, grads
-and Adam states 16 each, the reference 4, the engine's copy 4, and 10.4 that nothing holds. That rest is glibc's:
-its mmap threshold rises with every large free (up to 32 MB), after which the trainer's transient buffers come from
-the heap and stay resident. With MALLOC_MMAP_THRESHOLD_=65536 (a fixed threshold) the rest is 1.0 and the resident
-set 45.6 bytes per parameter; the peak (61.7, in the actor and critic updates) is then activations.
+Measured on the 2-core CPU machine (102.3M parameters, batch 16 x 64 tokens, 2 steps; bytes per parameter; CPU:
+user + system seconds of the run; the machine was shared, load average 15-50, so wall times mean little):
+
+    configuration                                          peak   resident after a step   the rest   CPU s
+    main: glibc's dynamic mmap threshold                   67.8   56.2                    11.6
+    + threshold fixed at 64 KiB                            62.4   45.6                     1.0
+    + gradients only in updates, engine freed (4 MiB)      54.5   37.8                     1.3
+    + --micro 4 (the default 4 MiB threshold)              44.6   38.1                     1.5       104.5
+      the same with glibc's dynamic threshold              45.3   38.2                     1.4        98.0
+      the same with a 64 KiB threshold                     41.8   37.6                     1.0       124.8
+
+glibc's mmap threshold rises with every large free (up to 32 MB), after which the trainer's transient buffers come
+from the heap and stay resident when freed: the rest. `cpu_compat` fixes it at 4 MiB (MEGAPPO_MALLOC_MMAP_THRESHOLD
+sets another, 0 leaves glibc's; a lower one holds less and costs page faults). The gradient buffers exist only
+inside each role's update (the other role's 4 B are free during it) and the in-process engine's copy (4 B) is freed
+from the rollout to the weight sync, so after a step: Python/torch/megatron 4.4, actor and critic parameters and
+Adam states 12 each, the reference 4, the engine 4 (refilled by the sync). The updates add their role's gradients
+(4) and the activations of a micro-batch: 16.8 B/param for the whole 16-sequence mini-batch, 4-7 with --micro 4
+(ppo_micro_batch_size_per_gpu of actor and critic). For a 0.5B model the fixed 0.45 GB is under 1 B/param, so the
+run holds about 37 B/param (18.5 GB) plus its role's gradients (2 GB) and a micro-batch's activations during an
+update, which the micro-batch size bounds (with a 152K-token vocabulary the logits alone are 0.6 MB per token in
+fp32; not measured at 0.5B here).
 """
 from __future__ import annotations
 
@@ -162,6 +178,8 @@ def main() -> None:
     p.add_argument("--response", type=int, default=64)
     p.add_argument("--steps", type=int, default=2, help="PPO steps (phase peaks are the max over steps)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--micro", type=int, default=None, help="actor and critic ppo_micro_batch_size_per_gpu "
+                   "(default: the whole mini-batch in one micro-batch)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra megappo override")
     p.add_argument("--trace", action="append", default=[], metavar="MODULE:QUALNAME",
                    help="print the resident set around every call of this function (repeatable), e.g. "
@@ -196,6 +214,9 @@ def main() -> None:
         f.write(REWARD_FN)
     overrides = megappo_overrides(models, size, args.steps - 1, work, data, f"{work}/bench_reward.py", False)
     overrides += ["trainer.logger=[]", *args.override]
+    if args.micro:
+        overrides += [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
+                      f"critic.ppo_micro_batch_size_per_gpu={args.micro}"]
 
     import importlib
 
@@ -251,20 +272,24 @@ def main() -> None:
 
     fit_module.setup, fit_module.train_step = setup, train_step
     metrics_module.Timer.__call__ = timed
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), os.times()
     try:
         assert fit_module.fit(cfg) == 0
     finally:
         fit_module.setup, fit_module.train_step = real_setup, real_step
         metrics_module.Timer.__call__ = real_call
-    wall = time.perf_counter() - t0
+    wall, cpu1 = time.perf_counter() - t0, os.times()
+    # CPU seconds of the run, user and system (page faults: the price of giving memory back), which a shared
+    # machine's load disturbs far less than the wall time
+    captured["cpu"] = (cpu1.user - cpu0.user, cpu1.system - cpu0.system)
     report(n, baseline, peaks, captured, wall, args)
 
 
 def report(n: int, baseline: int, peaks: PhasePeaks, captured: dict, wall: float, args) -> None:
     per = lambda b: b / n  # noqa: E731 - bytes per actor parameter
     print(f"bench_memory: Qwen2 hidden {args.hidden} x {args.layers} layers, {n / 1e6:.1f}M parameters, fp32, "
-          f"batch {args.batch} x {args.response} tokens, {args.steps} steps in {wall:.0f} s")
+          f"batch {args.batch} x {args.response} tokens, {args.steps} steps in {wall:.0f} s (CPU: user "
+          f"{captured['cpu'][0]:.1f} s, system {captured['cpu'][1]:.1f} s)")
     print(f"\n  {'phase':<22}{'peak GB':>10}{'B/param':>10}{'after GB':>10}")
     order = ["setup"] + [k for k in peaks.peak if k not in ("setup", "step")] + ["step"]
     for k in order:
@@ -284,7 +309,8 @@ def report(n: int, baseline: int, peaks: PhasePeaks, captured: dict, wall: float
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": n, "baseline": baseline, "peak": peaks.peak, "after": peaks.after,
-                       "accounted": acc, "after_step": after, "wall": wall}, f, indent=1)
+                       "accounted": acc, "after_step": after, "wall": wall,
+                       "cpu_user_s": captured["cpu"][0], "cpu_system_s": captured["cpu"][1]}, f, indent=1)
 
 
 if __name__ == "__main__":
