@@ -82,11 +82,14 @@ def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
     return hf, tc
 
 
-def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> list[nn.Module]:
+def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int,
+           freeze_vision_tower: bool = True) -> list[nn.Module]:
     hf, tc = _architecture(model_cfg, path)
     if name in ("actor", "critic") and model_cfg.lora.rank > 0:
         tc["use_transformer_engine"] = False  # adapters hook megatron's own linear layers (models/lora.py)
-    chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc)
+    # vision-language models: actor.freeze_vision_tower (the reference's tower is always frozen; text models ignore it)
+    chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc,
+                         freeze_vision_tower=freeze_vision_tower)
     load_hf_weights(chunks, path, ps)
     if name in ("actor", "critic") and model_cfg.lora.rank > 0:
         from megappo.models.lora import LoRASettings, apply_lora
@@ -103,7 +106,8 @@ def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfor
 
 def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
                total_steps: int, seed: int) -> Role:
-    chunks = _build(name, path, model_cfg, ps, platform, seed)
+    # the critic's vision tower trains or stays fixed as the actor's does (one switch for the run's towers)
+    chunks = _build(name, path, model_cfg, ps, platform, seed, cfg.actor_rollout_ref.actor.freeze_vision_tower)
     opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)

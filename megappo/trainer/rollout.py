@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megappo.config.schema import MegappoConfig
 from megappo.convert.export import iter_hf_weights
 from megappo.data.dataset import PromptBatch
+from megappo.models.vlm.config import is_vlm_config
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.rollout import registry
@@ -74,7 +75,8 @@ class RolloutWorker:
         share = self.share(prompts)
         if share is not None:
             ids, offset = share
-            local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset) if ids else []
+            local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset,
+                                         **image_kwargs(self.share_images(prompts))) if ids else []
         return self._gather(prompts, local)
 
     def collect(self, prompts: PromptBatch, pending: Optional[Future]) -> Samples:
@@ -89,6 +91,13 @@ class RolloutWorker:
         part = _dp_slice(len(prompts), self.ps)
         ids = [prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist() for b in range(part.start, part.stop)]
         return ids, part.start
+
+    def share_images(self, prompts: PromptBatch) -> Optional[list]:
+        """The holder's prompts' images (`PromptBatch.multi_modal`, aligned with `share`'s ids); None for text."""
+        images = getattr(prompts, "multi_modal", None)
+        if self.engine is None or not images or all(m is None for m in images):
+            return None
+        return list(images[_dp_slice(len(prompts), self.ps)])
 
     def _gather(self, prompts: PromptBatch, local: Optional[list[list[Completion]]]) -> Samples:
         completions: list[list[Completion]] = _broadcast_objects([local], self.ps.mp_group)[0]
@@ -113,9 +122,18 @@ class RolloutWorker:
         from megappo.models.lora import lora_settings
 
         only_adapted = mode != "disk" and lora_settings(list(actor_chunks)) is not None
-        buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                  dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted)
-        partial = {"partial": True} if only_adapted else {}
+        # a vision-language actor with its tower frozen (actor.freeze_vision_tower) changes only its language model:
+        # the engines keep the tower they loaded from model.path, the same weights
+        lm_only = mode != "disk" and is_vlm_config(hf_config) and self.cfg.actor_rollout_ref.actor.freeze_vision_tower
+        if lm_only:
+            from megappo.convert.qwen2_vl import iter_hf_vlm_weights
+
+            buckets = iter_hf_vlm_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
+                                          dtype=self.platform.dtype, copy=keep, language_model_only=True)
+        else:
+            buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
+                                      dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted)
+        partial = {"partial": True} if only_adapted or lm_only else {}
         nbytes = 0
 
         def counted():
@@ -190,6 +208,12 @@ class RolloutWorker:
             engine.close()
             self.deployment.engine = engine.inner
         self.deployment.close()
+
+
+def image_kwargs(images: Optional[list]) -> dict:
+    """The engines' `generate(..., multi_modal=...)` keyword for prompts with images; nothing for text prompts (text
+    runs call the engines exactly as before)."""
+    return {"multi_modal": images} if images else {}
 
 
 def step_seed(base: int, step: int) -> int:
