@@ -46,6 +46,14 @@ class VLMModel(MegatronModule):
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
+    # megatron's finalize_model_grads all-reduces tied embeddings over the first and last stages through these
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
     def mrope_positions(self, input_ids, image_grid_thw=None, attention_mask=None) -> torch.Tensor:
         return mrope_position_ids(input_ids, image_grid_thw, self.vlm_args.image_token_id,
                                   self.vlm_args.vision.spatial_merge_size, attention_mask)
