@@ -402,6 +402,12 @@ class DataConfig:
     filter_overlong_prompts: bool = False  # drop prompts over max_prompt_length when the dataset loads
     shuffle: bool = True  # shuffle training prompts each epoch
     seed: int = 1  # seed of that shuffle, so a resumed run sees the same order
+    # Multimodal prompts (a vision-language actor; megappo.data.multimodal): the column of images, and the bounds
+    # of Qwen's smart_resize in pixels (each image's area is brought into [min, max], sides multiples of 28). The
+    # defaults are the released Qwen2-VL / Qwen2.5-VL processors' (56*56, 28*28*1280).
+    image_key: str = "images"
+    image_min_pixels: int = 3136
+    image_max_pixels: int = 1003520
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
 

@@ -6,17 +6,23 @@ Length rules are applied while loading, so a run never stops midway on a long pr
 
 - filter_overlong_prompts=True drops prompts longer than max_prompt_length (counted in `num_filtered`);
 - otherwise truncation "left" keeps the last max_prompt_length tokens, "right" the first, and "error" raises a
-  DataError naming the first overlong row.
+  DataError naming the first overlong row (a prompt with images is never cut: its image tokens must stay whole).
+
+Multimodal files (an `images` column, `data.image_key`; see `megappo.data.multimodal`) need the model's
+`ImageProcessing` (`megappo.data.images`): each `<image>` is expanded into its image tokens at load time, and the
+images are decoded and processed when a batch is collated (`PromptBatch.multi_modal`).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 import torch
 
+from megappo.data.images import ImageProcessing, ImageSource, image_sources
+from megappo.data.multimodal import MultiModalInputs
 from megappo.data.schema import DataError, PromptRow, expand_files, read_prompt_rows
 
 Truncation = Literal["error", "left", "right"]
@@ -29,6 +35,7 @@ class PromptRecord:
     input_ids: np.ndarray  # [L] int32, L <= max_prompt_length, chat template applied, no padding
     row: PromptRow  # messages, data_source, ground_truth, extra_info, ...
     file: str  # the Parquet file it came from
+    images: Optional[list[ImageSource]] = None  # its images, in placeholder order (None: a text prompt)
 
 
 @dataclass
@@ -44,6 +51,8 @@ class PromptBatch:
     extra_infos: list[dict]  # B
     abilities: list[str]  # B
     indices: torch.Tensor  # [B] int64, each prompt's position in the dataset
+    # B entries (None for a prompt without images) when any prompt of the batch has images; None for text batches
+    multi_modal: Optional[list[Optional[MultiModalInputs]]] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -54,7 +63,8 @@ class PromptBatch:
         return PromptBatch(self.input_ids[index], self.attention_mask[index], self.position_ids[index],
                            [self.raw_prompts[r] for r in rows], [self.data_sources[r] for r in rows],
                            [self.ground_truths[r] for r in rows], [self.extra_infos[r] for r in rows],
-                           [self.abilities[r] for r in rows], self.indices[index])
+                           [self.abilities[r] for r in rows], self.indices[index],
+                           None if self.multi_modal is None else [self.multi_modal[r] for r in rows])
 
 
 def _render(tokenizer, messages: list[list[dict]], chat_template_kwargs: dict) -> tuple[list[str], bool]:
@@ -78,6 +88,9 @@ class PromptDataset:
         filter_overlong_prompts: drop prompts over the limit instead (data.filter_overlong_prompts).
         prompt_key: the column of chat messages (data.prompt_key).
         chat_template_kwargs: extra arguments for apply_chat_template, e.g. {"enable_thinking": False}.
+        image_processing: the model's image processing (`ImageProcessing.from_model`); None for a text-only model,
+            which then refuses files with images.
+        image_key: the column of images (data.image_key).
     """
 
     def __init__(
@@ -91,6 +104,8 @@ class PromptDataset:
         prompt_key: str = "prompt",
         chat_template_kwargs: dict | None = None,
         read_batch_rows: int = 1024,
+        image_processing: Optional[ImageProcessing] = None,
+        image_key: str = "images",
     ):
         if truncation not in ("error", "left", "right"):
             raise ValueError(f"data.truncation must be error, left or right, got {truncation!r}")
@@ -109,8 +124,9 @@ class PromptDataset:
         self.num_filtered = 0  # prompts dropped by filter_overlong_prompts
         self.num_truncated = 0  # prompts cut by truncation left/right
         self.uses_chat_template = False
+        self.image_processing, self.image_key = image_processing, image_key
         for path in self.files:
-            for rows in read_prompt_rows(path, prompt_key, batch_rows=read_batch_rows):
+            for rows in read_prompt_rows(path, prompt_key, batch_rows=read_batch_rows, image_key=image_key):
                 self._add(path, rows, prompt_key, chat_template_kwargs or {})
         if not self.records:
             raise DataError(", ".join(self.files), f"all {self.num_filtered} prompts are longer than "
@@ -131,10 +147,14 @@ class PromptDataset:
                                     "fix the messages' roles/order for this model's template", row=r.file_row,
                                     column=prompt_key) from e
             raise
+        images = [self._images(path, r, prompt_key) for r in rows]
+        texts = [t if imgs is None else self.image_processing.expand(
+            t, [self.image_processing.num_tokens(s) for s in imgs], path, r.file_row, self.image_key, prompt_key)
+            for t, r, imgs in zip(texts, rows, images)]
         # A chat template writes its own special tokens (bos included); plain text gets the tokenizer's usual ones.
         encoded = self.tokenizer(texts, add_special_tokens=not self.uses_chat_template)["input_ids"]
         limit = self.max_prompt_length
-        for row, ids in zip(rows, encoded):
+        for row, ids, imgs in zip(rows, encoded, images):
             if not ids:
                 raise DataError(path, "the prompt tokenises to nothing", "give the row non-empty message content",
                                 row=row.file_row, column=prompt_key)
@@ -142,13 +162,25 @@ class PromptDataset:
                 if self.filter_overlong_prompts:
                     self.num_filtered += 1
                     continue
-                if self.truncation == "error":
+                if self.truncation == "error" or imgs is not None:
                     raise DataError(path, f"the prompt has {len(ids)} tokens, over max_prompt_length={limit}",
                                     "raise data.max_prompt_length, set data.filter_overlong_prompts=true, or set "
-                                    "data.truncation=left|right", row=row.file_row, column=prompt_key)
+                                    "data.truncation=left|right (prompts with images are never cut)",
+                                    row=row.file_row, column=prompt_key)
                 ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
                 self.num_truncated += 1
-            self.records.append(PromptRecord(np.asarray(ids, dtype=np.int32), row, path))
+            self.records.append(PromptRecord(np.asarray(ids, dtype=np.int32), row, path, imgs))
+
+    def _images(self, path: str, row: PromptRow, prompt_key: str) -> Optional[list[ImageSource]]:
+        """The row's images (None: no images column, or an empty cell)."""
+        sources = image_sources(row.images, path, row.file_row, self.image_key)
+        if not sources:
+            return None
+        if self.image_processing is None:
+            raise DataError(path, f"the row has {len(sources)} images but the model has no vision tower",
+                            "train a vision-language model (e.g. Qwen2.5-VL) on this data, or drop the "
+                            f"'{self.image_key}' column", row=row.file_row, column=self.image_key)
+        return sources
 
     def __len__(self) -> int:
         return len(self.records)
@@ -157,13 +189,16 @@ class PromptDataset:
         return self.records[index]
 
     def collate(self, indices: Sequence[int], pad_to: int | None = None) -> PromptBatch:
-        return collate([self.records[i] for i in indices], indices, self.pad_token_id, pad_to=pad_to)
+        return collate([self.records[i] for i in indices], indices, self.pad_token_id, pad_to=pad_to,
+                       image_processing=self.image_processing)
 
 
 def collate(
-    records: Sequence[PromptRecord], indices: Sequence[int], pad_token_id: int, pad_to: int | None = None
+    records: Sequence[PromptRecord], indices: Sequence[int], pad_token_id: int, pad_to: int | None = None,
+    image_processing: Optional[ImageProcessing] = None,
 ) -> PromptBatch:
-    """Left-pad `records` to the longest of them (or to `pad_to`) and stack them into a PromptBatch."""
+    """Left-pad `records` to the longest of them (or to `pad_to`) and stack them into a PromptBatch; the images
+    of prompts that have them are decoded and processed here (`image_processing`)."""
     longest = max(len(r.input_ids) for r in records)
     width = longest if pad_to is None else pad_to
     if width < longest:
@@ -175,6 +210,11 @@ def collate(
         input_ids[b, width - n:] = torch.from_numpy(r.input_ids.astype(np.int64))
         attention_mask[b, width - n:] = 1
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+    multi_modal = None
+    if any(r.images for r in records):
+        if image_processing is None:
+            raise ValueError("prompts with images need the model's ImageProcessing to be collated")
+        multi_modal = [image_processing.inputs(r.images) if r.images else None for r in records]
     return PromptBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -185,4 +225,5 @@ def collate(
         extra_infos=[r.row.extra_info for r in records],
         abilities=[r.row.ability for r in records],
         indices=torch.as_tensor(list(indices), dtype=torch.long),
+        multi_modal=multi_modal,
     )

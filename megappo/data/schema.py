@@ -5,6 +5,8 @@
     ability       string                               optional, e.g. "math"
     reward_model  struct<style, ground_truth>          ground_truth is given to the reward function
     extra_info    struct<...>                          optional, given to the reward function
+    images        list<struct<bytes, path>>            optional, a multimodal prompt's images (column `image_key`;
+                                                       see megappo.data.multimodal)
 
 Every problem raises `DataError` naming the file, the row (0-based, counted over the whole file) and the column,
 and saying how to fix it.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,6 +41,7 @@ class PromptRow:
     ground_truth: Any  # reward_model.ground_truth; usually a string, None when absent
     extra_info: dict  # {} when the file has no extra_info column
     file_row: int  # row number within its file
+    images: Optional[list] = None  # the raw `images` cell ([{bytes, path}, ...]) when the file has the column
 
 
 def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -70,7 +73,7 @@ def _is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
 
 
-def _check_schema(path: str, schema: pa.Schema, prompt_key: str) -> list[str]:
+def _check_schema(path: str, schema: pa.Schema, prompt_key: str, image_key: str = "images") -> list[str]:
     """Check column presence and types; returns the columns to read."""
     names = set(schema.names)
     for col in (prompt_key, *REQUIRED_COLUMNS):
@@ -105,7 +108,11 @@ def _check_schema(path: str, schema: pa.Schema, prompt_key: str) -> list[str]:
         t = schema.field("extra_info").type
         if not (pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t)):
             raise wrong("extra_info", "a struct")
-    return [prompt_key, *REQUIRED_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in names)]
+    if image_key in names:
+        t = schema.field(image_key).type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)):
+            raise wrong(image_key, "a list of {bytes, path} structs (one per <image> of the prompt)")
+    return [prompt_key, *REQUIRED_COLUMNS, *(c for c in (*OPTIONAL_COLUMNS, image_key) if c in names)]
 
 
 def open_parquet(path: str) -> pq.ParquetFile:
@@ -118,10 +125,11 @@ def open_parquet(path: str) -> pq.ParquetFile:
                         "(jsonl/csv are not read directly; `megappo data gsm8k` shows how)") from e
 
 
-def read_prompt_rows(path: str, prompt_key: str = "prompt", batch_rows: int = 1024) -> Iterator[list[PromptRow]]:
+def read_prompt_rows(path: str, prompt_key: str = "prompt", batch_rows: int = 1024, image_key: str = "images"
+                     ) -> Iterator[list[PromptRow]]:
     """Yield the rows of one Parquet file in chunks of at most `batch_rows`, validated; never the whole file."""
     pf = open_parquet(path)
-    columns = _check_schema(path, pf.schema_arrow, prompt_key)
+    columns = _check_schema(path, pf.schema_arrow, prompt_key, image_key)
     if pf.metadata.num_rows == 0:
         raise DataError(path, "the file has no rows", "regenerate it or drop it from data.train_files/val_files")
     base = 0
@@ -129,12 +137,12 @@ def read_prompt_rows(path: str, prompt_key: str = "prompt", batch_rows: int = 10
         cols = {name: batch.column(name).to_pylist() for name in columns}
         rows = []
         for j in range(batch.num_rows):
-            rows.append(_to_row(path, base + j, cols, j, prompt_key))
+            rows.append(_to_row(path, base + j, cols, j, prompt_key, image_key))
         base += batch.num_rows
         yield rows
 
 
-def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str) -> PromptRow:
+def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str, image_key: str) -> PromptRow:
     data_source = cols["data_source"][j]
     if not data_source:
         raise DataError(path, "data_source is null or empty", "set data_source so a reward function can be "
@@ -158,4 +166,5 @@ def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str)
         ground_truth=reward_model.get("ground_truth") if reward_model else None,
         extra_info=extra_info or {},
         file_row=row,
+        images=cols[image_key][j] if image_key in cols else None,
     )

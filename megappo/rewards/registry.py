@@ -57,7 +57,8 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 # are registered on the first look-up that misses (and on every listing), never at import time: the tasks' modules
 # may then import megappo.rewards freely, in either order. The GSM8K reward (below) is registered here and imports
 # its scoring module when first called.
-_BUILTINS = (("megappo.tasks.synthetic", "builtin_rewards"), ("megappo.tasks.tool_sum", "builtin_rewards"))
+_BUILTINS = (("megappo.tasks.synthetic", "builtin_rewards"), ("megappo.tasks.tool_sum", "builtin_rewards"),
+             ("megappo.tasks.colour_square", "builtin_rewards"))
 
 
 def _load_builtins() -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 if TYPE_CHECKING:  # light to import: the trainer's preflight reads the SGLang deployment's module before torch
     import torch
 
+    from megappo.data.multimodal import MultiModalInputs
     from megappo.rollout.sampling import Completion, SamplingParams
 
 Bucket = list  # [(name, torch.Tensor)]: checkpoint-named tensors, as `convert.export.iter_hf_weights` yields them
@@ -35,21 +36,27 @@ class RolloutEngine(ABC):
     weight_version: int = 0  # the version of the weights it holds; its completions carry it
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], params: "SamplingParams", *,
-                 prompt_offset: int = 0) -> list[list["Completion"]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: "SamplingParams", *, prompt_offset: int = 0,
+                 multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]] = None) -> list[list["Completion"]]:
         """`params.n` completions per prompt (token ids), grouped by prompt in request order, each exactly once.
         prompt_offset: the index of `prompts[0]` in the step's batch; sample j of prompt k is drawn with the seed
         `seeds.sample_seed(params.seed, prompt_offset + k, j, n)`, so a share of a batch samples what the whole
-        batch would, whichever rank or server draws it."""
+        batch would, whichever rank or server draws it. multi_modal: aligned with `prompts`, each prompt's images
+        (`PromptBatch.multi_modal`; None for a text prompt) when the model is a vision-language one; the prompts'
+        ids already hold the image tokens."""
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: "SamplingParams", *,
-               prompt_offset: int = 0) -> "Future[list[list[Completion]]]":
+    def submit(self, prompts: Sequence[Sequence[int]], params: "SamplingParams", *, prompt_offset: int = 0,
+               multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]] = None
+               ) -> "Future[list[list[Completion]]]":
         """`generate` without waiting: the answer is the future's `result()`. Generations run one after another, in
         the order submitted. By default in a thread of this process (enough for an engine whose work happens
         elsewhere: servers); an engine that computes in this process runs them in a process of its own."""
         if getattr(self, "_submitter", None) is None:
             self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megappo-rollout")
-        return self._submitter.submit(self.generate, prompts, params, prompt_offset=prompt_offset)
+        if multi_modal is None:  # engines written before images keep working for text
+            return self._submitter.submit(self.generate, prompts, params, prompt_offset=prompt_offset)
+        return self._submitter.submit(self.generate, prompts, params, prompt_offset=prompt_offset,
+                                      multi_modal=multi_modal)
 
     def abort(self) -> None:
         """End every generation in flight: each returns at once with the tokens it has (finish_reason "abort"), so

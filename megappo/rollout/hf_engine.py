@@ -9,6 +9,11 @@ Batches are left-padded; positions are counted from each row's first real token,
 own generator, seeded with the sample's seed (`megappo.rollout.seeds`: the request's seed, the prompt's index in the
 step's batch and the sample's index), so a row's tokens and log-probs do not depend on what it was batched with, nor
 on how the batch was split over requests (up to float summation order).
+
+A Qwen2-VL / Qwen2.5-VL directory loads as its `...ForConditionalGeneration` class: prompts with images
+(`multi_modal`, one `MultiModalInputs` or None per prompt, the prompts' ids already holding the image tokens) go
+through the vision tower in the prefill, positions are the multimodal rotary ones (`mrope_position_ids`, the
+trainer's), and decoding goes on from the KV cache as for text.
 """
 from __future__ import annotations
 
@@ -19,12 +24,25 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from megappo.data.multimodal import MultiModalInputs
 from megappo.rollout.base import LocalDeployment, RolloutEngine
 from megappo.rollout.hf_weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
 from megappo.rollout.seeds import row_seeds
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+MultiModal = Optional[Sequence[Optional[MultiModalInputs]]]
+
+
+def _load_model(model_path: str, trust_remote_code: bool, dtype_kw: dict):
+    """The HF model of `model_path`: a causal LM, or a Qwen2(.5)-VL's conditional-generation class."""
+    import transformers
+
+    from megappo.models.vlm.config import is_vlm_config
+
+    auto = transformers.AutoModelForImageTextToText if is_vlm_config(model_path) else \
+        transformers.AutoModelForCausalLM
+    return auto.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True, **dtype_kw)
 
 
 def _eos_ids(model) -> set[int]:
@@ -54,9 +72,12 @@ class HFEngine(RolloutEngine):
                                     f"directory (megappo convert mcore-to-hf writes one)")
         self.device = torch.device(device)
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, trust_remote_code=trust_remote_code, local_files_only=True, **{dtype_kw: dtype})
+        self.model = _load_model(model_path, trust_remote_code, {dtype_kw: dtype})
         self.model.to(self.device).eval()
+        self.vision = None  # (image token id, spatial merge size) of a vision-language model
+        config = self.model.config
+        if getattr(config, "vision_config", None) is not None:
+            self.vision = (int(config.image_token_id), int(config.vision_config.spatial_merge_size))
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = next(iter(sorted(self.eos_ids)), 0)  # any id: padded positions are masked
         self.max_num_seqs = max_num_seqs
@@ -73,8 +94,9 @@ class HFEngine(RolloutEngine):
     # -- generation ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 prompt_offset: int = 0) -> list[list[Completion]]:
+                 prompt_offset: int = 0, multi_modal: MultiModal = None) -> list[list[Completion]]:
         """`params.n` completions for each prompt (token ids), grouped by prompt in request order.
+        multi_modal: each prompt's images (None: a text prompt), for a vision-language model.
 
         prompt_offset: the index of `prompts[0]` in the step's batch; sample j of prompt k is drawn with the seed
         `sample_seed(params.seed, prompt_offset + k, j, n)` (the engine's stream draws a request seed when
@@ -85,6 +107,7 @@ class HFEngine(RolloutEngine):
         if seed is None and not params.is_greedy:
             seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator, device=self.generator.device))
         seeds = row_seeds(seed, len(prompts), params.n, prompt_offset)
+        images = self._check_images(prompts, multi_modal)
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         self._abort.clear()  # an abort() before this call ended an earlier one
         done: list[Completion] = []
@@ -94,11 +117,44 @@ class HFEngine(RolloutEngine):
                 done += [Completion(prompt_index=i, output_ids=[], log_probs=[], finish_reason="abort",
                                     weight_version=self.weight_version) for i, _ in rows[start:stop]]
                 continue
-            done += self._generate_batch(rows[start:stop], params, seeds[start:stop])
+            done += self._generate_batch(rows[start:stop], params, seeds[start:stop], images)
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for c in done:
             grouped[c.prompt_index].append(c)
         return grouped
+
+    def _check_images(self, prompts: Sequence[Sequence[int]], multi_modal: MultiModal
+                      ) -> Optional[list[Optional[MultiModalInputs]]]:
+        """`multi_modal` checked against the prompts and the model (None when no prompt has images)."""
+        if multi_modal is None or all(m is None for m in multi_modal):
+            return None
+        if len(multi_modal) != len(prompts):
+            raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+        if self.vision is None:
+            raise ValueError(f"prompts with images were sent to a {type(self.model).__name__}, which has no vision "
+                             "tower; use a vision-language model (Qwen2-VL / Qwen2.5-VL)")
+        image_token, merge = self.vision
+        for k, (p, m) in enumerate(zip(prompts, multi_modal)):
+            want = 0 if m is None else int(m.image_grid_thw.prod(-1).sum()) // merge ** 2
+            have = sum(1 for t in p if t == image_token)
+            if have != want:
+                raise ValueError(f"prompt {k} holds {have} image tokens but its images need {want}; the prompt ids "
+                                 "and the images must come from the same data loader batch")
+        return list(multi_modal)
+
+    def _vision_inputs(self, ids: torch.Tensor, mask: torch.Tensor, rows: list[tuple[int, list[int]]],
+                       images: Optional[list[Optional[MultiModalInputs]]]) -> tuple[torch.Tensor, dict]:
+        """(position ids [3, B, P], the prefill's pixel_values / image_grid_thw) of a vision-language batch."""
+        from megappo.models.vlm.rope_index import mrope_position_ids
+
+        mms = [images[i] for i, _ in rows] if images is not None else []
+        mms = [m for m in mms if m is not None]
+        grid = torch.cat([m.image_grid_thw for m in mms]) if mms else None
+        pos = mrope_position_ids(ids.cpu(), grid, self.vision[0], self.vision[1], mask.cpu()).to(self.device)
+        if not mms:
+            return pos, {}
+        pixels = torch.cat([m.pixel_values for m in mms]).to(self.device, self.model.dtype)
+        return pos, {"pixel_values": pixels, "image_grid_thw": grid.to(self.device)}
 
     def abort(self) -> None:
         """End the generation in flight (call it from another thread): its unfinished rows return at the next decode
@@ -123,7 +179,8 @@ class HFEngine(RolloutEngine):
         return tok, logp
 
     def _generate_batch(self, rows: list[tuple[int, list[int]]], params: SamplingParams,
-                        seeds: Sequence[Optional[int]]) -> list[Completion]:
+                        seeds: Sequence[Optional[int]], images: Optional[list[Optional[MultiModalInputs]]] = None
+                        ) -> list[Completion]:
         b, p = len(rows), max(len(ids) for _, ids in rows)
         ids = torch.full((b, p), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, p), dtype=torch.long)
@@ -132,10 +189,14 @@ class HFEngine(RolloutEngine):
             mask[r, p - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        vision_kw: dict = {}
+        if self.vision is not None:  # multimodal rotary positions [3, B, P]; decoding continues on all three axes
+            pos, vision_kw = self._vision_inputs(ids, mask, rows, images)
         # ignore_eos ignores every stop token, as SGLang does
         stops = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
         stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._extra_kw)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **vision_kw,
+                         **self._extra_kw)
         tokens, logps = [], []
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         length = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -154,7 +215,7 @@ class HFEngine(RolloutEngine):
             if bool(finished.all()):
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            pos = pos[:, -1:] + 1
+            pos = pos[..., -1:] + 1
             cache = out["cache"] if "cache" in out else out.past_key_values
             out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: cache}, **self._extra_kw)
@@ -209,10 +270,17 @@ class HFEngine(RolloutEngine):
             ckpt.close()
 
     @torch.no_grad()
-    def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
-        """[log p(token_ids[k] | token_ids[:k]) for k >= 1] of the one model this engine holds."""
+    def prompt_log_probs(self, token_ids: Sequence[int], *, multi_modal: Optional[MultiModalInputs] = None
+                         ) -> list[list[float]]:
+        """[log p(token_ids[k] | token_ids[:k]) for k >= 1] of the one model this engine holds; `multi_modal`: the
+        images of a vision-language prompt."""
         ids = torch.tensor([list(token_ids)], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, :-1].float()
+        kw: dict = {}
+        if self.vision is not None:
+            images = self._check_images([token_ids], [multi_modal])
+            kw["position_ids"], vision_kw = self._vision_inputs(ids, torch.ones_like(ids), [(0, [])], images)
+            kw.update(vision_kw)
+        logits = self.model(input_ids=ids, **kw).logits[0, :-1].float()
         return [torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()]
 
     def close(self) -> None:

@@ -5,7 +5,9 @@ The trainer exports Hugging Face *checkpoint* names (`megappo.convert.export.ite
 it loads a checkpoint, so a checkpoint name is not always a parameter name:
 - `...experts.{e}.gate_proj|w1` and `up_proj|w3` are rows [0:F] and [F:2F] of `...experts.gate_up_proj[e]`
   ([E, 2F, H]); `down_proj|w2` is `...experts.down_proj[e]` ([E, H, F]);
-- Mixtral's `block_sparse_moe.` is `mlp.`.
+- Mixtral's `block_sparse_moe.` is `mlp.`;
+- a Qwen2(.5)-VL checkpoint's `model.*` (the language model) is `model.language_model.*` and its `visual.*` is
+  `model.visual.*` (transformers 5's module tree; `megappo.convert.qwen2_vl` exports the checkpoint names).
 Every target is shape-checked, and tests compare against `from_pretrained` on the same files, which applies
 transformers' own conversion.
 """
@@ -16,6 +18,8 @@ import torch
 from torch import nn
 
 _RENAMES = ((".block_sparse_moe.", ".mlp."),)
+# checkpoint prefix -> module prefix, tried when the name itself is not a parameter (VLMs under transformers 5)
+_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<w>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 # checkpoint projection -> (fused parameter, half of gate_up_proj or None)
 _FUSED = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -37,6 +41,12 @@ class HFWeightLoader:
         for old, new in _RENAMES:
             n = n.replace(old, new)
         p = self.params.get(n)
+        if p is None:
+            for old, new in _PREFIXES:
+                if n.startswith(old) and new + n[len(old):] in self.params:
+                    n = new + n[len(old):]
+                    p = self.params[n]
+                    break
         if p is not None:
             return self._canonical[id(p)], p.data
         m = _EXPERT.match(n)

@@ -70,10 +70,17 @@ def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
 
         template_kwargs["tools"] = [t.tool_schema for t in load_tools(mt.tool_config_path).values()] or None
 
+    from megappo.data.images import ImageProcessing
+
+    # a vision-language actor's image processor and image tokens (None for a text model)
+    images = ImageProcessing.from_model(cfg.actor_rollout_ref.model.path, tokenizer, min_pixels=d.image_min_pixels,
+                                        max_pixels=d.image_max_pixels)
+
     def dataset(files):
         return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
                              filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key,
-                             chat_template_kwargs=template_kwargs or None)
+                             chat_template_kwargs=template_kwargs or None, image_processing=images,
+                             image_key=d.image_key)
 
     # a loader batch is a generation batch: train_batch_size prompts unless algorithm.filter_groups generates more
     train = PromptLoader(dataset(d.train_files), d.gen_batch_size, shuffle=d.shuffle, seed=d.seed)
