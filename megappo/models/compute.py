@@ -197,7 +197,7 @@ def _vlm_forward_step(mb: ModelBatch, model: nn.Module, inner: nn.Module, pack: 
     if not is_vlm(inner):
         raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
     input_ids, _ = left_aligned(mb)
-    kwargs = vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), pack)
+    kwargs = vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), pack)
     if pack is not None:
         output = model(input_ids=pack.input_ids, attention_mask=None, packed_seq_params=pack.packed_seq_params(),
                        **kwargs)

@@ -9,6 +9,7 @@ import io
 import torch
 
 from megappo.testing.dist import run_distributed
+from megappo.testing.vlm_models import IMAGE_TOKEN
 
 
 def vlm_batch(hf_dir: str, sizes=((56, 84), (112, 56), (140, 112), (56, 56)), seed: int = 0):
@@ -35,21 +36,29 @@ def vlm_batch(hf_dir: str, sizes=((56, 84), (112, 56), (140, 112), (56, 56)), se
     prompts.append(torch.randint(1, 400, (4,), generator=g).tolist())  # a text-only row among the image rows
     responses.append(torch.randint(1, 400, (6,), generator=g).tolist())
     mm.append(None)
+    # a response that samples the image token: the engine decoded it as text (no pixels), so does the trainer
+    prompts.append(prompts[0])
+    responses.append([10, IMAGE_TOKEN, 11, 12])
+    mm.append(mm[0])
     batch = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
     batch.multi_modal = mm
     shape = batch.response_mask.shape
     batch.train = TrainInputs(old_log_probs=-6.0 + 0.1 * torch.randn(shape, generator=g),
                               advantages=torch.randn(shape, generator=g), returns=torch.randn(shape, generator=g),
                               values=0.1 * torch.randn(shape, generator=g))
-    return batch, [(p + r, m) for p, r, m in zip(prompts, responses, mm)]
+    rows = [(p + r, m, None) for p, r, m in zip(prompts, responses, mm)]
+    # transformers would take the response's image token for a placeholder: its log-prob is read from the prefix,
+    # and the tokens after it are not compared
+    rows[-1] = (prompts[-1] + [10], mm[-1], IMAGE_TOKEN)
+    return batch, rows
 
 
 def hf_log_probs(hf_dir: str, rows) -> list[torch.Tensor]:
-    """transformers' log p(token k | tokens < k), k >= 1, of each sequence run alone."""
+    """transformers' log p(token k | tokens < k), k >= 1, of each sequence run alone (then log p(`then` | all))."""
     from megappo.convert.vlm_verify import hf_vlm_forward
 
     out = []
-    for ids, m in rows:
+    for ids, m, then in rows:
         x = torch.tensor([ids])
         if m is None:  # transformers' text-only path: no pixel values
             import transformers
@@ -61,7 +70,9 @@ def hf_log_probs(hf_dir: str, rows) -> list[torch.Tensor]:
         else:
             logits = hf_vlm_forward(hf_dir, {"input_ids": x, "attention_mask": torch.ones_like(x),
                                              "pixel_values": m.pixel_values, "image_grid_thw": m.image_grid_thw})
-        out.append(torch.log_softmax(logits[0, :-1], -1).gather(-1, x[0, 1:, None])[:, 0])
+        logp = torch.log_softmax(logits[0], -1)
+        got = logp[:-1].gather(-1, x[0, 1:, None])[:, 0]
+        out.append(got if then is None else torch.cat([got, logp[-1, then:then + 1]]))
     return out
 
 
@@ -120,7 +131,8 @@ def check_vlm_compute(hf_dir: str, res: dict) -> None:
     ref = hf_log_probs(hf_dir, rows)
     p = batch.prompt_len
     for i, want in enumerate(ref):
-        plen, n = len(batch.input_ids[i][: p].nonzero()), int(batch.response_mask[i].sum())
+        plen = len(batch.input_ids[i][: p].nonzero())
+        n = min(int(batch.response_mask[i].sum()), len(want) - (plen - 1))
         for key in ("logp_padded", "logp_packed"):
             got = res[key][i, :n]
             torch.testing.assert_close(got, want[plen - 1: plen - 1 + n], rtol=0, atol=1e-4, msg=f"{key} row {i}")

@@ -2,7 +2,7 @@
 support with them yet is refused before any rank starts, each message naming the key and the fix.
 
 Light to import (no torch): the model type comes from `<model.path>/config.json` when it is there; a synthetic task
-names its model type itself (`megappo.tasks`' `vision_language` attribute, when the task defines one).
+is a vision-language one when it defines the vision tower of its model (`megappo.tasks.colour_square`).
 """
 from __future__ import annotations
 
@@ -32,9 +32,7 @@ def _synthetic_is_vlm(name: Optional[str]) -> bool:
     from megappo.tasks import TASKS
 
     task = TASKS.get(name)  # an unknown task is preflight's own error (`_check_synthetic_task`)
-    model = getattr(task, "model", None) or {}
-    return bool(getattr(task, "vision_language", False)) or (
-        isinstance(model, dict) and model.get("model_type", model.get("family")) in VLM_MODEL_TYPES)
+    return getattr(task, "vision", None) is not None  # an image task's tiny model has a vision tower
 
 
 def is_vlm_run(cfg: MegappoConfig) -> bool:

@@ -39,25 +39,30 @@ def _images(rows: Sequence[Optional[MultiModalInputs]], device) -> tuple[Optiona
 
 
 def vlm_inputs(model: Any, rows: Optional[Sequence[Optional[MultiModalInputs]]], input_ids: torch.Tensor,
-               lengths: torch.Tensor, pack: Any = None) -> dict[str, Any]:
+               lengths: torch.Tensor, prompt_lengths: torch.Tensor, pack: Any = None) -> dict[str, Any]:
     """Keyword arguments of `VLMModel.forward` for a micro-batch.
 
-    input_ids: the left-aligned rows [b, s] (row i's real tokens in columns 0..lengths[i]-1); rows: the micro-batch's
-    `multi_modal` (None: text only); pack: the micro-batch's `Pack` when it runs packed. Returns position_ids
-    ([3, b, s], or [3, 1, T] packed), pixel_values and image_grid_thw (None without images)."""
+    input_ids: the left-aligned rows [b, s] (row i's real tokens in columns 0..lengths[i]-1, its prompt the first
+    prompt_lengths[i]); rows: the micro-batch's `multi_modal` (None: text only); pack: the micro-batch's `Pack` when
+    it runs packed. Returns position_ids ([3, b, s], or [3, 1, T] packed), pixel_values and image_grid_thw (None
+    without images) and image_mask: the prompts' image tokens only. A response may hold a sampled image token; the
+    engine decoded it as text (no pixels, the next text position), and so does the trainer."""
     rows = list(rows) if rows is not None else [None] * input_ids.shape[0]
     if len(rows) != input_ids.shape[0]:
         raise ValueError(f"a micro-batch of {input_ids.shape[0]} rows carries images for {len(rows)}")
     pixels, grids = _images(rows, input_ids.device)
-    keep = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0) < lengths.to(input_ids.device)[:, None]
-    positions = model.mrope_positions(input_ids, grids, keep.long())  # [3, b, s], per row from 0
+    cols = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    keep = cols < lengths.to(input_ids.device)[:, None]
+    image_mask = (input_ids == model.vlm_args.image_token_id) & (cols < prompt_lengths.to(input_ids.device)[:, None])
+    positions = model.mrope_positions(input_ids, grids, keep.long(), image_mask)  # [3, b, s], per row from 0
     if pack is not None:
-        flat = positions[:, keep]  # row-major: the pack's order
+        flat, flat_mask = positions[:, keep], image_mask[keep]  # row-major: the pack's order
         tail = pack.num_tokens - flat.shape[1]
         if tail:
             flat = torch.cat([flat, flat.new_zeros(3, tail)], dim=1)
-        positions = flat.unsqueeze(1)  # [3, 1, T]
-    return {"position_ids": positions, "pixel_values": pixels, "image_grid_thw": grids}
+            flat_mask = torch.cat([flat_mask, flat_mask.new_zeros(tail)])
+        positions, image_mask = flat.unsqueeze(1), flat_mask.unsqueeze(0)  # [3, 1, T], [1, T]
+    return {"position_ids": positions, "pixel_values": pixels, "image_grid_thw": grids, "image_mask": image_mask}
 
 
 # -- a checkpoint's not-yet-trained samples (trainer_state.json) carry their images as JSON ------------------------
