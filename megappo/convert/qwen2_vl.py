@@ -193,9 +193,9 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
 
     role = role or model_role(model_chunks)
     spec, args, ordered = vlm_param_maps(hf_config, role)
+    maps = {pm.mcore: pm for pm in ordered}
     if language_model_only:
         ordered = [pm for pm in ordered if pm.mcore.startswith(LM_PREFIX)]
-    maps = {pm.mcore: pm for pm in ordered}
     ps = parallel_state
     mine = {n: p for n, p, _, _ in vlm_local_params(model_chunks, spec, maps, ps)}
     device = next(iter(mine.values())).device if mine else torch.device("cpu")
