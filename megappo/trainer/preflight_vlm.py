@@ -41,6 +41,23 @@ def is_vlm_run(cfg: MegappoConfig) -> bool:
         cfg.data.synthetic.name)
 
 
+def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
+    """The engine class this run deploys when its `generate` has no `multi_modal` keyword (None: it has one, or the
+    engine is unknown: preflight's own error)."""
+    import importlib
+    import inspect
+
+    ro, arr = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref
+    classes = {"hf": ("megappo.rollout.hf_engine", "HFEngine") if arr.hybrid_engine else
+               ("megappo.rollout.hf_process", "HFProcessEngine"),
+               "sglang": ("megappo.rollout.sglang_engine", "SGLangEngine")}
+    if ro.name not in classes:
+        return None
+    module, name = classes[ro.name]
+    cls = getattr(importlib.import_module(module), name)
+    return None if "multi_modal" in inspect.signature(cls.generate).parameters else name
+
+
 def check_vision_language(cfg: MegappoConfig, errors: list[str]) -> None:
     """Append an error for each setting a vision-language run does not support yet."""
     if not is_vlm_run(cfg):
@@ -61,6 +78,10 @@ def check_vision_language(cfg: MegappoConfig, errors: list[str]) -> None:
         errors.append(f"actor_rollout_ref.model.lora.rank: LoRA {what}; set lora.rank=0 (full fine-tuning)")
     if arr.rollout.multi_turn.enable:
         errors.append(f"actor_rollout_ref.rollout.multi_turn.enable: multi-turn rollouts {what}; set it to false")
+    engine = _engine_without_images(cfg)
+    if engine:
+        errors.append(f"actor_rollout_ref.rollout: {engine} does not take images yet; use rollout.name=hf with "
+                      "actor_rollout_ref.hybrid_engine=true (the in-process engine; async_training.mode=sync)")
     if cfg.reward_model.enable:
         errors.append(f"reward_model.enable: a reward model {what} (it would not see the images); use a rule "
                       "reward (reward_model.enable=false)")

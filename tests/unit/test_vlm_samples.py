@@ -83,6 +83,7 @@ def test_preflight_refuses_unsupported_vlm_settings(tmp_path):
     cfg = load_config("cpu/tiny_ppo", [
         f"actor_rollout_ref.model.path={hf_dir}", "data.synthetic.name=null",
         "actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor_rollout_ref.model.lora.rank=4"])
+    preflight(load_config("cpu/tiny_vlm_ppo"), world_size=1, check_files=False)  # the recipe passes
     with pytest.raises(ConfigError) as e:
         preflight(cfg, world_size=2, check_files=False)
     msg = str(e.value)
