@@ -4,7 +4,8 @@
 builds an `HFEngine` with its own torch thread budget (`threads`), and talks to it over one duplex pipe:
 
 - `submit(prompts, params)` returns a `GenerationHandle` at once (`result(timeout)`, `done()`); `generate` is
-  `submit(...).result()`. Completions are the in-process engine's, token for token (same seeds, same code).
+  `submit(...).result()`. Completions are the in-process engine's, token for token (same seeds, same code). A
+  vision-language prompt's images (`multi_modal`) cross the pipe as plain arrays (`_pack_images`).
 - `abort()` ends the generation in flight and every one queued behind it: each returns at once with the tokens it
   has (finish_reason "abort"); requests queued but not started return empty ones.
 - `update_weights(buckets, version=...)` stages each bucket in shared memory (`weight_staging.SharedStaging`, two
@@ -39,6 +40,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
+from megappo.data.multimodal import MultiModalInputs
 from megappo.rollout.base import LocalDeployment, RolloutEngine
 from megappo.rollout.hf_engine import HFEngine
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -51,6 +53,22 @@ def _aborted(num_prompts: int, n: int, version: int) -> list[list[Completion]]:
     """The completions of a request aborted before it started: empty, finish_reason "abort"."""
     return [[Completion(prompt_index=i, output_ids=[], log_probs=[], finish_reason="abort", weight_version=version)
              for _ in range(n)] for i in range(num_prompts)]
+
+
+def _pack_images(multi_modal: Optional[Sequence[Optional[MultiModalInputs]]]) -> Optional[list]:
+    """Prompts' images as numpy arrays: pickled through the pipe by value, where tensors would go through torch's
+    shared-memory file descriptors (one per tensor, each a resource the child must take before the parent moves
+    on). The PIL images stay here: the child's engine uses the processed pixels."""
+    if multi_modal is None:
+        return None
+    return [None if m is None else (m.pixel_values.detach().cpu().numpy(), m.image_grid_thw.cpu().numpy())
+            for m in multi_modal]
+
+
+def _unpack_images(packed: Optional[list]) -> Optional[list[Optional[MultiModalInputs]]]:
+    if packed is None:
+        return None
+    return [None if m is None else MultiModalInputs(torch.from_numpy(m[0]), torch.from_numpy(m[1])) for m in packed]
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
@@ -73,10 +91,10 @@ class _ChildEngine(HFEngine):
         super().__init__(*args, **kwargs)
         self._request_aborted = aborted
 
-    def _generate_batch(self, rows, params, seeds):
+    def _generate_batch(self, rows, params, seeds, images=None):
         if self._request_aborted():
             self.abort()
-        return super()._generate_batch(rows, params, seeds)
+        return super()._generate_batch(rows, params, seeds, images)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -184,7 +202,7 @@ def _child_main(conn, parent_pid: int, arm_pdeathsig: bool, threads: int, model_
         started = time.monotonic()
         try:
             if kind == "generate":
-                prompts, params, offset = msg[2:]
+                prompts, params, offset, images = msg[2:]
                 with lock:
                     skip = rid <= state["aborted_upto"]
                     state["running"] = None if skip else rid
@@ -192,7 +210,8 @@ def _child_main(conn, parent_pid: int, arm_pdeathsig: bool, threads: int, model_
                     if skip:
                         result = _aborted(len(prompts), params.n, engine.weight_version)
                     else:
-                        result = engine.generate(prompts, params, prompt_offset=offset)
+                        result = engine.generate(prompts, params, prompt_offset=offset,
+                                                 multi_modal=_unpack_images(images))
                 finally:
                     with lock:
                         state["running"] = None
@@ -209,7 +228,8 @@ def _child_main(conn, parent_pid: int, arm_pdeathsig: bool, threads: int, model_
             elif kind == "update_from_disk":
                 result = engine.update_weights_from_disk(msg[2], version=msg[3])
             elif kind == "prompt_log_probs":
-                result = engine.prompt_log_probs(msg[2])
+                images = _unpack_images(msg[3])
+                result = engine.prompt_log_probs(msg[2], multi_modal=images[0] if images else None)
             else:
                 raise ValueError(f"unknown request {kind!r}")
         except Exception as e:
@@ -449,13 +469,15 @@ class HFProcessEngine(RolloutEngine):
         return payload
 
     # -- requests ----------------------------------------------------------------------------------------------
-    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-               prompt_offset: int = 0) -> GenerationHandle:
+    def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, prompt_offset: int = 0,
+               multi_modal: Optional[Sequence[Optional[MultiModalInputs]]] = None) -> GenerationHandle:
         """Start generating (see `generate`) and return at once; `handle.result()` waits for the completions."""
         _check_prompts(prompts)
         channel = self._channel
         handle = GenerationHandle()
-        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset))
+        if multi_modal is not None and len(multi_modal) != len(prompts):
+            raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), _pack_images(multi_modal))
         with channel.send_lock:
             if self._paused:
                 channel.check()
@@ -464,11 +486,11 @@ class HFProcessEngine(RolloutEngine):
                 channel.request_locked("generate", args, handle)
         return handle
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 prompt_offset: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, prompt_offset: int = 0,
+                 multi_modal: Optional[Sequence[Optional[MultiModalInputs]]] = None) -> list[list[Completion]]:
         """`params.n` completions per prompt, grouped by prompt, as `HFEngine.generate` gives them (same seeds);
         waits for them (through a `pause()` too, until `resume()`)."""
-        return self.submit(prompts, params, prompt_offset=prompt_offset).result()
+        return self.submit(prompts, params, prompt_offset=prompt_offset, multi_modal=multi_modal).result()
 
     def abort(self) -> None:
         """End every generation submitted so far, at once: the one running returns the tokens it has, the ones
@@ -477,7 +499,7 @@ class HFProcessEngine(RolloutEngine):
         with channel.send_lock:
             held, self._held = self._held, []
             upto = channel.last_rid
-        for handle, (prompts, params, _) in held:
+        for handle, (prompts, params, *_) in held:
             handle.set_result(_aborted(len(prompts), params.n, self.weight_version))
         if upto and channel.error is None:
             try:
@@ -573,9 +595,11 @@ class HFProcessEngine(RolloutEngine):
         if self.weight_version != version:
             raise RuntimeError(f"the rollout engine holds weights version {self.weight_version}, not {version}")
 
-    def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
+    def prompt_log_probs(self, token_ids: Sequence[int], *, multi_modal: Optional[MultiModalInputs] = None
+                         ) -> list[list[float]]:
         """[log p(token_ids[k] | token_ids[:k]) for k >= 1], computed in the child (after the requests sent before)."""
-        return self._channel.request("prompt_log_probs", [int(t) for t in token_ids])[1].result()
+        images = _pack_images([multi_modal]) if multi_modal is not None else None
+        return self._channel.request("prompt_log_probs", [int(t) for t in token_ids], images)[1].result()
 
     # -- life --------------------------------------------------------------------------------------------------
     @property

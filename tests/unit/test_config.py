@@ -432,7 +432,7 @@ def test_synthetic_task_sizes():
     assert "data.synthetic.name: is empty" in errors_of(validate, load_config(None, [*SYNTHETIC[1:],
                                                                                    "data.synthetic.name=''"]))
     msg = errors_of(preflight, load_config(None, [*SYNTHETIC[1:], "data.synthetic.name=digit_mx"]))
-    assert "data.synthetic.name: 'digit_mx' is not a built-in task; use one of digit_max" in msg
+    assert "data.synthetic.name: 'digit_mx' is not a built-in task; use one of colour_square, digit_max" in msg
     # off (the default): the sizes are not checked
     validate(load_config(None, [*MODEL, "data.synthetic.num_train_prompts=0"]), world_size=8)
 
