@@ -10,6 +10,8 @@ critic (a VLM with a value head).
   >= 0.3 above the first five), each sync sends only the language model (the tower is frozen), it checkpoints and
   exports the actor, and a run resumed from the step-10 checkpoint repeats steps 11.. of the uninterrupted run
   exactly (CPU, one thread: deterministic).
+- `test_vlm_fully_async_resumes_its_queued_images` (`long`): fully_async with the engine in its own process; a
+  checkpoint's generated, not yet trained batch keeps its images, and the resumed run trains on it exactly.
 """
 from __future__ import annotations
 
@@ -78,3 +80,33 @@ def test_vlm_recipe_learns_and_resumes(tmp_path):
     resumed = run_recipe(RECIPE, again, "trainer.resume_mode=resume_path",
                          f"trainer.resume_from_path={out / 'checkpoints' / 'global_step_10'}")
     assert_same_rows([r for r in rows if r["step"] > 10], [r for r in resumed if r["step"] > 10])
+
+
+ASYNC = ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.engine_kwargs.threads=1",
+         "async_training.mode=fully_async", "async_training.require_batches=2",
+         "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.5",
+         "async_training.partial_rollout=true", "trainer.total_training_steps=4", "trainer.save_freq=2",
+         "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[]",
+         "data.synthetic.num_train_prompts=256", "data.synthetic.num_val_prompts=8")
+
+
+@pytest.mark.long
+def test_vlm_fully_async_resumes_its_queued_images(tmp_path):
+    """fully_async with the engine in its own process: the producer generates image prompts ahead, the step-2
+    checkpoint keeps a generated, not yet trained batch (its images in trainer_state.json), and a run resumed from
+    it trains on that batch exactly as the uninterrupted run did."""
+    import json
+
+    out = tmp_path / "async"
+    rows = run_recipe(RECIPE, out, *ASYNC)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["rollout/logprob_diff_mean"] < 1e-5  # version 0 on both sides
+    state = json.loads((out / "checkpoints" / "global_step_2" / "trainer_state.json").read_text())
+    ready = state["rollout_queue"]["ready"]
+    assert ready and all(m is not None and m["pixel_values"]["shape"][0] > 0 for m in ready[0]["multi_modal"])
+    again = tmp_path / "resumed"
+    again.mkdir()
+    shutil.copytree(out / "synthetic", again / "synthetic")
+    resumed = run_recipe(RECIPE, again, *ASYNC, "trainer.resume_mode=resume_path",
+                         f"trainer.resume_from_path={out / 'checkpoints' / 'global_step_2'}")
+    assert_same_rows([r for r in rows if r["step"] > 2], resumed, ignore=("async/queue_size",))
