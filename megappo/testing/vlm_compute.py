@@ -55,21 +55,19 @@ def vlm_batch(hf_dir: str, sizes=((56, 84), (112, 56), (140, 112), (56, 56)), se
 
 def hf_log_probs(hf_dir: str, rows) -> list[torch.Tensor]:
     """transformers' log p(token k | tokens < k), k >= 1, of each sequence run alone (then log p(`then` | all))."""
-    from megappo.convert.vlm_verify import hf_vlm_forward
+    import transformers
 
+    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        hf_dir, dtype=torch.float32, local_files_only=True).eval()
     out = []
     for ids, m, then in rows:
         x = torch.tensor([ids])
-        if m is None:  # transformers' text-only path: no pixel values
-            import transformers
-
-            model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                hf_dir, dtype=torch.float32, local_files_only=True).eval()
-            with torch.no_grad():
-                logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits.float()
-        else:
-            logits = hf_vlm_forward(hf_dir, {"input_ids": x, "attention_mask": torch.ones_like(x),
-                                             "pixel_values": m.pixel_values, "image_grid_thw": m.image_grid_thw})
+        kw = {}
+        if m is not None:  # as megappo.convert.vlm_verify.hf_vlm_forward: mm_token_type_ids give the mrope positions
+            kw = dict(pixel_values=m.pixel_values, image_grid_thw=m.image_grid_thw,
+                      mm_token_type_ids=(x == model.config.image_token_id).int())
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x), **kw).logits.float()
         logp = torch.log_softmax(logits[0], -1)
         got = logp[:-1].gather(-1, x[0, 1:, None])[:, 0]
         out.append(got if then is None else torch.cat([got, logp[-1, then:then + 1]]))
