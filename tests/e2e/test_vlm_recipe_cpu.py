@@ -12,6 +12,8 @@ critic (a VLM with a value head).
   exactly (CPU, one thread: deterministic).
 - `test_vlm_fully_async_resumes_its_queued_images` (`long`): fully_async with the engine in its own process; a
   checkpoint's generated, not yet trained batch keeps its images, and the resumed run trains on it exactly.
+- `test_vlm_tp2_pp2_repeats_the_one_rank_run` (`multirank`, `long`): 4 gloo ranks at TP2 x PP2 give the one-rank
+  run's metrics, weight sync verified.
 """
 from __future__ import annotations
 
@@ -110,3 +112,24 @@ def test_vlm_fully_async_resumes_its_queued_images(tmp_path):
     resumed = run_recipe(RECIPE, again, *ASYNC, "trainer.resume_mode=resume_path",
                          f"trainer.resume_from_path={out / 'checkpoints' / 'global_step_2'}")
     assert_same_rows([r for r in rows if r["step"] > 2], resumed, ignore=("async/queue_size",))
+
+
+@pytest.mark.multirank
+@pytest.mark.long
+def test_vlm_tp2_pp2_repeats_the_one_rank_run(tmp_path):
+    """Four gloo ranks at TP2 x PP2 (the vision tower on the first stage, split over TP) sample and learn what one
+    rank does, and the engine holds the actor's weights after each sync (rollout.verify_sync)."""
+    layout = [f"{role}.megatron.{key}=2" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+              for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
+    steps = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+             "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=128",
+             "data.synthetic.num_val_prompts=8", "actor_rollout_ref.rollout.verify_sync=true"]
+    one = run_recipe(RECIPE, tmp_path / "one", *steps)
+    (tmp_path / "tp").mkdir()
+    shutil.copytree(tmp_path / "one" / "synthetic", tmp_path / "tp" / "synthetic")
+    four = run_recipe(RECIPE, tmp_path / "tp", *steps, *layout, "trainer.n_gpus_per_node=4", nproc=4)
+    _check_sync(four, [1, 2, 3])
+    for a, b in zip(one, four, strict=True):
+        assert b["reward/mean"] == a["reward/mean"]
+        for key in ("actor/pg_loss", "critic/vf_loss", "kl/mean", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
