@@ -75,6 +75,13 @@ def server_kwargs(cfg: Any, platform: Any) -> dict:
             "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
 
 
+def _image_token_id(model_path: str) -> Optional[int]:
+    """A vision-language model's image token id (the fleet collapses each image's tokens to it), else None."""
+    from megappo.models.vlm.config import is_vlm_config, read_vlm_config
+
+    return read_vlm_config(model_path).image_token_id if is_vlm_config(model_path) else None
+
+
 def deploy(cfg: Any, ps: Any, platform: Any) -> "SGLangDeployment":
     return SGLangDeployment(cfg, ps, platform)
 
@@ -96,7 +103,8 @@ class SGLangDeployment(RolloutDeployment):
             if dist.get_rank(ps.mp_group) == 0:
                 fleet = SGLangFleet(
                     self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
-                    engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s},
+                    engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s,
+                                   "image_token_id": _image_token_id(cfg.actor_rollout_ref.model.path)},
                     master_address=r.weight_sync_master_address or r.server_host,
                     backend="nccl" if platform.is_cuda else "gloo", router_url=self.servers.router_url,
                     health_check_interval_s=r.health_check_interval_s,

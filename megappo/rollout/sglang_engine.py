@@ -9,6 +9,11 @@ Weights reload from a Hugging Face directory (`/update_weights_from_disk`) or st
 bucket the server is told the names, dtypes and shapes while the trainer broadcasts the bucket, packed into one flat
 buffer (SGLang's `flattened_bucket` format; tensor by tensor when mixed dtypes would misalign it).
 
+Vision-language prompts: SGLang runs the model's image processor itself and expands each image's one
+`<|image_pad|>` into the image's tokens, so a prompt of the data loader (pads already expanded) is sent with each
+run of pads collapsed to one, and its images (`MultiModalInputs.images`, already resized) as base64 PNG
+`image_data` (`sglang_prompts`); the engine needs the model's `image_token_id` for that.
+
 Log-probs are the server's `output_token_logprobs`; greedy ones equal `transformers`' log-softmax of the raw
 logits (tools/sglang/check.py measures it).
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -25,7 +30,50 @@ from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang_server import _http, free_port, http_json, register_api_key
 
+if TYPE_CHECKING:
+    from megappo.data.multimodal import MultiModalInputs
+
 Bucket = list[tuple[str, torch.Tensor]]
+ImageData = Optional[list[str]]  # one prompt's images as SGLang's /generate takes them (None: a text prompt)
+
+
+def _data_uri(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")  # lossless: the server sees the loader's pixels
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def sglang_prompts(prompts: Sequence[Sequence[int]], multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]],
+                   image_token_id: Optional[int]) -> tuple[list[list[int]], Optional[list[ImageData]]]:
+    """The prompts as SGLang takes them: each run of image tokens collapsed to one (SGLang expands it again from
+    the image it processes), and each prompt's images as base64 PNG data URIs (None when no prompt has images)."""
+    prompts = [list(p) for p in prompts]
+    if multi_modal is None or all(m is None for m in multi_modal):
+        return prompts, None
+    if len(multi_modal) != len(prompts):
+        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+    if image_token_id is None:
+        raise ValueError("prompts with images need the SGLang engine's image_token_id (the model config's)")
+    out, images = [], []
+    for k, (p, m) in enumerate(zip(prompts, multi_modal)):
+        ids = [t for j, t in enumerate(p) if t != image_token_id or j == 0 or p[j - 1] != image_token_id]
+        runs = sum(1 for t in ids if t == image_token_id)
+        if m is None:
+            if runs:
+                raise ValueError(f"prompt {k} holds image tokens but has no images")
+            out.append(p)
+            images.append(None)
+            continue
+        if m.images is None or len(m.images) != m.num_images or runs != m.num_images:
+            raise ValueError(f"prompt {k}: {runs} runs of image tokens, {m.num_images} images, "
+                             f"{'no' if m.images is None else len(m.images)} decoded images; SGLang needs the data "
+                             "loader's decoded images (MultiModalInputs.images), one per run of image tokens")
+        out.append(ids)
+        images.append([_data_uri(img) for img in m.images])
+    return out, images
 
 
 def _post_in_background(url: str, payload: Any, timeout: float,
@@ -153,8 +201,9 @@ class SGLangEngine(RolloutEngine):
     here (abort, pause, resume, served_version, prompt_log_probs)."""
 
     def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1, api_key: Optional[str] = None,
-                 sync_timeout: float = 60):
+                 sync_timeout: float = 60, image_token_id: Optional[int] = None):
         self.url = url.rstrip("/")
+        self.image_token_id = image_token_id  # a vision-language model's <|image_pad|> id (see sglang_prompts)
         self.timeout = timeout  # a generation request (long batches take long)
         # weight-control calls and the weight group's rendezvous and collectives: a dead peer fails the sync in
         # seconds, not in `timeout`
@@ -183,22 +232,26 @@ class SGLangEngine(RolloutEngine):
             sp["sampling_seed"] = seed
         return sp
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 prompt_offset: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, prompt_offset: int = 0,
+                 multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]] = None) -> list[list[Completion]]:
         """`params.n` completions per prompt (token ids), grouped by prompt in request order. prompt_offset: the
-        index of `prompts[0]` in the step's batch, which the samples' seeds follow (as in `HFEngine.generate`)."""
+        index of `prompts[0]` in the step's batch, which the samples' seeds follow (as in `HFEngine.generate`).
+        multi_modal: each prompt's images (None: a text prompt)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        prompts, images = sglang_prompts(prompts, multi_modal, self.image_token_id)
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
         grouped: list[list[Completion]] = [[] for _ in prompts]
-        for c in self.generate_rows([prompts[i] for i in rows], rows, seeds, params):
+        for c in self.generate_rows([prompts[i] for i in rows], rows, seeds, params,
+                                    image_data=None if images is None else [images[i] for i in rows]):
             grouped[c.prompt_index].append(c)
         return grouped
 
     def generate_rows(self, input_ids: Sequence[Sequence[int]], prompt_index: Sequence[int],
                       seeds: Sequence[Optional[int]], params: SamplingParams, *,
-                      batched: bool = True, partial: bool = False) -> list[Completion]:
+                      batched: bool = True, partial: bool = False,
+                      image_data: Optional[Sequence[ImageData]] = None) -> list[Completion]:
         """One completion per row: `input_ids[k]` sampled with seed `seeds[k]` (the sample's seed, `row_seeds`;
         None: unseeded), so a row keeps its seed whichever server answers it. Raises RuntimeError naming the server
         when it fails, aborts a row, or answers with another number of rows than it was asked (which would silently
@@ -208,7 +261,9 @@ class SGLangEngine(RolloutEngine):
         request type has one `sampling_params` map, so a batch could not keep per-row seeds).
 
         `partial=True`: an aborted row (`/abort_request`) is answered with the tokens and log-probs it has,
-        finish_reason "abort", for a partial rollout to continue, instead of raising."""
+        finish_reason "abort", for a partial rollout to continue, instead of raising.
+
+        `image_data`: each row's images (`sglang_prompts`; its rows' image tokens collapsed to one per image)."""
         if batched:
             body = {"input_ids": [list(p) for p in input_ids],
                     "sampling_params": [self._sampling_params(params, seed) for seed in seeds]}
@@ -216,6 +271,8 @@ class SGLangEngine(RolloutEngine):
             if len(input_ids) != 1:
                 raise ValueError("an unbatched request holds exactly one row")
             body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seeds[0])}
+        if image_data is not None and any(i is not None for i in image_data):
+            body["image_data"] = list(image_data) if batched else image_data[0]
         body.update(return_logprob=True, logprob_start_len=-1)
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):

@@ -21,21 +21,29 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
-                                           begin_update, broadcast_buckets, end_update)
+                                           begin_update, broadcast_buckets, end_update, sglang_prompts)
 from megappo.rollout.weight_staging import SharedStaging
 from megappo.rollout.sglang_server import free_port, http_json, is_healthy
+
+if TYPE_CHECKING:
+    from megappo.data.multimodal import MultiModalInputs
 
 
 def _auth(engine: SGLangEngine) -> dict:
     """The keyword arguments that authenticate a request to `engine`'s server."""
     key = getattr(engine, "api_key", None)
     return {"api_key": key} if key else {}
+
+
+def _row_images(images: Optional[list], share: list[int], rows: list[int]) -> Optional[list]:
+    """The images of rows `share` (each row's prompt's; None for a text generation)."""
+    return None if images is None else [images[rows[r]] for r in share]
 
 
 class SGLangFleet(RolloutEngine):
@@ -97,12 +105,14 @@ class SGLangFleet(RolloutEngine):
         return [k for k, ok in enumerate(self.alive) if ok]
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 prompt_offset: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, prompt_offset: int = 0,
+                 multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]] = None) -> list[list[Completion]]:
         """`params.n` completions per prompt, grouped by prompt in request order, each row exactly once.
-        prompt_offset: the index of `prompts[0]` in the step's batch, which the samples' seeds follow."""
+        prompt_offset: the index of `prompts[0]` in the step's batch, which the samples' seeds follow.
+        multi_modal: each prompt's images (None: a text prompt), sent as `sglang_prompts` makes them."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        prompts, images = sglang_prompts(prompts, multi_modal, self.engine_kwargs.get("image_token_id"))
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
         done: dict[int, Completion] = {}
@@ -114,13 +124,13 @@ class SGLangFleet(RolloutEngine):
             if self._aborting.is_set():
                 break
             if self.router is not None:
-                pending = self._send_via_router(pending, prompts, rows, seeds, params, done, errors)
+                pending = self._send_via_router(pending, prompts, rows, seeds, params, done, errors, images)
             else:
                 servers = self.live()
                 if not servers:
                     break
                 shares = [pending[j::len(servers)] for j in range(len(servers))]  # interleaved: both see each prompt
-                results = self._send(servers, shares, prompts, rows, seeds, params)
+                results = self._send(servers, shares, prompts, rows, seeds, params, images)
                 pending = []
                 for k, share, result in zip(servers, shares, results):
                     if isinstance(result, BaseException):
@@ -162,7 +172,8 @@ class SGLangFleet(RolloutEngine):
             errors.append(f"{url}: {len(again)} rows aborted by the server")
         return again
 
-    def _send(self, servers: list[int], shares: list[list[int]], prompts, rows, seeds, params) -> list[Any]:
+    def _send(self, servers: list[int], shares: list[list[int]], prompts, rows, seeds, params, images=None
+              ) -> list[Any]:
         """Each server's share in a thread of its own; a result per server, or the exception it raised."""
         results: list[Any] = [None] * len(servers)
 
@@ -170,8 +181,8 @@ class SGLangFleet(RolloutEngine):
             share = shares[j]
             try:
                 results[j] = self.engines[k].generate_rows([prompts[rows[r]] for r in share], [rows[r] for r in share],
-                                                           [seeds[r] for r in share], params,
-                                                           partial=True) if share else []
+                                                           [seeds[r] for r in share], params, partial=True,
+                                                           image_data=_row_images(images, share, rows)) if share else []
             except Exception as e:  # noqa: BLE001 - the share is retried elsewhere, the error reported
                 results[j] = e
 
@@ -183,14 +194,14 @@ class SGLangFleet(RolloutEngine):
         return results
 
     def _send_via_router(self, pending: list[int], prompts, rows, seeds, params, done: dict,
-                         errors: list) -> list[int]:
+                         errors: list, images=None) -> list[int]:
         """Each pending row as a request of its own to the router (which spreads them over its workers and retries
         a failed one elsewhere); the rows that still failed."""
         router = self.router
 
         def one(r: int) -> Completion:
             return router.generate_rows([prompts[rows[r]]], [rows[r]], [seeds[r]], params, batched=False,
-                                        partial=True)[0]
+                                        partial=True, image_data=_row_images(images, [r], rows))[0]
 
         failed = []
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(pending)))) as pool:

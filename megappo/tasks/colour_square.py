@@ -148,7 +148,8 @@ def write_model_files(task: ColourSquareTask, model_dir: str):
     loaded = transformers.AutoTokenizer.from_pretrained(model_dir)
     for word in sorted(COLOURS):
         if loaded.encode(word, add_special_tokens=False) != [tok.convert_tokens_to_ids(word)]:
-            raise RuntimeError(f"the colour_square tokenizer does not keep '{word}' one token ({type(loaded).__name__})")
+            raise RuntimeError(f"the colour_square tokenizer does not keep '{word}' one token "
+                               f"({type(loaded).__name__})")
     return loaded, config
 
 

@@ -371,7 +371,7 @@ def _check_parquet_schemas(cfg: MegappoConfig, errors: list[str]) -> None:
             try:
                 for path in expand_files(entry):
                     pf = open_parquet(path)
-                    _check_schema(path, pf.schema_arrow, cfg.data.prompt_key)
+                    _check_schema(path, pf.schema_arrow, cfg.data.prompt_key, cfg.data.image_key)
                     if pf.metadata.num_rows == 0:
                         raise DataError(path, "the file has no rows", f"regenerate it or drop it from data.{key}")
             except DataError as e:

@@ -112,6 +112,13 @@ def test_bad_multimodal_files_name_row_and_fix(tmp_path, vlm_dir):
                                                                                     "path": None}])])
     with pytest.raises(DataError, match=r"corrupt.parquet, row 1, column 'images': image bytes cannot be read"):
         _dataset(path, vlm_dir)
+    # a whole header over cut-off pixel data loads (the size is known) and fails when its batch is decoded
+    cut = _png(_image(56, 56, 1))[:100]
+    rows = [("<image> a", good), ("<image> b", [{"bytes": cut, "path": None}])]
+    ds = _dataset(_write(tmp_path / "cut.parquet", rows), vlm_dir)
+    ds.collate([0])
+    with pytest.raises(DataError, match=r"cut.parquet, row 1, column 'images': the image is corrupt"):
+        ds.collate([0, 1])
     path = _write(tmp_path / "missing.parquet", [("<image> a", [{"bytes": None, "path": "nowhere.png"}])])
     with pytest.raises(DataError, match=r"row 0, column 'images': image file .*nowhere.png not found"):
         _dataset(path, vlm_dir)

@@ -118,3 +118,29 @@ def test_vlm_engine_in_its_own_process(vlm_dirs):
     fresh = HFEngine(b).generate(prompts, GREEDY, multi_modal=mms)
     assert [c[0].output_ids for c in synced] == [c[0].output_ids for c in fresh]
     assert synced[0][0].weight_version == 2
+
+
+def test_sglang_requests_carry_one_image_token_per_image_and_the_images():
+    """SGLang expands each image's one <|image_pad|> itself from the image it processes: the prompts go with each
+    run of image tokens collapsed, and the loader's resized images as base64 PNG (the same pixels)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from megappo.rollout.sglang_engine import sglang_prompts
+
+    prompts, mms = _inputs()
+    for m in mms[:2]:
+        m.images = [Image.fromarray(np.full((28 * h, 28 * w, 3), 40 * k, dtype=np.uint8))
+                    for k, (_, h, w) in enumerate(m.image_grid_thw.tolist())]
+    ids, images = sglang_prompts(prompts, mms, IMAGE_TOKEN)
+    assert ids[0] == [7, 8, VISION_START, IMAGE_TOKEN, VISION_END, 9, 10, 11]
+    assert ids[1] == [12, VISION_START, IMAGE_TOKEN, VISION_END, 13, VISION_START, IMAGE_TOKEN, VISION_END, 14, 15]
+    assert ids[2] == prompts[2] and images[2] is None and len(images[1]) == 2
+    head, data = images[1][1].split(",", 1)
+    assert head == "data:image/png;base64"
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(base64.b64decode(data)))), np.asarray(mms[1].images[1]))
+    assert sglang_prompts(prompts, None, None) == (prompts, None)
+    with pytest.raises(ValueError, match="image_token_id"):
+        sglang_prompts(prompts, mms, None)
