@@ -11,6 +11,11 @@ sequences (`can_pack`), each micro-batch runs as one pack of its sequences witho
 input_ids [1, T] and megatron's `PackedSeqParams`), and the last stage reads each row's outputs at its place in the
 pack; everything after that (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors as padded.
 
+Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
+forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
+or packed [3, 1, T]) and the prompts' image-token mask (`megappo.models.vlm.inputs`). Everything after the model's
+output is the text path's.
+
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
 over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
