@@ -12,8 +12,8 @@ critic (a VLM with a value head).
   exactly (CPU, one thread: deterministic).
 - `test_vlm_fully_async_resumes_its_queued_images` (`long`): fully_async with the engine in its own process; a
   checkpoint's generated, not yet trained batch keeps its images, and the resumed run trains on it exactly.
-- `test_vlm_tp2_pp2_repeats_the_one_rank_run` (`multirank`, `long`): 4 gloo ranks at TP2 x PP2 give the one-rank
-  run's metrics, weight sync verified.
+- `test_vlm_tp2_pp2_and_dp2_repeat_the_one_rank_run` (`multirank`, `long`): 4 gloo ranks at TP2 x PP2, and 2 at DP2 with
+  token-budget micro-batches and packing, give the one-rank run's metrics, weight sync verified.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def test_vlm_pipeline_runs(tmp_path):
                       "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[]",
                       "data.synthetic.warm_start_steps=0", "data.synthetic.num_train_prompts=48",
                       "data.synthetic.num_val_prompts=8", "data.train_batch_size=16",
-                      "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.freeze_vision_tower=false",
+                      "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                      "actor_rollout_ref.actor.freeze_vision_tower=false",
                       "actor_rollout_ref.rollout.verify_sync=true", timeout=300)
     trained = _check_sync(rows, [1, 2, 3])
     full = _hf_bytes(out / "hf" / "actor", vision=True)
@@ -116,9 +117,9 @@ def test_vlm_fully_async_resumes_its_queued_images(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.long
-def test_vlm_tp2_pp2_repeats_the_one_rank_run(tmp_path):
-    """Four gloo ranks at TP2 x PP2 (the vision tower on the first stage, split over TP) sample and learn what one
-    rank does, and the engine holds the actor's weights after each sync (rollout.verify_sync)."""
+def test_vlm_tp2_pp2_and_dp2_repeat_the_one_rank_run(tmp_path):
+    """Four gloo ranks at TP2 x PP2 (the vision tower on the first stage, split over TP), and two data-parallel ones,
+    sample and learn what one rank does, and the engine holds the actor's weights after each sync (verify_sync)."""
     layout = [f"{role}.megatron.{key}=2" for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
               for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
     steps = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
@@ -128,8 +129,16 @@ def test_vlm_tp2_pp2_repeats_the_one_rank_run(tmp_path):
     (tmp_path / "tp").mkdir()
     shutil.copytree(tmp_path / "one" / "synthetic", tmp_path / "tp" / "synthetic")
     four = run_recipe(RECIPE, tmp_path / "tp", *steps, *layout, "trainer.n_gpus_per_node=4", nproc=4)
-    _check_sync(four, [1, 2, 3])
-    for a, b in zip(one, four, strict=True):
-        assert b["reward/mean"] == a["reward/mean"]
-        for key in ("actor/pg_loss", "critic/vf_loss", "kl/mean", "actor/grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    # DP2 with token-budget micro-batches and packing: each rank's rows keep their images through the split
+    (tmp_path / "dp").mkdir()
+    shutil.copytree(tmp_path / "one" / "synthetic", tmp_path / "dp" / "synthetic")
+    two = run_recipe(RECIPE, tmp_path / "dp", *steps, "trainer.n_gpus_per_node=2",
+                     "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100",
+                     "actor_rollout_ref.model.use_remove_padding=true", nproc=2)
+    for other in (four, two):
+        _check_sync(other, [1, 2, 3])
+        for a, b in zip(one, other, strict=True):
+            assert b["reward/mean"] == a["reward/mean"]
+            for key in ("actor/pg_loss", "critic/vf_loss", "kl/mean", "actor/grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key

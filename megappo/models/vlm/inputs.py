@@ -28,7 +28,8 @@ def is_vlm(model: Any) -> bool:
     return hasattr(model, "mrope_positions") and hasattr(model, "vlm_args")
 
 
-def _images(rows: Sequence[Optional[MultiModalInputs]], device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _images(rows: Sequence[Optional[MultiModalInputs]],
+            device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(pixel_values [N, D], image_grid_thw [I, 3]) of the rows in order; (None, None) without images."""
     present = [m for m in rows if m is not None and m.num_images > 0]
     if not present:
