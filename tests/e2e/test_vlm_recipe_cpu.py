@@ -2,11 +2,11 @@
 colour_square image task, images through the data loader, the HF engine and the trainer's actor, reference and
 critic (a VLM with a value head).
 
-- `test_vlm_pipeline_runs` (default tier, ~30 s): three steps from a random model with the vision tower trained
+- `test_vlm_pipeline_runs` (default tier, ~8 s): three steps from a random model with the vision tower trained
   (actor.freeze_vision_tower=false): every step's metrics are there, the engine's log-probs equal the trainer's
   (rollout/logprob_diff_mean, and rollout.verify_sync after each sync) and each sync sends the whole model, tower
   included.
-- `test_vlm_recipe_learns_and_resumes` (`long`): the recipe as shipped learns (mean reward of the last five steps
+- `test_vlm_recipe_learns_and_resumes` (default tier, ~40 s): the recipe as shipped learns (mean reward of the last five steps
   >= 0.3 above the first five), each sync sends only the language model (the tower is frozen), it checkpoints and
   exports the actor, and a run resumed from the step-10 checkpoint repeats steps 11.. of the uninterrupted run
   exactly (CPU, one thread: deterministic).
@@ -64,7 +64,6 @@ def test_vlm_pipeline_runs(tmp_path):
     assert all(r["rollout/verify_sync_max_diff"] < 1e-4 for r in trained)
 
 
-@pytest.mark.long
 def test_vlm_recipe_learns_and_resumes(tmp_path):
     out = tmp_path / "vlm"
     rows = run_recipe(RECIPE, out)
