@@ -6,14 +6,14 @@ critic (a VLM with a value head).
   (actor.freeze_vision_tower=false): every step's metrics are there, the engine's log-probs equal the trainer's
   (rollout/logprob_diff_mean, and rollout.verify_sync after each sync) and each sync sends the whole model, tower
   included.
-- `test_vlm_recipe_learns_and_resumes` (default tier, ~40 s): the recipe as shipped learns (mean reward of the last five steps
-  >= 0.3 above the first five), each sync sends only the language model (the tower is frozen), it checkpoints and
-  exports the actor, and a run resumed from the step-10 checkpoint repeats steps 11.. of the uninterrupted run
-  exactly (CPU, one thread: deterministic).
+- `test_vlm_recipe_learns_and_resumes` (default tier, ~40 s): the recipe as shipped learns (mean reward of the
+  last five steps >= 0.3 above the first five), each sync sends only the language model (the tower is frozen), it
+  checkpoints and exports the actor, and a run resumed from the step-10 checkpoint repeats steps 11.. of the
+  uninterrupted run exactly (CPU, one thread: deterministic).
 - `test_vlm_fully_async_resumes_its_queued_images` (`long`): fully_async with the engine in its own process; a
   checkpoint's generated, not yet trained batch keeps its images, and the resumed run trains on it exactly.
-- `test_vlm_tp2_pp2_and_dp2_repeat_the_one_rank_run` (`multirank`, `long`): 4 gloo ranks at TP2 x PP2, and 2 at DP2 with
-  token-budget micro-batches and packing, give the one-rank run's metrics, weight sync verified.
+- `test_vlm_tp2_pp2_and_dp2_repeat_the_one_rank_run` (`multirank`, `long`): 4 gloo ranks at TP2 x PP2, and 2 at
+  DP2 with token-budget micro-batches and packing, give the one-rank run's metrics, weight sync verified.
 """
 from __future__ import annotations
 
