@@ -293,6 +293,18 @@ def _status(url: str, api_key: str, timeout: float = 5) -> int:
         return 0
 
 
+_CPU_VLM_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_cpu_vlm.py")
+
+
+def _is_vlm(model_path: str) -> bool:
+    """Whether `model_path` holds a Qwen2-VL / Qwen2.5-VL config (read directly: this module stays light)."""
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type") in ("qwen2_5_vl", "qwen2_vl")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class SGLangServer:
     """One `python -m sglang.launch_server` process under a watchdog; a context manager that stops it.
 
@@ -305,6 +317,7 @@ class SGLangServer:
                  trust_remote_code: bool = False, host: str = "127.0.0.1", api_key: Optional[str] = None,
                  port_attempts: int = 5, stop_grace_s: float = 15.0):
         self.python, self.host, self.port_auto = python, host, port is None
+        self._launcher = ["-m", "sglang.launch_server"]
         # hex: a random key starting with "-" would read as a flag to SGLang's argument parser (seen: exit 2)
         self.api_key = api_key or secrets.token_hex(24)
         if self.api_key.startswith("-"):
@@ -322,8 +335,19 @@ class SGLangServer:
             # cores idle, 0.02 with it), which the trainer and a weight sync on the same machine then lack: with it a
             # server's weight load measured 1.5-2.5x faster on the 2-core machine (tools/bench/bench_rollout.py)
             self._args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
+            if _is_vlm(model_path):
+                # sglang_cpu_vlm.py lets SGLang's Qwen-VL image processor import on CPU (see there); the warm-up
+                # request goes through a chat template, which a tiny test model lacks (megappo's health check is
+                # a one-token generation anyway)
+                self._launcher = ["-c", f"import runpy; runpy.run_path({_CPU_VLM_LAUNCHER!r}, run_name='__main__')"]
+                self._args.append("--skip-server-warmup")
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env.setdefault("OMP_NUM_THREADS", "1")
+        if _is_vlm(model_path):
+            # SGLang keeps images' vision-tower embeddings in a cache that neither a weight update nor /flush_cache
+            # clears (SGLang 0.5.23), so after a sync that changed the vision tower it would answer with the old
+            # tower's embeddings (measured: other tokens than an engine on the new weights); 0 MB turns it off
+            self.env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", "0")
         self.env["PYTHONPATH"] = ""  # the server's own environment, not the caller's
         self.proc: Optional[subprocess.Popen] = None  # the watchdog
         self.failed = False  # something went wrong: the log is kept
@@ -336,7 +360,7 @@ class SGLangServer:
         self.port = port
         url_host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
         self.url = f"http://{f'[{url_host}]' if ':' in url_host else url_host}:{port}"
-        self.cmd = [self.python, "-m", "sglang.launch_server", *self._args, "--port", str(port)]
+        self.cmd = [self.python, *self._launcher, *self._args, "--port", str(port)]
 
     def start(self, timeout: float = 600) -> float:
         """Launch and wait until the server is up and ours; return the seconds it took. Raises RuntimeError with

@@ -1,0 +1,45 @@
+"""`SGLangEngine` on a real SGLang CPU server with a tiny Qwen2.5-VL (the colour_square task's files): image prompts
+from the data loader get the in-process engine's greedy tokens and log-probs, and a weight reload from disk makes
+the server answer what an engine on the new weights does. (The server starts in about a minute on 2 cores.)"""
+from __future__ import annotations
+
+import pytest
+
+from megappo.rollout import HFEngine, SamplingParams
+from megappo.rollout.sglang_engine import SGLangEngine
+from megappo.rollout.sglang_server import SGLangServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.long]
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+
+
+def _same(got, want, tol=1e-4):
+    assert [[c.output_ids for c in g] for g in got] == [[c.output_ids for c in g] for g in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < tol
+
+
+def test_sglang_serves_a_vlm_like_the_in_process_engine(sglang_python, tmp_path):
+    import transformers
+
+    from megappo.data import PromptDataset
+    from megappo.data.images import ImageProcessing
+    from megappo.tasks import prepare_task
+
+    first, second = (prepare_task("colour_square", str(tmp_path / f"task{s}"), num_train_prompts=4,
+                                  num_val_prompts=6, warm_start_steps=0, seed=s) for s in (0, 1))
+    tok = transformers.AutoTokenizer.from_pretrained(first.model_dir)
+    images = ImageProcessing.from_model(first.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
+    batch = PromptDataset(first.val_files, tok, max_prompt_length=64, image_processing=images).collate(range(6))
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.input_ids, batch.attention_mask)]
+    with SGLangServer(first.model_dir, python=sglang_python) as server:
+        engine = SGLangEngine(server.url, image_token_id=images.image_token_id)
+        _same(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
+              HFEngine(first.model_dir).generate(prompts, GREEDY, multi_modal=batch.multi_modal))
+        sampled = engine.generate(prompts, SamplingParams(max_new_tokens=3, temperature=1.0, n=2),
+                                  multi_modal=batch.multi_modal)
+        assert [len(g) for g in sampled] == [2] * 6
+        assert engine.update_weights_from_disk(second.model_dir) == 1
+        _same(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
+              HFEngine(second.model_dir).generate(prompts, GREEDY, multi_modal=batch.multi_modal))
