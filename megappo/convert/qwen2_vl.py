@@ -184,14 +184,18 @@ def load_hf_vlm_weights(model_chunks: list[nn.Module], ckpt, parallel_state, *, 
 @torch.no_grad()
 def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config: Any, *,
                         bucket_bytes: int = 512 << 20, role: Optional[str] = None,
-                        dtype: Optional[torch.dtype] = None, copy: bool = True) -> Iterator[list]:
-    """`iter_hf_weights` for a VLM: buckets of (HF name, full tensor), vision tower first. Collective."""
+                        dtype: Optional[torch.dtype] = None, copy: bool = True,
+                        language_model_only: bool = False) -> Iterator[list]:
+    """`iter_hf_weights` for a VLM: buckets of (HF name, full tensor), vision tower first. Collective.
+    `language_model_only`: the language model's weights only (a frozen tower's never change: weight sync)."""
     from megappo.convert.export import _Meta, _all_gather, _broadcast, _gather_owners, _same_storage
     from megappo.convert.hf_to_mcore import model_role
 
     role = role or model_role(model_chunks)
     spec, args, ordered = vlm_param_maps(hf_config, role)
     maps = {pm.mcore: pm for pm in ordered}
+    if language_model_only:
+        ordered = [pm for pm in ordered if pm.mcore.startswith(LM_PREFIX)]
     ps = parallel_state
     mine = {n: p for n, p, _, _ in vlm_local_params(model_chunks, spec, maps, ps)}
     device = next(iter(mine.values())).device if mine else torch.device("cpu")

@@ -7,11 +7,22 @@ entropy, values) and the per-token training inputs are [B, R], aligned with the 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 
+if TYPE_CHECKING:
+    from megappo.data.multimodal import MultiModalInputs
+
 Index = Union[torch.Tensor, Sequence[int], slice]
+
+
+def _index_rows(rows: Optional[list], idx: Index) -> Optional[list]:
+    if rows is None:
+        return None
+    if isinstance(idx, slice):
+        return rows[idx]
+    return [rows[int(i)] for i in torch.as_tensor(idx, dtype=torch.long).tolist()]
 
 
 def _index(t: Optional[torch.Tensor], idx: Index) -> Optional[torch.Tensor]:
@@ -57,9 +68,15 @@ class ModelBatch:
     position_ids: torch.Tensor  # [B, T] long, 0 at each sequence's first real token
     response_mask: torch.Tensor  # [B, R] 1 on response tokens to score/train, 0 on padding
     train: Optional[TrainInputs] = None
+    # vision-language rows: each row's images (None: a text row), kept with the row by select / crop / pad_to;
+    # None for a text batch (see megappo.models.vlm.inputs)
+    multi_modal: Optional[list[Optional["MultiModalInputs"]]] = None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
+        if self.multi_modal is not None and len(self.multi_modal) != b:
+            raise ValueError(f"ModelBatch: multi_modal has {len(self.multi_modal)} entries for {b} rows; give one "
+                             "per row (None for a row without images)")
         if self.attention_mask.shape != (b, t) or self.position_ids.shape != (b, t):
             raise ValueError(
                 f"ModelBatch: attention_mask {tuple(self.attention_mask.shape)} and position_ids "
@@ -102,6 +119,7 @@ class ModelBatch:
             position_ids=_index(self.position_ids, idx),
             response_mask=_index(self.response_mask, idx),
             train=None if self.train is None else self.train.select(idx),
+            multi_modal=_index_rows(self.multi_modal, idx),
         )
 
     def slice(self, start: int, end: int) -> "ModelBatch":
@@ -124,6 +142,7 @@ class ModelBatch:
             position_ids=self.position_ids[:, p0:end],
             response_mask=self.response_mask[:, :response_len],
             train=None if self.train is None else self.train.crop(response_len),
+            multi_modal=self.multi_modal,
         )
 
     def pad_to(self, rows: int, prompt_len: int, response_len: int, pad_token_id: int = 0) -> "ModelBatch":
@@ -149,6 +168,7 @@ class ModelBatch:
             position_ids=grow(self.position_ids, 0, left, right),
             response_mask=grow(self.response_mask, 0, 0, right),
             train=train,
+            multi_modal=None if self.multi_modal is None else list(self.multi_modal) + [None] * extra,
         )
 
     def prompt_lengths(self) -> torch.Tensor:

@@ -11,6 +11,11 @@ sequences (`can_pack`), each micro-batch runs as one pack of its sequences witho
 input_ids [1, T] and megatron's `PackedSeqParams`), and the last stage reads each row's outputs at its place in the
 pack; everything after that (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors as padded.
 
+Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
+forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
+or packed [3, 1, T]) and the prompts' image-token mask (`megappo.models.vlm.inputs`). Everything after the model's
+output is the text path's.
+
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
 over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
@@ -31,7 +36,8 @@ from torch import nn
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
 from megappo.models.microbatch import MicroBatchPlan, split_batch
-from megappo.models.packing import Pack, pack_micro_batch, unpack_window
+from megappo.models.packing import Pack, pack_lengths, pack_micro_batch, unpack_window
+from megappo.models.vlm.inputs import is_vlm, vlm_inputs
 from megappo.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from megappo.parallel import ParallelState
 
@@ -174,16 +180,37 @@ def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss
                   packs: Optional[dict[int, Pack]] = None) -> tuple:
     mb = next(data_iterator)
     pack = packs.get(id(mb)) if packs else None
+    inner = unwrap(model)
+    if is_vlm(inner) or mb.multi_modal is not None:
+        return _vlm_forward_step(mb, model, inner, pack, loss_func)
     if pack is not None:
         output = model(input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=None,
                        packed_seq_params=pack.packed_seq_params())
         return output, partial(loss_func, mb, pack=pack)
     input_ids, position_ids = left_aligned(mb)
-    spec = getattr(unwrap(model), "megappo_spec", None)
+    spec = getattr(inner, "megappo_spec", None)
     # transformer-engine and megappo's SDPAttention apply the causal mask themselves (TE ignores one passed)
-    internal = getattr(spec, "use_transformer_engine", False) or getattr(unwrap(model), "megappo_sdpa_attention", False)
+    internal = getattr(spec, "use_transformer_engine", False) or getattr(inner, "megappo_sdpa_attention", False)
     mask = None if internal else causal_mask(mb.seq_len, input_ids.device)
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
+    return output, partial(loss_func, mb)
+
+
+def _vlm_forward_step(mb: ModelBatch, model: nn.Module, inner: nn.Module, pack: Optional[Pack],
+                      loss_func: Callable) -> tuple:
+    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.models.vlm.inputs)."""
+    if not is_vlm(inner):
+        raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
+    input_ids, _ = left_aligned(mb)
+    kwargs = vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), pack)
+    if pack is not None:
+        output = model(input_ids=pack.input_ids, attention_mask=None, packed_seq_params=pack.packed_seq_params(),
+                       **kwargs)
+        return output, partial(loss_func, mb, pack=pack)
+    internal = getattr(getattr(inner, "megappo_spec", None), "use_transformer_engine", False) or \
+        getattr(inner, "megappo_sdpa_attention", False)
+    mask = None if internal else causal_mask(mb.seq_len, input_ids.device)
+    output = model(input_ids=input_ids, attention_mask=mask, **kwargs)
     return output, partial(loss_func, mb)
 
 

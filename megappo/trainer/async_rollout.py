@@ -37,6 +37,7 @@ from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import sample_seed
 from megappo.trainer.experience import Samples
+from megappo.trainer.rollout import image_kwargs
 from megappo.trainer.rollout_source import RolloutSource
 from megappo.trainer.state import Run, TrainState
 
@@ -52,6 +53,7 @@ class _Job:
     done: Optional[list[list[Completion]]] = None  # after an abort: what it has so far
     started: float = 0.0
     finished: float = 0.0
+    multi_modal: Optional[list] = None  # the prompts' images (vision-language prompts), aligned with ids
 
 
 def _continued(job: _Job, engine: RolloutEngine, round_: int) -> list[list[Completion]]:
@@ -65,7 +67,8 @@ def _continued(job: _Job, engine: RolloutEngine, round_: int) -> list[list[Compl
     for budget, rows in sorted(by_budget.items()):
         seed = None if job.params.seed is None else sample_seed(job.params.seed, job.offset, round_, budget)
         params = replace(job.params, n=1, max_new_tokens=budget, seed=seed)
-        more = engine.generate([job.ids[k] + list(c.output_ids) for k, _, c in rows], params)
+        images = image_kwargs([job.multi_modal[k] for k, _, _ in rows] if job.multi_modal else None)
+        more = engine.generate([job.ids[k] + list(c.output_ids) for k, _, c in rows], params, **images)
         for (k, j, c), (tail,) in zip(rows, more):
             fresh = not c.output_ids
             out[k][j] = Completion(
@@ -105,7 +108,8 @@ class Producer:
             try:
                 job.started = job.started or time.perf_counter()
                 if job.done is None:
-                    result = self.engine.generate(job.ids, job.params, prompt_offset=job.offset)
+                    result = self.engine.generate(job.ids, job.params, prompt_offset=job.offset,
+                                                  **image_kwargs(job.multi_modal))
                 else:
                     rounds += 1
                     result = _continued(job, self.engine, rounds)
@@ -189,7 +193,8 @@ class FullyAsyncSource(RolloutSource):
             share = self.run.rollout.share(prompts)
             job = future = None
             if share is not None and self.producer is not None:
-                job = _Job(share[0], self.params(self.next_step), share[1])
+                job = _Job(share[0], self.params(self.next_step), share[1],
+                           multi_modal=self.run.rollout.share_images(prompts))
                 if share[0]:
                     future = self.producer.put(job)
                 else:  # a data-parallel rank with no prompt of this batch

@@ -13,7 +13,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megappo.data.dataset import PromptBatch
+from megappo.data.multimodal import MultiModalInputs
 from megappo.models.batch import ModelBatch, TrainInputs
+from megappo.models.vlm.inputs import multi_modal_from_json, multi_modal_to_json
 from megappo.rollout.sampling import Completion
 
 
@@ -36,11 +38,25 @@ class Samples:
     loss_masks: list[Optional[list[int]]] = field(default_factory=list)
     turn_stats: list[Optional[dict]] = field(default_factory=list)  # N, multi-turn: the trajectory's stats
     tool_results: list[Optional[list[dict]]] = field(default_factory=list)  # N, multi-turn: each tool call's record
+    # N, vision-language prompts: the prompt's images (the samples of a prompt share one object); None: text
+    multi_modal: list[Optional[MultiModalInputs]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("loss_masks", "turn_stats", "tool_results"):  # samples saved before these fields existed
+        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal"):  # saved before these fields existed
             if len(getattr(self, name)) != len(self.response_ids):
                 setattr(self, name, [None] * len(self.response_ids))
+        # a checkpoint's samples (trainer_state.json) hold their images in JSON form
+        self.multi_modal = [multi_modal_from_json(m) for m in self.multi_modal]
+
+    @property
+    def has_images(self) -> bool:
+        return any(m is not None for m in self.multi_modal)
+
+    def to_json(self) -> dict:
+        """The samples as JSON-able lists (a checkpoint's `TrainState.ready`); `Samples(**d)` reads them back."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["multi_modal"] = [multi_modal_to_json(m) for m in self.multi_modal]
+        return out
 
     @property
     def multi_turn(self) -> bool:
@@ -59,7 +75,8 @@ class Samples:
     @classmethod
     def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]]) -> "Samples":
         """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
-        out = cls([], [], [], [], [], [], [], [], [], [], [], [], [], [])
+        out = cls([], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
+        images = getattr(prompts, "multi_modal", None) or [None] * len(completions)
         for b, group in enumerate(completions):
             ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
             for c in group:
@@ -80,6 +97,7 @@ class Samples:
                 out.loss_masks.append(c.extra.get("loss_mask"))
                 out.turn_stats.append(turns)
                 out.tool_results.append(c.extra.get("tool_results") if turns is not None else None)
+                out.multi_modal.append(images[b])
         return out
 
 
@@ -123,6 +141,8 @@ def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int
     idx = list(indices)
     batch = ModelBatch.from_token_lists([samples.prompt_ids[i] for i in idx], [samples.response_ids[i] for i in idx],
                                         pad_token_id, train=None)
+    if samples.has_images:  # each row keeps its prompt's images through micro-batching (megappo.models.vlm.inputs)
+        batch.multi_modal = [samples.multi_modal[i] for i in idx]
     logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     for row, i in enumerate(idx):
         lp = samples.rollout_log_probs[i]

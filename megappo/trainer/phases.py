@@ -416,7 +416,8 @@ def verify_sync(run: Run, length: int = 16) -> dict[str, float]:
     dtype mix-up all show here."""
     from megappo.models.batch import ModelBatch
 
-    vocab = int(run.roles.hf_config["vocab_size"])
+    hf = run.roles.hf_config
+    vocab = int(hf.get("vocab_size") or hf["text_config"]["vocab_size"])  # a VLM nests it (transformers 5)
     tokens = [(7 * k + 3) % vocab for k in range(length)]
     batch = ModelBatch.from_token_lists([tokens[:1]], [tokens[1:]], run.pad_token_id)
     mine, _ = compute_log_probs(run.roles.actor.chunks, batch, parallel_state=run.ps)

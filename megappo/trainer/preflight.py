@@ -28,6 +28,7 @@ from typing import Optional
 from megappo.config import ConfigError, MegappoConfig
 from megappo.config.validate import plan, rule_errors, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
+from megappo.trainer.preflight_vlm import check_vision_language
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     known_engine = _check_engine_name(cfg, errors)
     _check_placement(cfg, errors, launching=check_files)
     _check_rollout_correction(cfg, errors)
+    check_vision_language(cfg, errors)
     if check_files:
         errors += _output_dir_errors(cfg)
         if known_engine:

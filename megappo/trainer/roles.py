@@ -83,12 +83,14 @@ def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
 
 
 def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int,
-           base: Optional[list[nn.Module]] = None) -> list[nn.Module]:
+           base: Optional[list[nn.Module]] = None, freeze_vision_tower: bool = True) -> list[nn.Module]:
     """`base`: a LoRA actor's chunks whose frozen base the (LoRA critic's) model shares instead of loading its own."""
     hf, tc = _architecture(model_cfg, path)
     if name in ("actor", "critic") and model_cfg.lora.rank > 0:
         tc["use_transformer_engine"] = False  # adapters hook megatron's own linear layers (models/lora.py)
-    chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc)
+    # vision-language models: actor.freeze_vision_tower (the reference's tower is always frozen; text models ignore it)
+    chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc,
+                         freeze_vision_tower=freeze_vision_tower)
     if base is not None:
         from megappo.models.lora import share_base
 
@@ -111,7 +113,9 @@ def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfor
 
 def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
                total_steps: int, seed: int, base: Optional[list[nn.Module]] = None) -> Role:
-    chunks = _build(name, path, model_cfg, ps, platform, seed, base)
+    # the critic's vision tower trains or stays fixed as the actor's does (one switch for the run's towers)
+    chunks = _build(name, path, model_cfg, ps, platform, seed, base,
+                    cfg.actor_rollout_ref.actor.freeze_vision_tower)
     opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)

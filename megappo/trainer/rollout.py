@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megappo.config.schema import MegappoConfig
 from megappo.convert.export import iter_hf_weights
 from megappo.data.dataset import PromptBatch
+from megappo.models.vlm.config import is_vlm_config
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.rollout import registry
@@ -75,7 +76,8 @@ class RolloutWorker:
         share = self.share(prompts)
         if share is not None:
             ids, offset = share
-            local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset) if ids else []
+            local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset,
+                                         **image_kwargs(self.share_images(prompts))) if ids else []
         return self._gather(prompts, local)
 
     def collect(self, prompts: PromptBatch, pending: Optional[Future]) -> Samples:
@@ -90,6 +92,13 @@ class RolloutWorker:
         part = _dp_slice(len(prompts), self.ps)
         ids = [prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist() for b in range(part.start, part.stop)]
         return ids, part.start
+
+    def share_images(self, prompts: PromptBatch) -> Optional[list]:
+        """The holder's prompts' images (`PromptBatch.multi_modal`, aligned with `share`'s ids); None for text."""
+        images = getattr(prompts, "multi_modal", None)
+        if self.engine is None or not images or all(m is None for m in images):
+            return None
+        return list(images[_dp_slice(len(prompts), self.ps)])
 
     def _gather(self, prompts: PromptBatch, local: Optional[list[list[Completion]]]) -> Samples:
         completions: list[list[Completion]] = _broadcast_objects([local], self.ps.mp_group)[0]
@@ -120,9 +129,16 @@ class RolloutWorker:
         from megappo.models.lora import lora_settings
 
         only_adapted = mode != "disk" and lora_settings(list(actor_chunks)) is not None
-        buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                  dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted)
-        partial = {"partial": True} if only_adapted else {}
+        lm_only = mode != "disk" and self._frozen_vision_tower(hf_config)
+        if lm_only:
+            from megappo.convert.qwen2_vl import iter_hf_vlm_weights
+
+            buckets = iter_hf_vlm_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
+                                          dtype=self.platform.dtype, copy=keep, language_model_only=True)
+        else:
+            buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
+                                      dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted)
+        partial = {"partial": True} if only_adapted or lm_only else {}
         nbytes = 0
 
         def counted():
@@ -153,14 +169,22 @@ class RolloutWorker:
         if self.engine is not None:
             self.engine.weight_version = version
 
+    def _frozen_vision_tower(self, hf_config) -> bool:
+        """A vision-language actor with its tower frozen (actor.freeze_vision_tower) changes only its language model:
+        its syncs send that, and the engines keep the tower they loaded from model.path (the same weights)."""
+        return is_vlm_config(hf_config) and self.cfg.actor_rollout_ref.actor.freeze_vision_tower
+
     def release_engine(self) -> bool:
         """rollout.free_cache_engine: free the weights of the engine this rank syncs (the in-process hybrid engine;
         a server's memory is not this process's) until the step's weight sync refills them; returns whether this
-        rank freed any. Only for a full-parameter actor: a LoRA actor's syncs send only its adapted layers, so the
-        engine keeps its base. Call it once the step is done with the engine (after its rollout) and only in a
+        rank freed any. Only for an actor whose syncs send it whole (not a LoRA actor's, which send its adapted
+        layers, nor a frozen-tower vision-language actor's, which send its language model: the engine keeps the
+        rest). Call it once the step is done with the engine (after its rollout) and only in a
         step that syncs."""
         target = self.deployment.sync_target
         if not self.rollout.free_cache_engine or target is None or self.cfg.actor_rollout_ref.model.lora.rank > 0:
+            return False
+        if self._frozen_vision_tower(self.cfg.actor_rollout_ref.model.path):  # its syncs send the LM only
             return False
         self.engine_released = target.release_weights()
         return self.engine_released
@@ -229,6 +253,12 @@ class RolloutWorker:
             engine.close()
             self.deployment.engine = engine.inner
         self.deployment.close()
+
+
+def image_kwargs(images: Optional[list]) -> dict:
+    """The engines' `generate(..., multi_modal=...)` keyword for prompts with images; nothing for text prompts (text
+    runs call the engines exactly as before)."""
+    return {"multi_modal": images} if images else {}
 
 
 def step_seed(base: int, step: int) -> int:

@@ -7,7 +7,7 @@ the rollout engines hold. A checkpoint is `TrainState.state_dict()` plus the rol
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 from megappo.algos import AdaptiveKLController, FixedKLController
@@ -76,7 +76,7 @@ class TrainState:
                "guard": self.guard.state_dict(), "weight_version": self.weight_version,
                "version_steps": {str(v): s for v, s in self.version_steps.items()}}
         if self.ready:
-            out["rollout_queue"] = {"ready": [asdict(samples) for samples in self.ready]}
+            out["rollout_queue"] = {"ready": [samples.to_json() for samples in self.ready]}
         return out
 
     def load_state_dict(self, saved: dict, *, keep_guard: bool = False) -> None:

@@ -46,17 +46,26 @@ class VLMModel(MegatronModule):
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
-    def mrope_positions(self, input_ids, image_grid_thw=None, attention_mask=None) -> torch.Tensor:
-        return mrope_position_ids(input_ids, image_grid_thw, self.vlm_args.image_token_id,
-                                  self.vlm_args.vision.spatial_merge_size, attention_mask)
+    # megatron's finalize_model_grads all-reduces tied embeddings over the first and last stages through these
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
 
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
-        """Token embeddings with the image placeholders replaced by the vision tower's output: [T, B, H]."""
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def mrope_positions(self, input_ids, image_grid_thw=None, attention_mask=None, image_mask=None) -> torch.Tensor:
+        return mrope_position_ids(input_ids, image_grid_thw, self.vlm_args.image_token_id,
+                                  self.vlm_args.vision.spatial_merge_size, attention_mask, image_mask)
+
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, image_mask=None) -> torch.Tensor:
+        """Token embeddings with the image placeholders (`image_mask` [B, T], default: every image token) replaced
+        by the vision tower's output: [T, B, H]."""
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T, B, H]
         if pixel_values is None:
             return emb
         image = self.vision_model(pixel_values, image_grid_thw).to(emb.dtype)
-        mask = (input_ids == self.vlm_args.image_token_id)
+        mask = image_mask.bool() if image_mask is not None else (input_ids == self.vlm_args.image_token_id)
         if int(mask.sum()) != image.shape[0]:
             raise ValueError(f"{int(mask.sum())} image tokens in input_ids but the images give {image.shape[0]} "
                              "embeddings; the prompt's placeholders must match image_grid_thw")
@@ -64,12 +73,12 @@ class VLMModel(MegatronModule):
         return emb.transpose(0, 1).masked_scatter(mask[..., None], image).transpose(0, 1).contiguous()
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None,
-                token_mask=None, **kwargs):
+                token_mask=None, image_mask=None, **kwargs):
         if position_ids is None or position_ids.dim() == 2:
             # token_mask [B, T] (1 real, 0 padding): the mrope count follows the real tokens only, as HF's
             # get_rope_index with its attention mask
-            position_ids = self.mrope_positions(input_ids, image_grid_thw, token_mask)
-        decoder_input = self.embed(input_ids, pixel_values, image_grid_thw) if self.pre_process else None
+            position_ids = self.mrope_positions(input_ids, image_grid_thw, token_mask, image_mask)
+        decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask) if self.pre_process else None
         return self.language_model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                    decoder_input=decoder_input, **kwargs)
 

@@ -13,14 +13,18 @@ import torch
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], image_token_id: int,
-                       spatial_merge_size: int, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """input_ids [B, T], image_grid_thw [I, 3] (images in row-major order over the batch) -> position ids [3, B, T]."""
+                       spatial_merge_size: int, attention_mask: Optional[torch.Tensor] = None,
+                       image_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """input_ids [B, T], image_grid_thw [I, 3] (images in row-major order over the batch) -> position ids [3, B, T].
+    image_mask [B, T]: which tokens are image placeholders (default: every image_token_id; the trainer counts only
+    the prompt's, so that a sampled image token in a response is text, as the engine decoded it)."""
     b, t = input_ids.shape
     out = torch.zeros(3, b, t, dtype=torch.long, device=input_ids.device)
     grids = iter(image_grid_thw.tolist()) if image_grid_thw is not None else iter(())
     for row in range(b):
         keep = attention_mask[row].bool() if attention_mask is not None else torch.ones(t, dtype=torch.bool)
-        is_image = (input_ids[row][keep] == image_token_id).tolist()
+        marks = image_mask[row] if image_mask is not None else input_ids[row] == image_token_id
+        is_image = marks[keep].tolist()
         pieces, pos, i = [], 0, 0
         while i < len(is_image):
             j = i
