@@ -459,10 +459,15 @@ def train_step(
     """
     from megatron.core.distributed import finalize_model_grads
 
-    from megappo.models.optim import finite_step, optimizer_step_context
+    from megappo.models.optim import finite_step, grad_buffers_released, gradients_allocated, optimizer_step_context
 
     if not all(hasattr(c, "zero_grad_buffer") for c in model_chunks):
         raise TypeError("train_step needs megatron-DDP-wrapped chunks: wrap them with megappo.models.optim.wrap_ddp")
+    if grad_buffers_released(model_chunks):  # a caller outside the trainer's updates, which allocate them per update
+        with gradients_allocated(model_chunks):
+            return train_step(model_chunks, optimizer, scheduler, batch, loss_fn, parallel_state=parallel_state,
+                              micro=micro, calculate_entropy=calculate_entropy, temperature=temperature,
+                              platform=platform)
     config = _prepare(model_chunks, parallel_state)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss

@@ -24,7 +24,7 @@ from torch import nn
 from megappo.platform.device import Platform
 
 __all__ = ["OptimSettings", "wrap_ddp", "build_optimizer", "build_scheduler", "optimizer_step_context",
-           "finite_step", "release_grad_buffers", "gradients_allocated"]
+           "finite_step", "release_grad_buffers", "gradients_allocated", "grad_buffers_released"]
 
 
 @dataclass
@@ -121,6 +121,14 @@ def release_grad_buffers(ddp_chunks: Sequence[nn.Module]) -> None:
         for chunk in ddp_chunks:
             if hasattr(chunk, "offload_grad_buffers"):
                 chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+
+
+def grad_buffers_released(ddp_chunks: Sequence[nn.Module]) -> bool:
+    """Whether any of the chunks' gradient buffers is released (`release_grad_buffers`): writing a gradient into
+    one then would write into freed memory."""
+    with _typed_storage_quiet():
+        return any(b.grad_data is not None and b.grad_data.storage().size() == 0 and b.grad_data.numel() > 0
+                   for c in ddp_chunks for b in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", []))
 
 
 @contextlib.contextmanager
