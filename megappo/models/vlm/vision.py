@@ -13,7 +13,9 @@ Pieces and where they come from:
   window attends to itself only and attention costs sum(L_i^2), never N^2 (no N x N mask); megappo's `SDPAttention`
   runs windows of equal length as one batched call. Layers in `fullatt_block_indexes` get the per-image boundaries
   instead. Qwen2-VL has no windows: every layer per image. The rotary angles are given per patch for the whole pack
-  ([N, 1, 1, head_dim]), which megatron's THD rotary applies by absolute offset, exactly as without packing.
+  ([N, 1, 1, head_dim]), which megatron's THD rotary applies by absolute offset, exactly as without packing (its
+  unfused THD rotary reads each segment's offset from cu_seqlens with `.item()`: on GPU one sync per window per
+  layer; TE's fused THD rotary would restart positions per segment, so `apply_rope_fusion` stays off).
 - patch merger: RMSNorm, 2x2 neighbouring patches concatenated, then megatron's `MultimodalProjector` (an MLP with
   ColumnParallel fc1, GELU, RowParallel fc2) to the LM hidden size.
 
