@@ -46,9 +46,13 @@ Semantics, matched to `DotProductAttention`:
   kernel (fp32, explicit masks) still applies.
 
 Packed sequences (megatron's THD format, `packed_seq_params.qkv_format == "thd"`, see `megappo.models.packing`):
-query/key/value arrive as [t, heads, hn], the sequences concatenated at `cu_seqlens`; each sequence gets its own
-causal SDPA call on its slice (block-diagonal causal attention without a [t, t] mask), and the context is
-[t, np * hn]. `DotProductAttention` refuses packed sequences.
+query/key/value arrive as [t, heads, hn], the sequences concatenated at `cu_seqlens`; each sequence attends to
+itself only (block-diagonal attention without a [t, t] mask), causally for `attn_mask_type=causal` (the language
+model's packs) or bidirectionally for `no_mask` (the vision tower's windows and images), and the context is
+[t, np * hn]. Sequences of equal length run as one batched SDPA call ([k, np, L, hn]: a view when they are adjacent,
+else gathered): a ViT's windows are mostly of one size, and one call per window would cost more in Python than in
+attention. `SDPAttention.group_equal_lengths = False` runs one call per sequence (for benchmarks).
+`DotProductAttention` refuses packed sequences.
 
 Not supported (the builder keeps megatron's class then, see `SDPAttention.supports`): context parallelism (as
 `DotProductAttention`), sliding-window attention, `softmax_type` other than "vanilla". `attention_bias` is refused
@@ -58,7 +62,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +112,9 @@ def _is_causal_mask(mask: Tensor, sq: int, sk: int) -> bool:
 
 class SDPAttention(MegatronModule):
     """Drop-in for megatron-core's `DotProductAttention` on torch's `scaled_dot_product_attention` (module doc)."""
+
+    # packed sequences of equal length run as one batched SDPA call (False: one call per sequence, for benchmarks)
+    group_equal_lengths = True
 
     @staticmethod
     def supports(config: Any) -> bool:
@@ -240,14 +247,17 @@ class SDPAttention(MegatronModule):
     def _forward_packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                         packed_seq_params: Any) -> Tensor:
         """THD: query [t, np, hn], key/value [t, ng, hn] of sequences concatenated at `cu_seqlens`
-        -> [t, np * hn]; causal attention within each sequence, one SDPA call per sequence (no [t, t] mask)."""
+        -> [t, np * hn]; attention within each sequence (causal or bidirectional by `attn_mask_type`), sequences of
+        equal length batched into one SDPA call (no [t, t] mask)."""
         if getattr(packed_seq_params, "qkv_format", None) != "thd":
             raise NotImplementedError(f"SDPAttention packs the 'thd' format only, not "
                                       f"{getattr(packed_seq_params, 'qkv_format', None)!r}")
         if attention_mask is not None:
-            raise ValueError("packed sequences take no attention_mask: each sequence is causal by itself")
-        if self.attn_mask_type != AttnMaskType.causal:
-            raise NotImplementedError(f"packed SDPAttention is causal only, not {self.attn_mask_type}")
+            raise ValueError("packed sequences take no attention_mask: each sequence attends to itself only")
+        if self.attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise NotImplementedError(f"packed SDPAttention is causal or no_mask (bidirectional) only, not "
+                                      f"{self.attn_mask_type}")
+        causal = self.attn_mask_type == AttnMaskType.causal
         cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None or (
                 cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv)):
@@ -257,16 +267,7 @@ class SDPAttention(MegatronModule):
         nkv = key.size(1)
         if nq % nkv:
             raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
-        # one device-to-host copy per forward: every layer gets the same PackedSeqParams object
-        bounds = getattr(packed_seq_params, "_megappo_bounds", None)
-        if bounds is None:
-            bounds = cu_q.tolist()
-            try:
-                packed_seq_params._megappo_bounds = bounds
-            except AttributeError:  # a slotted or frozen params object: no cache
-                pass
-        if bounds[0] != 0 or bounds[-1] != t:
-            raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the pack of {t} tokens")
+        plan = _pack_plan(packed_seq_params, cu_q, t, query.device, self.group_equal_lengths)
         gqa = {}
         repeat = 1
         if nq != nkv:
@@ -274,23 +275,26 @@ class SDPAttention(MegatronModule):
                 gqa = {"enable_gqa": True}
             else:
                 repeat = nq // nkv
-        dropout_p = self.dropout_p if self.training else 0.0
-        # [t, h, d] -> [1, h, t, d] views; each sequence is a slice along t
-        q_all = query.permute(1, 0, 2).unsqueeze(0)
-        k_all = key.permute(1, 0, 2).unsqueeze(0)
-        v_all = value.permute(1, 0, 2).unsqueeze(0)
         if repeat > 1:
-            k_all = k_all.repeat_interleave(repeat, dim=1)
-            v_all = v_all.repeat_interleave(repeat, dim=1)
+            key = key.repeat_interleave(repeat, dim=1)
+            value = value.repeat_interleave(repeat, dim=1)
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def batch_of(x: Tensor, group: _PackGroup) -> Tensor:
+            """The group's k sequences of x [t, h, d] as [k, h, L, d] (a strided view where they are adjacent)."""
+            if group.index is None:
+                x = x[group.start:group.start + group.count * group.length]
+            else:
+                x = x.index_select(0, group.index)
+            return x.unflatten(0, (group.count, group.length)).transpose(1, 2)
 
         def attend() -> list[Tensor]:
             outs = []
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                if hi <= lo:
-                    continue
-                outs.append(F.scaled_dot_product_attention(
-                    q_all[:, :, lo:hi], k_all[:, :, lo:hi], v_all[:, :, lo:hi], dropout_p=dropout_p,
-                    is_causal=hi - lo > 1, scale=self.softmax_scale, **gqa))  # [1, np, L, hn]
+            for g in plan.groups:
+                out = F.scaled_dot_product_attention(
+                    batch_of(query, g), batch_of(key, g), batch_of(value, g), dropout_p=dropout_p,
+                    is_causal=causal and g.length > 1, scale=self.softmax_scale, **gqa)  # [k, np, L, hn]
+                outs.append(out.transpose(1, 2).reshape(g.count * g.length, nq * hn))
             return outs
 
         if dropout_p > 0.0 and not self.config.sequence_parallel:
@@ -298,5 +302,55 @@ class SDPAttention(MegatronModule):
                 outs = attend()
         else:
             outs = attend()
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [1, np, t, hn]
-        return out[0].permute(1, 0, 2).reshape(t, nq * hn)
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np * hn] in the groups' token order
+        return out if plan.inverse is None else out.index_select(0, plan.inverse)
+
+
+class _PackGroup(NamedTuple):
+    """`count` sequences of `length` tokens: adjacent from token `start` (index None) or at the tokens `index`."""
+
+    length: int
+    count: int
+    start: int
+    index: Optional[Tensor]
+
+
+class _PackPlan(NamedTuple):
+    groups: list  # [_PackGroup]
+    inverse: Optional[Tensor]  # the groups' token order -> pack order (None: already the pack order)
+
+
+def _pack_plan(packed_seq_params: Any, cu_seqlens: Tensor, t: int, device: torch.device, group: bool) -> _PackPlan:
+    """How `_forward_packed` batches the pack's sequences, built once per forward: every layer gets the same
+    PackedSeqParams object, so the one device-to-host copy of cu_seqlens and the index tensors are cached on it."""
+    key = (t, str(device), group)
+    cached = getattr(packed_seq_params, "_megappo_plan", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    bounds = cu_seqlens.tolist()
+    if not bounds or bounds[0] != 0 or bounds[-1] != t:
+        raise ValueError(f"cu_seqlens {bounds[:1]}..{bounds[-1:]} do not cover the pack of {t} tokens")
+    seqs = [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    if group:
+        by_length: dict[int, list[int]] = {}
+        for lo, n in seqs:
+            by_length.setdefault(n, []).append(lo)
+        runs = list(by_length.items())
+    else:
+        runs = [(n, [lo]) for lo, n in seqs]
+    groups, order = [], []
+    for n, starts in runs:
+        adjacent = all(b - a == n for a, b in zip(starts, starts[1:]))
+        index = None if adjacent else torch.cat([torch.arange(lo, lo + n) for lo in starts]).to(device)
+        groups.append(_PackGroup(n, len(starts), starts[0], index))
+        order += starts
+    inverse = None
+    if order != sorted(order):  # the groups' outputs, concatenated, are not in pack order: undo the permutation
+        perm = torch.cat([torch.arange(lo, lo + n) for n, starts in runs for lo in starts])
+        inverse = torch.argsort(perm).to(device)
+    plan = _PackPlan(groups, inverse)
+    try:
+        packed_seq_params._megappo_plan = (key, plan)
+    except AttributeError:  # a slotted or frozen params object: no cache
+        pass
+    return plan

@@ -8,7 +8,10 @@ tokens; the text-only run has the same token count with text in place of the ima
    the VLMModel with its vision tower frozen (the recipe's default: backward stops before the tower) and unfrozen,
    against a GPTModel of the same LM (a Qwen2 config with the VL model's text dims). Images/s and tokens/s.
 2. Where the vision tower's forward time goes: patch embedding, window-attention blocks, full-attention blocks,
-   patch merger, and the rest (2-D rotary angles, window order, attention masks), by timers around each module.
+   patch merger, and the rest (2-D rotary angles, window order, segment boundaries), by timers around each module.
+   The blocks attend per segment (megatron's packed THD format: per window, or per image in full-attention blocks),
+   so a window block's attention costs sum(L^2) over its windows, not N^2 over the batch's N patches; windows of
+   equal length run as one batched SDPA call (--sdpa-per-segment: one call per window, to compare).
 3. Generation: transformers' Qwen2_5_VLForConditionalGeneration.generate against Qwen2ForCausalLM.generate of the
    same LM, greedy, exactly --response new tokens. megappo's in-process engine (rollout.name=hf) runs these same
    transformers models with its own KV-cached sampling loop, so this is its cost per image and per token.
@@ -125,7 +128,7 @@ def _vision_breakdown(vision, pixel_values, grid, repeats: int) -> dict[str, flo
     for h in handles:
         h.remove()
     out = {k: v / repeats for k, v in spent.items()}
-    out["other (rotary, window order, masks)"] = total - sum(out.values())
+    out["other (rotary, window order, bounds)"] = total - sum(out.values())
     out["total"] = total
     return out
 
@@ -137,6 +140,10 @@ def _train_job(rank: int, world_size: int, args) -> dict:
     from megappo.platform.layout import ParallelLayout
 
     torch.set_num_threads(1)
+    if args.sdpa_per_segment:
+        from megappo.models.attention import SDPAttention
+
+        SDPAttention.group_equal_lengths = False
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(), plat, seed=0)
     vl_cfg, lm_cfg = configs(args.size)
@@ -196,6 +203,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="text tokens of a prompt besides the image")
     ap.add_argument("--response", type=int, default=64, help="response tokens (trained on / generated)")
     ap.add_argument("--steps", type=int, default=3, help="timed repeats after one warm-up (the fastest counts)")
+    ap.add_argument("--sdpa-per-segment", action="store_true",
+                    help="one SDPA call per window / image instead of batching those of equal length")
     args = ap.parse_args()
     args.image = args.image or SIZES[args.size][2]
     torch.set_num_threads(1)

@@ -8,8 +8,14 @@ Pieces and where they come from:
   are TP-aware: heads and the MLP's hidden units are split over tensor-parallel ranks.
 - 2-D rotary (megatron has none for vision): head_dim/4 frequencies per axis; the angles [h-freqs, w-freqs] are
   doubled to head_dim and applied by megatron's (non-interleaved) `apply_rotary_pos_emb` inside `SelfAttention`.
-- window attention (megatron has none): expressed as a block-diagonal boolean mask over the window-ordered patches;
-  layers in `fullatt_block_indexes` get the per-image mask instead. Qwen2-VL has no windows: every layer per image.
+- window attention (megatron has none): the patches are put in window order and the blocks run megatron's packed
+  THD format (`PackedSeqParams` with `cu_seqlens` at the window boundaries, `attn_mask_type=no_mask`), so each
+  window attends to itself only and attention costs sum(L_i^2), never N^2 (no N x N mask); megappo's `SDPAttention`
+  runs windows of equal length as one batched call. Layers in `fullatt_block_indexes` get the per-image boundaries
+  instead. Qwen2-VL has no windows: every layer per image. The rotary angles are given per patch for the whole pack
+  ([N, 1, 1, head_dim]), which megatron's THD rotary applies by absolute offset, exactly as without packing (its
+  unfused THD rotary reads each segment's offset from cu_seqlens with `.item()`: on GPU one sync per window per
+  layer; TE's fused THD rotary would restart positions per segment, so `apply_rope_fusion` stays off).
 - patch merger: RMSNorm, 2x2 neighbouring patches concatenated, then megatron's `MultimodalProjector` (an MLP with
   ColumnParallel fc1, GELU, RowParallel fc2) to the LM hidden size.
 
@@ -135,7 +141,7 @@ def _layer_spec():
             input_layernorm=WrappedTorchNorm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                # bidirectional; the (window / per-image) block-diagonal mask is passed explicitly
+                # bidirectional within each packed segment (a window or an image, see VisionModel.forward)
                 params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=SDPAttention,
                                                    linear_proj=RowParallelLinear),
@@ -184,10 +190,13 @@ def window_index(grid_thw: torch.Tensor, args: VisionArgs) -> tuple[torch.Tensor
     return torch.cat(index), lengths
 
 
-def segment_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """Boolean [1, 1, N, N] mask, True where attention is blocked: tokens attend within their segment only."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    return (seg[:, None] != seg[None, :])[None, None]
+def segment_params(lengths: list[int], device: torch.device):
+    """megatron's packed (THD) params for segments of `lengths` consecutive patches: each attends to itself only."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                           max_seqlen_kv=max(lengths))
 
 
 def _sharded_state_dict(module: nn.Module, prefix: str, sharded_offsets: tuple, metadata) -> dict:
@@ -280,13 +289,13 @@ class VisionModel(nn.Module):
             # reorder whole merge units so that each window's patches are contiguous
             x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
             freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
-            window_mask = segment_mask(win_lengths, x.device)
-        full_mask = segment_mask(image_lengths, x.device)  # window order keeps each image's patches together
+            windows = segment_params(win_lengths, x.device)
+        images = segment_params(image_lengths, x.device)  # window order keeps each image's patches together
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [N, 1, 1, head_dim] as megatron's RoPE reads
         h = x.unsqueeze(1)  # [s, b=1, C]
         for i, block in enumerate(self.blocks):
-            mask = full_mask if not a.window_size or i in a.fullatt_block_indexes else window_mask
-            h, _ = block(h, attention_mask=mask, rotary_pos_emb=emb)
+            packed = images if not a.window_size or i in a.fullatt_block_indexes else windows
+            h, _ = block(h, attention_mask=None, rotary_pos_emb=emb, packed_seq_params=packed)
         h = self.merger.ln_q(h.squeeze(1)).view(n // unit, -1)
         out = self.merger.projection(h)
         if isinstance(out, tuple):
