@@ -76,32 +76,27 @@ def _missing_dataset(parser: argparse.ArgumentParser) -> int:
 
 
 def _gsm8k(args: argparse.Namespace) -> int:
-    import os
+    from megappo.data import gsm8k
 
-    from megappo.data.gsm8k import convert
-    from megappo.data.errors import DataError
-
-    try:
-        counts = convert(args.input, args.out, force=args.force)
-    except (DataError, FileExistsError) as e:
-        print(f"megappo data gsm8k: error: {e}", file=sys.stderr)
-        return 1
-    out = os.path.abspath(os.path.expanduser(args.out))
-    for split, n in counts.items():
-        print(f"wrote {os.path.join(out, split + '.parquet')} ({n} prompts)")
-    return 0
+    return _convert_splits("gsm8k", gsm8k.convert, args)
 
 
 def _geo3k(args: argparse.Namespace) -> int:
+    from megappo.data import geo3k
+
+    return _convert_splits("geo3k", geo3k.convert, args)
+
+
+def _convert_splits(name: str, convert, args: argparse.Namespace) -> int:
+    """`convert(input, out, force=)` -> {split: prompts}; one line per file written, or the error and exit 1."""
     import os
 
     from megappo.data.errors import DataError
-    from megappo.data.geo3k import convert
 
     try:
         counts = convert(args.input, args.out, force=args.force)
     except (DataError, FileExistsError) as e:
-        print(f"megappo data geo3k: error: {e}", file=sys.stderr)
+        print(f"megappo data {name}: error: {e}", file=sys.stderr)
         return 1
     out = os.path.abspath(os.path.expanduser(args.out))
     for split, n in counts.items():

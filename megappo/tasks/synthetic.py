@@ -49,7 +49,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -223,13 +223,13 @@ def _params(task: SyntheticTask, num_train_prompts: int, num_val_prompts: int, w
             "spec": task.spec()}
 
 
-def _files(task: SyntheticTask, out_dir: str, manifest: dict, reused: bool) -> TaskFiles:
+def _files(name: str, data_source: str, out_dir: str, manifest: dict, reused: bool) -> TaskFiles:
     return TaskFiles(
         model_dir=os.path.join(out_dir, "model"),
         train_files=os.path.join(out_dir, "train.parquet"),
         val_files=os.path.join(out_dir, "val.parquet"),
-        data_source=task.data_source,
-        task=task.name,
+        data_source=data_source,
+        task=name,
         reused=reused,
         warm_start=dict(manifest.get("warm_start", {})),
     )
@@ -253,7 +253,8 @@ def read_task_files(out_dir: str) -> Optional[TaskFiles]:
     manifest = _read_manifest(out_dir)
     if manifest is None or manifest.get("params", {}).get("task") not in TASKS:
         return None
-    return _files(TASKS[manifest["params"]["task"]], out_dir, manifest, reused=True)
+    task = TASKS[manifest["params"]["task"]]
+    return _files(task.name, task.data_source, out_dir, manifest, reused=True)
 
 
 @contextmanager
@@ -285,18 +286,26 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
         raise ValueError(f"task {name!r} has {task.num_prompts} distinct prompts; data.synthetic.num_val_prompts "
                          f"(distinct, and held out of training) must be at most a quarter of them, got "
                          f"{num_val_prompts}")
-    out_dir = os.path.abspath(os.path.expanduser(out_dir))
     params = _params(task, num_train_prompts, num_val_prompts, warm_start_steps, seed)
+    return prepared(task.name, task.data_source, out_dir, params, lambda d, p: _build(task, d, p))
+
+
+def prepared(name: str, data_source: str, out_dir: str, params: dict, build: Callable[[str, dict], dict]
+             ) -> TaskFiles:
+    """Every task's locking, manifest and reuse: under `<out_dir>.lock`, the files in `out_dir` when its manifest
+    was made with `params`, else `build(out_dir, params)` (which writes them through `fresh_tmp`/`swap_in` and
+    returns the manifest)."""
+    out_dir = os.path.abspath(os.path.expanduser(out_dir))
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     with _locked(out_dir + ".lock"):
         manifest = _read_manifest(out_dir)
-        if manifest is not None and manifest.get("params") == params:
-            return _files(task, out_dir, manifest, reused=True)
-        if manifest is not None:
-            logger.warning("%s holds synthetic task files made with %s; rebuilding them for %s", out_dir,
-                           manifest.get("params"), params)
-        manifest = _build(task, out_dir, params)
-    return _files(task, out_dir, manifest, reused=False)
+        reused = manifest is not None and manifest.get("params") == params
+        if not reused:
+            if manifest is not None:
+                logger.warning("%s holds task files made with %s; rebuilding them for %s", out_dir,
+                               manifest.get("params"), params)
+            manifest = build(out_dir, params)
+    return _files(name, data_source, out_dir, manifest, reused)
 
 
 def fresh_tmp(out_dir: str) -> str:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from megappo.tasks import synthetic
-from megappo.tasks.synthetic import TaskFiles, _locked, _one_thread, _read_manifest
+from megappo.tasks.synthetic import TaskFiles, _one_thread
 
 FORMAT_VERSION = 1
 PAD, EOS, BOS_TURN = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
@@ -102,19 +102,10 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
                  warm_start_steps: int = 300, seed: int = 0) -> TaskFiles:
     """`megappo.tasks.synthetic.prepare_task` for the tool task (same files, manifest, locking and reuse)."""
     task = TASKS[name]
-    out_dir = os.path.abspath(os.path.expanduser(out_dir))
     params = {"format": FORMAT_VERSION, "task": name, "num_train_prompts": num_train_prompts,
               "num_val_prompts": num_val_prompts, "warm_start_steps": warm_start_steps, "seed": seed,
               "spec": {k: v for k, v in asdict(task).items() if k != "description"}}
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    with _locked(out_dir + ".lock"):
-        manifest = _read_manifest(out_dir)
-        reused = manifest is not None and manifest.get("params") == params
-        if not reused:
-            manifest = _build(task, out_dir, params)
-    return TaskFiles(model_dir=os.path.join(out_dir, "model"), train_files=os.path.join(out_dir, "train.parquet"),
-                     val_files=os.path.join(out_dir, "val.parquet"), data_source=task.data_source, task=name,
-                     reused=reused, warm_start=dict(manifest.get("warm_start", {})))
+    return synthetic.prepared(name, task.data_source, out_dir, params, lambda d, p: _build(task, d, p))
 
 
 def make_tokenizer(task: ToolTask, model_dir: str):
