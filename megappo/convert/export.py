@@ -21,7 +21,7 @@ engine's `copy_` into its parameters, the SGLang staging buffers, a broadcast. S
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -135,25 +135,43 @@ def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState
 
     owners = _gather_owners({slot_key(n): _Meta(tuple(lp.param.shape), lp.param.dtype) for n, lp in mine.items()},
                             ps.pp_group)
+    def groups() -> Iterator[Bucket]:
+        for pm in ordered:
+            key = slot_key(pm.mcore)
+            if key not in owners:
+                raise RuntimeError(f"no pipeline stage holds {pm.mcore}; the model chunks do not cover the model "
+                                   f"described by hf_config (role {role})")
+            src_stage, meta = owners[key]
+            shard = _fetch(pm, mine, meta, src_stage, num_local, ps, device)
+            if pm.tp_dim is not None:
+                shard_list = _all_gather(shard, ps.expert_tp_group if pm.expert else ps.tp_group)
+            else:
+                shard_list = [shard]
+            yield hf_tensors(merge_to_hf(pm, spec, shard_list), shard_list, dtype, copy)
+
+    yield from bucketed(groups(), bucket_bytes)
+
+
+def hf_tensors(pairs, shards: list[torch.Tensor], dtype: Optional[torch.dtype], copy: bool) -> Bucket:
+    """One parameter's merged HF tensors in `dtype`; with `copy`, never a view of a shard (a kept tensor must not
+    change with the parameter it came from)."""
+    out: Bucket = []
+    for name, full in pairs:
+        full = full.to(dtype) if dtype is not None else full
+        if copy and any(_same_storage(full, s) for s in shards):
+            full = full.clone()
+        out.append((name, full))
+    return out
+
+
+def bucketed(groups: Iterable[Bucket], bucket_bytes: int) -> Iterator[Bucket]:
+    """Buckets of about `bucket_bytes` from groups (one parameter's HF tensors, never split across buckets), lazily:
+    each group is produced (collectively) only when the consumer asks for the next bucket."""
     bucket: Bucket = []
     nbytes = 0
-    for pm in ordered:
-        key = slot_key(pm.mcore)
-        if key not in owners:
-            raise RuntimeError(f"no pipeline stage holds {pm.mcore}; the model chunks do not cover the model "
-                               f"described by hf_config (role {role})")
-        src_stage, meta = owners[key]
-        shard = _fetch(pm, mine, meta, src_stage, num_local, ps, device)
-        if pm.tp_dim is not None:
-            shard_list = _all_gather(shard, ps.expert_tp_group if pm.expert else ps.tp_group)
-        else:
-            shard_list = [shard]
-        for name, full in merge_to_hf(pm, spec, shard_list):
-            full = full.to(dtype) if dtype is not None else full
-            if copy and any(_same_storage(full, s) for s in shard_list):
-                full = full.clone()  # a kept tensor must not change with the parameter it came from
-            bucket.append((name, full))
-            nbytes += full.numel() * full.element_size()
+    for group in groups:
+        bucket.extend(group)
+        nbytes += sum(t.numel() * t.element_size() for _, t in group)
         if nbytes >= bucket_bytes:
             yield bucket
             bucket, nbytes = [], 0

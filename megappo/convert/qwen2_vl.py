@@ -188,7 +188,7 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
                         language_model_only: bool = False) -> Iterator[list]:
     """`iter_hf_weights` for a VLM: buckets of (HF name, full tensor), vision tower first. Collective.
     `language_model_only`: the language model's weights only (a frozen tower's never change: weight sync)."""
-    from megappo.convert.export import _Meta, _all_gather, _broadcast, _gather_owners, _same_storage
+    from megappo.convert.export import _Meta, _all_gather, _broadcast, _gather_owners, bucketed, hf_tensors
     from megappo.convert.hf_to_mcore import model_role
 
     role = role or model_role(model_chunks)
@@ -200,26 +200,20 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
     mine = {n: p for n, p, _, _ in vlm_local_params(model_chunks, spec, maps, ps)}
     device = next(iter(mine.values())).device if mine else torch.device("cpu")
     owners = _gather_owners({n: _Meta(tuple(p.shape), p.dtype) for n, p in mine.items()}, ps.pp_group)
-    bucket, nbytes = [], 0
-    for pm in ordered:
-        if pm.mcore not in owners:
-            raise RuntimeError(f"no pipeline stage holds {pm.mcore}; the chunks do not cover the model (role {role})")
-        src, meta = owners[pm.mcore]
-        on_owner = ps.pp_rank == src if ps.pp_group is not None and ps.pp_size > 1 else True
-        local = mine.get(pm.mcore)
-        shard = _broadcast(local.data if local is not None and on_owner else None, meta, src, ps.pp_group, device)
-        shards = _all_gather(shard, ps.tp_group) if pm.tp_dim is not None else [shard]
-        for name, full in merge_for(pm, spec, args, shards):
-            full = full.to(dtype) if dtype is not None else full
-            if copy and any(_same_storage(full, s) for s in shards):
-                full = full.clone()
-            bucket.append((name, full))
-            nbytes += full.numel() * full.element_size()
-        if nbytes >= bucket_bytes:
-            yield bucket
-            bucket, nbytes = [], 0
-    if bucket:
-        yield bucket
+
+    def groups():
+        for pm in ordered:
+            if pm.mcore not in owners:
+                raise RuntimeError(f"no pipeline stage holds {pm.mcore}; the chunks do not cover the model (role "
+                                   f"{role})")
+            src, meta = owners[pm.mcore]
+            on_owner = ps.pp_rank == src if ps.pp_group is not None and ps.pp_size > 1 else True
+            local = mine.get(pm.mcore)
+            shard = _broadcast(local.data if local is not None and on_owner else None, meta, src, ps.pp_group, device)
+            shards = _all_gather(shard, ps.tp_group) if pm.tp_dim is not None else [shard]
+            yield hf_tensors(merge_for(pm, spec, args, shards), shards, dtype, copy)
+
+    yield from bucketed(groups(), bucket_bytes)
 
 
 def vlm_materialiser(model_chunks: list[nn.Module], ckpt, parallel_state, role: str, used: set[str]):
