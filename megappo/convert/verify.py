@@ -67,16 +67,21 @@ def mcore_forward(model_chunks: list[nn.Module], parallel_state: ParallelState, 
             out = torch.stack([o.float() for o in outs], dim=1).reshape(b, *outs[0].shape[1:])
         else:
             out = outs[0].float()
-        if not is_value:
-            if ps.tp_size > 1:
-                parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
-                dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
-                out = torch.cat(parts, dim=-1)
-            out = (out[..., :vocab_size] if vocab_size else out).contiguous()  # gloo sends raw storage
+    return last_stage_output(out, ps, is_value, vocab_size, device)
+
+
+def last_stage_output(out: Optional[torch.Tensor], ps: ParallelState, is_value: bool, vocab_size: Optional[int],
+                      device: torch.device) -> torch.Tensor:
+    """The last pipeline stage's output (`out`, None elsewhere) on every rank, on the CPU: an LM's vocab-parallel
+    logits gathered over `tp_group` and cut to `vocab_size`, broadcast over `pp_group`. Collective."""
+    if out is not None and not is_value:
+        if ps.tp_size > 1:
+            parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
+            dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
+            out = torch.cat(parts, dim=-1)
+        out = (out[..., :vocab_size] if vocab_size else out).contiguous()  # gloo sends raw storage
     if ps.pp_size > 1:
-        shape = [None]
-        if ps.is_pipeline_last_stage:
-            shape = [tuple(out.shape)]
+        shape = [tuple(out.shape) if ps.is_pipeline_last_stage else None]
         last = dist.get_global_rank(ps.pp_group, ps.pp_size - 1)
         dist.broadcast_object_list(shape, src=last, group=ps.pp_group)
         if out is None:

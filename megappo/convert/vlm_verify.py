@@ -69,6 +69,8 @@ def vlm_mcore_forward(model_chunks: list[nn.Module], parallel_state, batch: dict
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megappo.convert.verify import last_stage_output
+
     ps = parallel_state
     device = next(model_chunks[0].parameters()).device
     b, t = batch["input_ids"].shape
@@ -85,23 +87,8 @@ def vlm_mcore_forward(model_chunks: list[nn.Module], parallel_state, batch: dict
     outs = fb(forward_step_func=forward_step, data_iterator=iter([data]), model=model_chunks[0], num_microbatches=1,
               seq_length=t, micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
     is_value = getattr(model_chunks[-1], "megappo_role", "actor") in ("critic", "reward")
-    out = None
-    if ps.is_pipeline_last_stage:
-        out = outs[0].float()
-        if not is_value:
-            if ps.tp_size > 1:
-                parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
-                dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
-                out = torch.cat(parts, dim=-1)
-            out = (out[..., :vocab_size] if vocab_size else out).contiguous()
-    if ps.pp_size > 1:
-        shape = [tuple(out.shape) if out is not None else None]
-        last = dist.get_global_rank(ps.pp_group, ps.pp_size - 1)
-        dist.broadcast_object_list(shape, src=last, group=ps.pp_group)
-        if out is None:
-            out = torch.empty(shape[0], dtype=torch.float32, device=device)
-        dist.broadcast(out, src=last, group=ps.pp_group)
-    return out.cpu()
+    out = outs[0].float() if ps.is_pipeline_last_stage else None
+    return last_stage_output(out, ps, is_value, vocab_size, device)
 
 
 @torch.no_grad()
