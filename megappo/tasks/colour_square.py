@@ -29,7 +29,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megappo.tasks import synthetic
@@ -91,8 +91,7 @@ TASKS: dict[str, ColourSquareTask] = {"colour_square": ColourSquareTask()}
 def colour_square_reward(data_source: str, solution_str: str, ground_truth: Any,
                          extra_info: Optional[dict] = None) -> float:
     """1.0 when the response is exactly the colour (whitespace and EOS/pad aside), else 0.0."""
-    text = solution_str.replace(EOS, " ").replace(PAD, " ")
-    return 1.0 if text.strip() == str(ground_truth).strip() else 0.0
+    return synthetic.exact_answer(solution_str, ground_truth, (EOS, PAD))
 
 
 def builtin_rewards() -> dict[str, Any]:
@@ -103,10 +102,8 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
                  warm_start_steps: int = 200, seed: int = 0) -> TaskFiles:
     """`megappo.tasks.synthetic.prepare_task` for the image task (same files, manifest, locking and reuse)."""
     task = TASKS[name]
-    params = {"format": FORMAT_VERSION, "task": name, "num_train_prompts": num_train_prompts,
-              "num_val_prompts": num_val_prompts, "warm_start_steps": warm_start_steps, "seed": seed,
-              "spec": {k: v for k, v in asdict(task).items() if k != "description"}}
-    params["spec"] = {k: list(v) if isinstance(v, tuple) else v for k, v in params["spec"].items()}
+    params = synthetic.dataclass_params(name, task, FORMAT_VERSION, num_train_prompts, num_val_prompts,
+                                        warm_start_steps, seed)
     return synthetic.prepared(name, task.data_source, out_dir, params, lambda d, p: _build(task, d, p))
 
 

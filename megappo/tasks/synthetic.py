@@ -188,10 +188,26 @@ def get_task(name: str) -> SyntheticTask:
 def synthetic_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None
                      ) -> float:
     """1.0 when the response is exactly the answer (surrounding whitespace and EOS/pad tokens aside), else 0.0."""
-    text = solution_str
-    for token in SPECIAL_TOKENS:
+    return exact_answer(solution_str, ground_truth, SPECIAL_TOKENS)
+
+
+def exact_answer(text: str, ground_truth: Any, special_tokens) -> float:
+    """Every built-in task's reward: 1.0 when `text` is exactly the answer once `special_tokens` and the
+    surrounding whitespace are dropped, else 0.0 (no format credit, so a rising reward is learning)."""
+    for token in special_tokens:
         text = text.replace(token, " ")
     return 1.0 if text.strip() == str(ground_truth).strip() else 0.0
+
+
+def dataclass_params(name: str, task: Any, format_version: int, num_train_prompts: int, num_val_prompts: int,
+                     warm_start_steps: int, seed: int) -> dict:
+    """A dataclass task's manifest parameters (its fields but the description; tuples as the lists JSON reads back,
+    so a reused build compares equal)."""
+    from dataclasses import asdict
+
+    spec = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(task).items() if k != "description"}
+    return {"format": format_version, "task": name, "num_train_prompts": num_train_prompts,
+            "num_val_prompts": num_val_prompts, "warm_start_steps": warm_start_steps, "seed": seed, "spec": spec}
 
 
 def builtin_rewards() -> dict[str, Any]:

@@ -26,7 +26,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megappo.tasks import synthetic
@@ -89,9 +89,7 @@ def tool_sum_reward(data_source: str, solution_str: str, ground_truth: Any, extr
     """1.0 when the final assistant message is exactly the answer (EOS aside), else 0.0."""
     messages = (extra_info or {}).get("messages") or []
     text = messages[-1]["content"] if messages and messages[-1].get("role") == "assistant" else solution_str
-    for token in (PAD, EOS):
-        text = text.replace(token, " ")
-    return 1.0 if text.strip() == str(ground_truth).strip() else 0.0
+    return synthetic.exact_answer(text, ground_truth, (PAD, EOS))
 
 
 def builtin_rewards() -> dict[str, Any]:
@@ -102,9 +100,8 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
                  warm_start_steps: int = 300, seed: int = 0) -> TaskFiles:
     """`megappo.tasks.synthetic.prepare_task` for the tool task (same files, manifest, locking and reuse)."""
     task = TASKS[name]
-    params = {"format": FORMAT_VERSION, "task": name, "num_train_prompts": num_train_prompts,
-              "num_val_prompts": num_val_prompts, "warm_start_steps": warm_start_steps, "seed": seed,
-              "spec": {k: v for k, v in asdict(task).items() if k != "description"}}
+    params = synthetic.dataclass_params(name, task, FORMAT_VERSION, num_train_prompts, num_val_prompts,
+                                        warm_start_steps, seed)
     return synthetic.prepared(name, task.data_source, out_dir, params, lambda d, p: _build(task, d, p))
 
 
