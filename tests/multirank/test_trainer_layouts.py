@@ -174,3 +174,13 @@ def test_dp2_matches_dp1_with_a_sequence_level_loss(tmp_path):
             assert rb[k] == ra[k], k
         for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {ra['step']} {k}"
+
+
+@pytest.mark.long
+def test_cp2_matches_one_rank(data, single, tmp_path):
+    """Context parallelism on two ranks (actor, reference and critic split each sequence in megatron's CP layout)
+    logs the one-rank run's metrics and ends at the same weights."""
+    _torchrun(2, tiny_run_overrides(str(tmp_path), data["model"], data["train"], steps=2,
+                                    extra=[*COMMON, "trainer.n_gpus_per_node=2",
+                                           "actor_rollout_ref.actor.megatron.context_parallel_size=2"]))
+    _same_run(single, tmp_path)
