@@ -276,11 +276,21 @@ def test_cp2_matches_single_rank(reference):
 
 
 @pytest.mark.long
-def test_cp2_with_tp2_and_dp2_matches_single_rank(reference):
+def test_cp2_with_tp2_dp2_pp2_matches_single_rank(reference):
     hf_dir, ref = reference()
     dyn = {"use_dynamic_bsz": True, "max_token_len": 48}
     layouts = [({"cp": 2, "tp": 2}, dyn, False, False), ({"cp": 2}, dyn, True, False),
-               ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"micro_batch_size": 3}, False, False)]
+               ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"micro_batch_size": 3}, False, False),
+               ({"cp": 2, "pp": 2}, dyn, False, False)]
     per_rank = _spawn(4, hf_dir, layouts, timeout=600)
     for i in range(len(layouts)):
         _compare_cp([per_rank[r][i] for r in range(4)], ref, dist_opt=layouts[i][2])
+
+
+@pytest.mark.long
+def test_moe_cp2_ep2_matches_single_rank(reference):
+    """Qwen3-MoE at CP2 x EP2 on 4 ranks (DP2): the experts' tokens come from both CP ranks' sequence chunks."""
+    hf_dir, ref = reference("qwen3_moe")
+    layouts = [({"cp": 2, "ep": 2}, {"use_dynamic_bsz": True, "max_token_len": 48}, False, False)]
+    per_rank = _spawn(4, hf_dir, layouts, timeout=600)
+    _compare_cp([per_rank[r][0] for r in range(4)], ref)
