@@ -264,7 +264,7 @@ class SDPAttention(MegatronModule):
                              attention_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """This CP rank's key/value [s/cp, b, ng, hn] -> the whole sequence's [s, b, ng, hn] in global order, and
         the [s/cp, s] SDPA mask (True = attend) of the local queries' causal attention at their global positions."""
-        from megappo.models.context_parallel import gather_sequence, positions
+        from megappo.models.context_parallel import causal_attend, gather_sequence
 
         if attention_mask is not None or self.attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError("SDPAttention's context parallelism is for causal self attention without an "
@@ -272,9 +272,7 @@ class SDPAttention(MegatronModule):
         s = key.size(0) * self.cp_size
         key = gather_sequence(key, 0, self.cp_group, s)
         value = gather_sequence(value, 0, self.cp_group, s)
-        q_pos = positions(s, self.cp_size, self.cp_group.rank(), key.device)
-        attend = q_pos.unsqueeze(1) >= torch.arange(s, device=key.device).unsqueeze(0)  # [s/cp, s]
-        return key, value, attend
+        return key, value, causal_attend(s, self.cp_size, self.cp_group.rank(), str(key.device))
 
     def _forward_packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                         packed_seq_params: Any) -> Tensor:

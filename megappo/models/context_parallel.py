@@ -20,13 +20,14 @@ Packed (THD) micro-batches are not split: with CP > 1 `compute.can_pack` is Fals
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CPSplit", "positions", "gather_sequence", "split_micro_batch", "cp_pad_multiple"]
+__all__ = ["CPSplit", "positions", "causal_attend", "gather_sequence", "split_micro_batch", "cp_pad_multiple"]
 
 
 def positions(seq_len: int, cp_size: int, cp_rank: int, device: Any = None) -> torch.Tensor:
@@ -38,10 +39,20 @@ def positions(seq_len: int, cp_size: int, cp_rank: int, device: Any = None) -> t
     return torch.cat([torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)])
 
 
-def _global_order(seq_len: int, cp_size: int, device: Any) -> torch.Tensor:
-    """Index into the rank-ordered concatenation of every CP rank's tokens that gives the global order."""
+@functools.lru_cache(maxsize=64)
+def _global_order(seq_len: int, cp_size: int, device: str) -> torch.Tensor:
+    """Index into the rank-ordered concatenation of every CP rank's tokens that gives the global order (cached:
+    every layer's K and V gather and every output gather of a micro-batch use the same one)."""
     gathered = torch.cat([positions(seq_len, cp_size, r, device) for r in range(cp_size)])
     return torch.argsort(gathered)
+
+
+@functools.lru_cache(maxsize=64)
+def causal_attend(seq_len: int, cp_size: int, cp_rank: int, device: str) -> torch.Tensor:
+    """[seq_len / cp, seq_len] bool, True where this CP rank's query (a row) may attend to a key in global order:
+    the key's position is at or before the query's (cached per length: every layer uses the same)."""
+    q_pos = positions(seq_len, cp_size, cp_rank, device)
+    return q_pos.unsqueeze(1) >= torch.arange(seq_len, device=device).unsqueeze(0)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -70,7 +81,7 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Any, seq_len: int) -> torc
     `seq_len` in global order; differentiable (gradients summed over the group)."""
     size = dist.get_world_size(group)
     full = _GatherSequence.apply(x, dim, group)
-    return full.index_select(dim, _global_order(seq_len, size, x.device))
+    return full.index_select(dim, _global_order(seq_len, size, str(x.device)))
 
 
 def cp_pad_multiple(cp_size: int, tp_size: int, sequence_parallel: bool) -> int:
