@@ -54,9 +54,15 @@ else gathered): a ViT's windows are mostly of one size, and one call per window 
 attention. `SDPAttention.group_equal_lengths = False` runs one call per sequence (for benchmarks).
 `DotProductAttention` refuses packed sequences.
 
-Not supported (the builder keeps megatron's class then, see `SDPAttention.supports`): context parallelism (as
-`DotProductAttention`), sliding-window attention, `softmax_type` other than "vanilla". `attention_bias` is refused
-as in `DotProductAttention`.
+Context parallelism (megatron's layout, `megappo.models.context_parallel`): with context_parallel_size > 1 a
+rank's query/key/value are its 2 sequence chunks (r and 2cp-1-r of 2cp) of causal self attention (no mask passed,
+not packed). K and V are all-gathered over the CP group (autograd-aware: their gradients are summed back) and
+each local query attends to the keys at or before its global position: megatron's "all_gather" CP scheme, the
+same result as CP=1. `DotProductAttention` refuses CP.
+
+Not supported (the builder keeps megatron's class then, see `SDPAttention.supports`): sliding-window attention,
+`softmax_type` other than "vanilla"; packed sequences under context parallelism. `attention_bias` is refused as in
+`DotProductAttention`.
 """
 from __future__ import annotations
 
@@ -120,8 +126,7 @@ class SDPAttention(MegatronModule):
     def supports(config: Any) -> bool:
         """Whether this class reproduces `DotProductAttention` for `config` (else keep megatron's)."""
         return (
-            getattr(config, "context_parallel_size", 1) == 1
-            and getattr(config, "softmax_type", "vanilla") == "vanilla"
+            getattr(config, "softmax_type", "vanilla") == "vanilla"
             and not getattr(config, "window_size", None)
         )
 
@@ -138,9 +143,6 @@ class SDPAttention(MegatronModule):
     ):
         super().__init__(config=config)
         self.config = config
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention does not support context parallelism (nor does megatron's "
-                                      "DotProductAttention): use transformer-engine's attention")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(f"SDPAttention supports softmax_type='vanilla' only, not "
                                       f"{config.softmax_type!r}")
@@ -157,6 +159,15 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention pg_collection must have a tp process group")
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        self.cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
+        self.cp_group = None
+        if self.cp_size > 1:
+            cp_group = getattr(pg_collection, "cp", None)
+            if cp_group is None:
+                from megatron.core import parallel_state as mpu
+
+                cp_group = mpu.get_context_parallel_group()
+            self.cp_group = cp_group
         world_size = pg_collection.tp.size()
         projection_size = config.kv_channels * config.num_attention_heads
         self.hidden_size_per_partition = divide(projection_size, world_size)
@@ -182,6 +193,9 @@ class SDPAttention(MegatronModule):
         """query [sq, b, np, hn], key/value [sk, b, ng, hn], attention_mask bool (True = blocked) or None
         -> context [sq, b, np * hn]."""
         if packed_seq_params is not None:
+            if self.cp_size > 1:
+                raise NotImplementedError("SDPAttention runs context parallelism on padded micro-batches only, not "
+                                          "packed ones (megappo.models.compute does not pack under CP)")
             return self._forward_packed(query, key, value, attention_mask, packed_seq_params)
         if attention_bias is not None:
             raise NotImplementedError("attention bias is not supported by SDPAttention (nor by DotProductAttention)")
@@ -193,7 +207,9 @@ class SDPAttention(MegatronModule):
         is_causal = False
         attn_mask = None
         fully_blocked = None
-        if attention_mask is None:
+        if self.cp_size > 1:
+            key, value, attn_mask = self._context_parallel_kv(key, value, attention_mask)
+        elif attention_mask is None:
             if self.attn_mask_type == AttnMaskType.causal and sq > 1:
                 if sq != sk:
                     raise ValueError(f"the causal mask is only for self attention (sq {sq} != sk {sk})")
@@ -243,6 +259,20 @@ class SDPAttention(MegatronModule):
 
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)
+
+    def _context_parallel_kv(self, key: Tensor, value: Tensor,
+                             attention_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """This CP rank's key/value [s/cp, b, ng, hn] -> the whole sequence's [s, b, ng, hn] in global order, and
+        the [s/cp, s] SDPA mask (True = attend) of the local queries' causal attention at their global positions."""
+        from megappo.models.context_parallel import causal_attend, gather_sequence
+
+        if attention_mask is not None or self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPAttention's context parallelism is for causal self attention without an "
+                                      "explicit mask (rows left-aligned, as megappo.models.compute runs them)")
+        s = key.size(0) * self.cp_size
+        key = gather_sequence(key, 0, self.cp_group, s)
+        value = gather_sequence(value, 0, self.cp_group, s)
+        return key, value, causal_attend(s, self.cp_size, self.cp_group.rank(), str(key.device))
 
     def _forward_packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                         packed_seq_params: Any) -> Tensor:

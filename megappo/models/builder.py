@@ -208,11 +208,15 @@ def build_model(
     )
     from megappo.platform.layout import LayoutError
 
-    if layout.cp > 1 and not spec.use_transformer_engine:
-        # megatron's local DotProductAttention asserts context_parallel_size == 1.
+    from megappo.models.attention import SDPAttention
+
+    if layout.cp > 1 and not spec.use_transformer_engine and not SDPAttention.supports(config):
+        # megatron's local DotProductAttention asserts context_parallel_size == 1; megappo's SDPAttention does CP
+        # but not sliding windows or other softmax types.
         raise LayoutError(
-            f"context_parallel_size={layout.cp} needs transformer-engine's attention (a GPU with transformer-engine "
-            "installed); set actor_rollout_ref.actor.megatron.context_parallel_size=1"
+            f"context_parallel_size={layout.cp} without transformer-engine needs megappo's SDPAttention, which does "
+            "not support this model's attention (sliding window or softmax_type); use a GPU with transformer-engine "
+            "or set actor_rollout_ref.actor.megatron.context_parallel_size=1"
         )
     if spec.num_experts and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic"):
 

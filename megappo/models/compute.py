@@ -11,6 +11,11 @@ sequences (`can_pack`), each micro-batch runs as one pack of its sequences witho
 input_ids [1, T] and megatron's `PackedSeqParams`), and the last stage reads each row's outputs at its place in the
 pack; everything after that (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors as padded.
 
+Context parallelism (`megappo.models.context_parallel`): each padded micro-batch runs as this CP rank's two
+sequence chunks (megatron's layout); the last stage gathers its per-position results (not the logits) over the CP
+group, so every CP rank returns, and computes the loss on, the whole [b, r] tensors. Packed micro-batches run
+padded under CP.
+
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
 forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
 or packed [3, 1, T]) and the prompts' image-token mask (`megappo.models.vlm.inputs`). Everything after the model's
@@ -35,6 +40,7 @@ from torch import nn
 
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
+from megappo.models.context_parallel import CPSplit, cp_pad_multiple, split_micro_batch
 from megappo.models.microbatch import MicroBatchPlan, split_batch
 from megappo.models.packing import Pack, pack_lengths, pack_micro_batch, unpack_window
 from megappo.models.vlm.inputs import is_vlm, vlm_inputs
@@ -145,17 +151,22 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
 
 def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool, calculate_entropy: bool,
                       temperature: float, tp_group: Any, vocab_size: Optional[int],
-                      pack: Optional[Pack] = None) -> ModelOutputs:
+                      pack: Optional[Pack] = None, cp: Optional[CPSplit] = None) -> ModelOutputs:
     """The last stage's output [b, s, V/tp] (logits) or [b, s] (values) -> per-response-token outputs [b, r].
 
     Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
     (the value of the state before token j) are read from columns P-1 .. P+R-2: in the left-aligned rows the model
     ran on, each row's last prompt token and the R - 1 columns after it. With a `pack` the output is the packed
-    [1, T, ...] and those columns are read at each row's place in the pack.
+    [1, T, ...] and those columns are read at each row's place in the pack. With context parallelism (`cp`) the
+    output is this CP rank's [b, s / cp, ...]: see `_cp_response_outputs`.
     """
     if mb.prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
     window = _response_window(mb)  # the model ran on left-aligned rows (see `left_aligned`)
+    if cp is not None:
+        return _cp_response_outputs(output, mb, window, cp, value_model=value_model,
+                                    calculate_entropy=calculate_entropy, temperature=temperature, tp_group=tp_group,
+                                    vocab_size=vocab_size)
     if pack is not None:
         picked = unpack_window(output, pack, window)  # [b, R] values or [b, R, V/tp] logits
         if value_model:
@@ -176,8 +187,24 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
     return ModelOutputs(log_probs=logp, entropy=ent)
 
 
+def _cp_response_outputs(output: torch.Tensor, mb: ModelBatch, window: torch.Tensor, cp: CPSplit, *,
+                         value_model: bool, calculate_entropy: bool, temperature: float, tp_group: Any,
+                         vocab_size: Optional[int]) -> ModelOutputs:
+    """A CP rank's output -> the micro-batch's [b, r] outputs (megappo.models.context_parallel): per-position
+    results of the local tokens first (the logits stay local), all-gathered to [b, s], then the response window."""
+    if value_model:
+        return ModelOutputs(values=cp.gather(output).gather(1, window).float())
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: log-probs need a positive temperature")
+    logits = output / temperature if temperature != 1.0 else output
+    logp, ent = vocab_parallel_log_probs_and_entropy(logits, cp.targets, tp_group,
+                                                     calculate_entropy=calculate_entropy, vocab_size=vocab_size)
+    return ModelOutputs(log_probs=cp.gather(logp).gather(1, window),
+                        entropy=cp.gather(ent).gather(1, window) if calculate_entropy else None)
+
+
 def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable,
-                  packs: Optional[dict[int, Pack]] = None) -> tuple:
+                  packs: Optional[dict[int, Pack]] = None, parallel_state: Optional[ParallelState] = None) -> tuple:
     mb = next(data_iterator)
     pack = packs.get(id(mb)) if packs else None
     inner = unwrap(model)
@@ -189,11 +216,21 @@ def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss
         return output, partial(loss_func, mb, pack=pack)
     input_ids, position_ids = left_aligned(mb)
     spec = getattr(inner, "megappo_spec", None)
+    if parallel_state is not None and parallel_state.cp_size > 1:  # _prepare checked the attention does CP
+        input_ids, position_ids, cp = split_micro_batch(input_ids, position_ids, parallel_state,
+                                                        _cp_multiple(inner, parallel_state))
+        output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        return output, partial(loss_func, mb, cp=cp)
     # transformer-engine and megappo's SDPAttention apply the causal mask themselves (TE ignores one passed)
     internal = getattr(spec, "use_transformer_engine", False) or getattr(inner, "megappo_sdpa_attention", False)
     mask = None if internal else causal_mask(mb.seq_len, input_ids.device)
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
     return output, partial(loss_func, mb)
+
+
+def _cp_multiple(inner: nn.Module, parallel_state: ParallelState) -> int:
+    return cp_pad_multiple(parallel_state.cp_size, parallel_state.tp_size,
+                           bool(getattr(inner.config, "sequence_parallel", False)))
 
 
 def _vlm_forward_step(mb: ModelBatch, model: nn.Module, inner: nn.Module, pack: Optional[Pack],
@@ -219,10 +256,15 @@ def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -
     from megatron.core.utils import get_model_config
 
     if parallel_state.cp_size > 1:
-        raise NotImplementedError(
-            "context parallelism is not supported by megappo's log-prob/value/train compute yet (the sequence would "
-            "need CP-aware splitting); set context_parallel_size=1"
-        )
+        inner = unwrap(model_chunks[0])
+        if is_vlm(inner):
+            raise NotImplementedError("context parallelism is not supported for vision-language models; set "
+                                      "context_parallel_size=1")
+        te = getattr(getattr(inner, "megappo_spec", None), "use_transformer_engine", False)
+        if not (te or getattr(inner, "megappo_sdpa_attention", False)):
+            raise NotImplementedError(
+                f"context_parallel_size={parallel_state.cp_size} needs transformer-engine's attention or megappo's "
+                "SDPAttention (megatron's DotProductAttention refuses CP); set context_parallel_size=1")
     config = get_model_config(model_chunks[0])
     # Micro-batches are cropped to their own padding, so activation shapes differ between micro-batches: the
     # pipeline p2p exchanges shapes first (megatron's variable_seq_lengths). Not with virtual stages: there a
@@ -311,9 +353,13 @@ def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_
         seq_length, mbs = max(p.num_tokens for p in plan.packs.values()), 1
     else:
         seq_length = max(mb.seq_len for mb in plan.micro_batches)
+        if parallel_state.cp_size > 1:  # megatron divides it by cp: the padded full length of `split_micro_batch`
+            multiple = _cp_multiple(unwrap(model_chunks[0]), parallel_state)
+            seq_length = -(-seq_length // multiple) * multiple
         mbs = max(mb.batch_size for mb in plan.micro_batches)
     return fbf(
-        forward_step_func=partial(_forward_step, loss_func=loss_func, packs=plan.packs),
+        forward_step_func=partial(_forward_step, loss_func=loss_func, packs=plan.packs,
+                                  parallel_state=parallel_state if parallel_state.cp_size > 1 else None),
         data_iterator=iters if len(iters) > 1 else iters[0],
         model=list(model_chunks),
         num_microbatches=n,
@@ -356,10 +402,10 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     vocab_size = _real_vocab_size(model_chunks)
     plan = _plan(model_chunks, batch, micro, parallel_state)
 
-    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None):
+    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None, cp: Optional[CPSplit] = None):
         out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
-                                pack=pack)
+                                pack=pack, cp=cp)
         return torch.zeros((), device=output.device), out
 
     with torch.no_grad(), _mode(model_chunks, train=False):
@@ -484,11 +530,16 @@ def train_step(
     n = len(plan)
     index_of = {id(mb): i for i, mb in enumerate(plan.micro_batches)}
     undo = float(n * parallel_state.dp_size)  # megatron divides by n (schedule) and by dp (DDP grad average)
+    if parallel_state.cp_size > 1:
+        # Every CP rank computes the whole micro-batch's loss from all-gathered outputs, and the gather's backward
+        # sums the gradient over the CP group (megappo.models.context_parallel); megatron's schedule multiplies the
+        # loss by cp (its loss functions see local tokens only) and DDP averages over dp * cp: divide by cp once.
+        undo /= parallel_state.cp_size
 
-    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None):
+    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None, cp: Optional[CPSplit] = None):
         out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
-                                pack=pack)
+                                pack=pack, cp=cp)
         ctx = MicroBatchContext(mb, n_tokens, n_seqs, index_of[id(mb)], n)
         loss, metrics = loss_fn(out, ctx)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -37,6 +37,9 @@ needs it (measured in the project notes, shared/notes/megatron-core-on-cpu.md) s
    freed. Mapping costs page faults: measured, 4 MiB left 1.3 B/param and added 7% CPU time (user + system) to the
    PPO run, 64 KiB 1.0 B/param and 27%. Linux/glibc only; MALLOC_MMAP_THRESHOLD_ (glibc's own variable, read at process start)
    wins, and MEGAPPO_MALLOC_MMAP_THRESHOLD sets another value in bytes (0: leave glibc's dynamic threshold).
+8. `models/common/embeddings/rope_utils.get_pos_emb_on_this_cp_rank` (context parallelism: the rotary positions
+   of a CP rank's sequence chunks) builds its index with `pin_memory=True` and `.cuda()`; the rotary embedding
+   module's reference to it is replaced by the same selection on the embedding's own device.
 
 `apply_cpu_compat()` is idempotent and refuses to run where CUDA is available, so none of this is ever active on
 a GPU. `megappo.platform.detect_platform()` applies it when it chooses the CPU.
@@ -302,6 +305,20 @@ def _patch_modules() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # item 6
     if not hasattr(moe_utils, "te_general_gemm"):  # item 5
         moe_utils.te_general_gemm = None
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank  # item 8
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+    """megatron's `get_pos_emb_on_this_cp_rank` (chunks r and 2cp-1-r of 2cp along `seq_dim`) on any device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
 def _patch_tensor_method_users() -> None:  # item 4
@@ -351,7 +368,7 @@ def fix_malloc_mmap_threshold() -> int:
 
 
 def apply_cpu_compat() -> bool:
-    """Adapt megatron-core to a CPU-only process (items 1-6 above) and glibc's malloc (item 7). Idempotent;
+    """Adapt megatron-core to a CPU-only process (items 1-6 and 8 above) and glibc's malloc (item 7). Idempotent;
     returns True once applied.
 
     Raises RuntimeError where CUDA is available: the adaptation must never be active on a GPU.

@@ -165,7 +165,7 @@ def test_optimizer_state_resumes_across_dp_and_bad_checkpoints_fail_clearly(hf_m
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     saved, want, want_norm, layout_errors = run_distributed(_save_job, 2, hf_dir, hf_model_dir("qwen3_moe"), ckpt)[0]
-    assert "context_parallel_size=1" in layout_errors["cp2"]
+    assert layout_errors["cp2"] is None  # context parallelism builds on megappo's SDPAttention (no TE needed)
     assert "sequence_parallel=true" in layout_errors["moe_tp2_no_sp"]
     at_load, got, norm, errors, leftovers, victim = run_distributed(_resume_and_failures_job, 1, hf_dir, ckpt,
                                                               str(scratch))[0]

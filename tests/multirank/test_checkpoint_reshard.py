@@ -1,6 +1,6 @@
-"""Weights and Adam state saved at TP2xPP2 (4 ranks, distributed optimizer) resume at TP1 (1 rank): the next step
-after loading equals the step the 4-rank run took after saving. The same checkpoint loads weights alone, and a model
-needing tensors it lacks is refused.
+"""Weights and Adam state saved at TP2xPP2 (4 ranks, distributed optimizer; and, `long`, at CP2 on 2 ranks) resume
+at TP1 (1 rank): the next step after loading equals the step the saving run took after saving. The same checkpoint
+loads weights alone, and a model needing tensors it lacks is refused.
 
 This is the resume path of a run whose layout changes between jobs (fewer or other GPUs); megappo saves optimizer
 state in megatron's fully reshardable form for it. Compared under Hugging Face names (TP and PP merged).
@@ -62,11 +62,11 @@ def _weights(model, ps, hf_dir):
     return {k: v.clone() for k, v in hf_state_dict(model, ps, load_hf_config_dict(hf_dir)).items()}
 
 
-def _save_then_step(rank, world_size, hf_dir, ckpt):
+def _save_then_step(rank, world_size, hf_dir, ckpt, layout_kw):
     from megappo.models.checkpoint import save_model_checkpoint
     from megappo.parallel import destroy_parallel
 
-    plat, ps, model, opt, sched = _setup(hf_dir, dict(tp=2, pp=2))
+    plat, ps, model, opt, sched = _setup(hf_dir, layout_kw)
     _step(plat, ps, model, opt, sched)
     save_model_checkpoint(model, ckpt, optimizer=opt, scheduler_state=sched.state_dict(), dp_cp_group=ps.dp_cp_group)
     saved = _weights(model, ps, hf_dir)  # collective: TP and PP gathered
@@ -77,7 +77,7 @@ def _save_then_step(rank, world_size, hf_dir, ckpt):
     return out
 
 
-def _load_then_step(rank, world_size, hf_dir, ckpt, qk_norm_dir):
+def _load_then_step(rank, world_size, hf_dir, ckpt, qk_norm_dir, layout_kw):
     from megappo.models.builder import build_model
     from megappo.models.checkpoint import CheckpointError, load_model_checkpoint
     from megappo.parallel import destroy_parallel
@@ -94,19 +94,24 @@ def _load_then_step(rank, world_size, hf_dir, ckpt, qk_norm_dir):
         refused = str(e)
     loaded = load_model_checkpoint(model, ckpt, optimizer=opt, dp_cp_group=ps.dp_cp_group)
     sched.load_state_dict(loaded.scheduler_state)
-    assert loaded.info["layout"]["tp"] == 2 and loaded.info["layout"]["pp"] == 2
+    assert all(loaded.info["layout"][k] == v for k, v in layout_kw.items()), loaded.info["layout"]
     norm = _step(plat, ps, model, opt, sched)
     out = (norm, _weights(model, ps, hf_dir), _weights(ref, ps, hf_dir), refused)
     destroy_parallel()
     return out
 
 
-def test_adam_state_saved_at_tp2xpp2_resumes_at_tp1(hf_model_dir, tmp_path):
+@pytest.mark.parametrize("world,layout_kw", [
+    (4, {"tp": 2, "pp": 2}),
+    # context parallelism: the CP ranks' identical weights, Adam state sharded over data x context parallel ranks
+    pytest.param(2, {"cp": 2}, marks=pytest.mark.long),
+], ids=["tp2xpp2", "cp2"])
+def test_adam_state_saved_at_tp2xpp2_or_cp2_resumes_at_tp1(hf_model_dir, tmp_path, world, layout_kw):
     hf_dir = hf_model_dir("qwen2")
     ckpt = str(tmp_path / "ckpt")
-    want_norm, want, saved = run_distributed(_save_then_step, 4, hf_dir, ckpt, timeout=400)[0]
+    want_norm, want, saved = run_distributed(_save_then_step, world, hf_dir, ckpt, layout_kw, timeout=400)[0]
     got_norm, got, ref, refused = run_distributed(_load_then_step, 1, hf_dir, ckpt, hf_model_dir("qwen3"),
-                                                  timeout=300)[0]
+                                                  layout_kw, timeout=300)[0]
     assert all(torch.equal(ref[k], saved[k]) for k in saved), "weights-only load differs from the saved weights"
     assert refused is not None and "needs" in refused and "layernorm" in refused, refused
     assert got_norm == pytest.approx(want_norm, rel=1e-5)

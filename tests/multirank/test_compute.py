@@ -253,3 +253,44 @@ def test_lr_schedule_constant_and_cosine_with_warmup():
     assert resumed.num_steps == sched.num_steps
     with pytest.raises(ValueError, match="lr_scheduler"):
         build_scheduler(opt, OptimSettings(lr_scheduler="linear"))
+
+
+def _compare_cp(results, ref, dist_opt=False):
+    """Every CP rank returns the whole [b, r] outputs and the same metrics; together they match the reference."""
+    _compare(results, ref, dist_opt=dist_opt)
+    for r in results:  # the ranks of one data-parallel replica (the same rows) return the same tensors
+        same = next(o for o in results if torch.equal(o["rows"], r["rows"]))
+        for key in ("log_probs", "entropy", "values"):
+            assert torch.equal(r[key], same[key]), f"{key} differs between CP ranks"
+
+
+def test_cp2_matches_single_rank(reference):
+    """Context parallelism (megatron's 2*cp-chunk layout, megappo's SDPAttention all-gathering K/V): log-probs,
+    entropy, values, losses, gradients and the updated weights equal CP=1, fixed and dynamic micro-batches."""
+    hf_dir, ref = reference()
+    layouts = [({"cp": 2}, {"micro_batch_size": 3}, False, False),
+               ({"cp": 2}, {"use_dynamic_bsz": True, "max_token_len": 48, "packed": True}, False, False)]
+    per_rank = _spawn(2, hf_dir, layouts, timeout=400)
+    for i in range(len(layouts)):
+        _compare_cp([per_rank[r][i] for r in range(2)], ref)
+
+
+@pytest.mark.long
+def test_cp2_with_tp2_dp2_pp2_matches_single_rank(reference):
+    hf_dir, ref = reference()
+    dyn = {"use_dynamic_bsz": True, "max_token_len": 48}
+    layouts = [({"cp": 2, "tp": 2}, dyn, False, False), ({"cp": 2}, dyn, True, False),
+               ({"cp": 2, "tp": 2, "sequence_parallel": True}, {"micro_batch_size": 3}, False, False),
+               ({"cp": 2, "pp": 2}, dyn, False, False)]
+    per_rank = _spawn(4, hf_dir, layouts, timeout=600)
+    for i in range(len(layouts)):
+        _compare_cp([per_rank[r][i] for r in range(4)], ref, dist_opt=layouts[i][2])
+
+
+@pytest.mark.long
+def test_moe_cp2_ep2_matches_single_rank(reference):
+    """Qwen3-MoE at CP2 x EP2 on 4 ranks (DP2): the experts' tokens come from both CP ranks' sequence chunks."""
+    hf_dir, ref = reference("qwen3_moe")
+    layouts = [({"cp": 2, "ep": 2}, {"use_dynamic_bsz": True, "max_token_len": 48}, False, False)]
+    per_rank = _spawn(4, hf_dir, layouts, timeout=600)
+    _compare_cp([per_rank[r][0] for r in range(4)], ref)

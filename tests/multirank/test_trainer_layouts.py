@@ -174,3 +174,33 @@ def test_dp2_matches_dp1_with_a_sequence_level_loss(tmp_path):
             assert rb[k] == ra[k], k
         for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {ra['step']} {k}"
+
+
+@pytest.mark.long
+def test_cp2_matches_one_rank(data, single, tmp_path):
+    """Context parallelism on two ranks (actor, reference and critic split each sequence in megatron's CP layout)
+    logs the one-rank run's metrics and ends at the same weights."""
+    _torchrun(2, tiny_run_overrides(str(tmp_path), data["model"], data["train"], steps=2,
+                                    extra=[*COMMON, "trainer.n_gpus_per_node=2",
+                                           "actor_rollout_ref.actor.megatron.context_parallel_size=2"]))
+    _same_run(single, tmp_path)
+
+
+@pytest.mark.long
+def test_cp2_matches_one_rank_with_a_sequence_level_loss(tmp_path):
+    """GSPO's sequence-level ratio at CP2: every CP rank computes the loss on whole rows (the per-token results are
+    gathered over the CP group), so each sequence's ratio is the one-rank run's."""
+    common = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+              "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64"]
+    one, two = tmp_path / "one", tmp_path / "cp2"
+    assert fit(load_config("cpu/tiny_gspo", [*common, f"trainer.default_local_dir={one}"])) == 0
+    _torchrun(2, [*common, f"trainer.default_local_dir={two}", "trainer.n_gpus_per_node=2",
+                  "actor_rollout_ref.actor.megatron.context_parallel_size=2"], recipe="recipes/cpu/tiny_gspo.yaml")
+    a, b = read_metrics(str(one)), read_metrics(str(two))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert any(r["response/length_max"] != r["response/length_mean"] for r in a)  # lengths differ
+    for ra, rb in zip(a, b):
+        for k in ("reward/mean", "response/length_mean"):
+            assert rb[k] == ra[k], k
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {ra['step']} {k}"
