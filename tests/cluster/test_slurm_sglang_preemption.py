@@ -17,7 +17,9 @@ import pytest
 
 from megappo.testing.prompts import assert_same_rows, metrics_so_far, tiny_run_overrides, write_prompt_parquet
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.sglang]
+# long (about 2 minutes): its parts run in the default tier, Slurm's requeue and resume in tests/cluster/test_slurm.py
+# and SIGTERM to a trainer with its own SGLang server in tests/e2e/test_sglang_preemption.py
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.sglang, pytest.mark.long]
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "slurm" / "train.sbatch"
 STEPS = 3
