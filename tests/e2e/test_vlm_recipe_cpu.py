@@ -6,6 +6,8 @@ critic (a VLM with a value head).
   (actor.freeze_vision_tower=false): every step's metrics are there, the engine's log-probs equal the trainer's
   (rollout/logprob_diff_mean, and rollout.verify_sync after each sync) and each sync sends the whole model, tower
   included.
+- `test_vlm_guard_rolls_a_spiked_step_back_and_the_engine_follows` (default tier, ~8 s): the KL guard's rollback
+  with images, a trained tower and the released in-process engine.
 - `test_vlm_recipe_learns_and_resumes` (default tier, ~40 s): the recipe as shipped learns (mean reward of the
   last five steps >= 0.3 above the first five), each sync sends only the language model (the tower is frozen), it
   checkpoints and exports the actor, and a run resumed from the step-10 checkpoint repeats steps 11.. of the
@@ -62,6 +64,33 @@ def test_vlm_pipeline_runs(tmp_path):
     full = _hf_bytes(out / "hf" / "actor", vision=True)
     assert all(r["rollout/weight_sync_bytes"] == full for r in trained)  # the trained tower is synced too
     assert all(r["rollout/verify_sync_max_diff"] < 1e-4 for r in trained)
+
+
+def test_vlm_guard_rolls_a_spiked_step_back_and_the_engine_follows(tmp_path, monkeypatch):
+    """The KL guard with images and a trained tower: step 2's actor update is spiked (100000x the learning rate), the
+    guard restores the step-1 checkpoint and retries it; the released in-process engine is refilled from the
+    restored actor (its log-probs equal the trainer's again on the retried step and after)."""
+    from megappo.config import load_config
+    from megappo.testing.faults import inject_fault
+    from megappo.testing.prompts import read_metrics
+    from megappo.trainer import fit
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    seen = inject_fault(monkeypatch, "kl_spike", at_step=2)
+    out = tmp_path / "guard"
+    cfg = load_config(RECIPE, [f"trainer.default_local_dir={out}", "trainer.total_training_steps=3",
+                               "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=1",
+                               "trainer.logger=[]", "data.synthetic.warm_start_steps=0",
+                               "data.synthetic.num_train_prompts=48", "data.synthetic.num_val_prompts=8",
+                               "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                               "actor_rollout_ref.actor.freeze_vision_tower=false"])
+    assert fit(cfg) == 0
+    rows = [r for r in read_metrics(str(out)) if r["step"] > 0]
+    assert seen == [1, 2, 2, 3] and [r["step"] for r in rows] == [1, 2, 2, 3]
+    tripped, retried = rows[1], rows[2]
+    assert tripped["guard/rolled_back"] == 1.0 and tripped["actor/ppo_kl"] > 0.2 >= retried["actor/ppo_kl"]
+    assert retried["guard/rollbacks"] == 1.0
+    assert all(r["rollout/logprob_diff_mean"] < 1e-5 for r in (retried, rows[3]))
 
 
 def test_vlm_recipe_learns_and_resumes(tmp_path):
