@@ -90,27 +90,37 @@ def _mounts() -> list[tuple[str, str]]:
     return [(r[4].encode().decode("unicode_escape"), r[5]) for r in rows]
 
 
+def _interpreter_paths() -> set[str]:
+    """The directories (and files) the interpreter needs: its prefixes, executable and sys.path."""
+    return {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                          os.path.dirname(os.path.realpath(sys.executable)), *sys.path] if p}
+
+
 def _hide(hidden: list[str]) -> None:
     """An empty read-only tmpfs over each of `hidden` (root's home: the interpreter may live there, and /root is
     0700, unreadable to the call's uid), with the interpreter's own directories bound back in at their paths."""
-    needed = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                             os.path.dirname(os.path.realpath(sys.executable)), *sys.path] if p}
+    needed = _interpreter_paths()
     for top in hidden:
         top = os.path.realpath(top)
-        if not os.path.isdir(top) or top == "/":
-            continue
-        inside = sorted(p for p in needed if (p + "/").startswith(top + "/") and os.path.exists(p))
-        keep = [p for k, p in enumerate(inside) if not any((p + "/").startswith(q + "/") for q in inside[:k])]
-        handles = [(p, os.open(p, os.O_PATH)) for p in keep]  # reachable still once the tmpfs hides them
-        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
-        for p, fd in handles:
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.makedirs(p, 0o755, exist_ok=True)
-            else:
-                os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)
-                open(p, "w").close()
-            _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-            os.close(fd)
+        if os.path.isdir(top) and top != "/":
+            _cover(top, "size=64k,mode=0755", needed)
+
+
+def _cover(top: str, options: str, needed: set[str]) -> None:
+    """A fresh tmpfs (mount `options`) over the directory `top`, with the paths of `needed` under it bound back in
+    at their paths (a venv under /tmp stays importable when the call gets a /tmp of its own)."""
+    inside = sorted(p for p in needed if (p + "/").startswith(top + "/") and os.path.exists(p))
+    keep = [p for k, p in enumerate(inside) if not any((p + "/").startswith(q + "/") for q in inside[:k])]
+    handles = [(p, os.open(p, os.O_PATH)) for p in keep]  # reachable still once the tmpfs hides them
+    _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    for p, fd in handles:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(p, 0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(p), 0o755, exist_ok=True)
+            open(p, "w").close()
+        _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+        os.close(fd)
 
 
 def _isolate(net: bool, fs: bool, hidden: list[str]) -> dict:
@@ -322,7 +332,7 @@ def _supervise(req: dict, uid: int, state: dict, result_fd: int) -> dict:
         # other process of the call, which cannot leave the namespace (setsid() or not), and the runner's exit
         # waits for them; its own /proc shows them alone, not the machine's processes and their command lines.
         _check(libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(CLONE_NEWNS|CLONE_NEWPID)")
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={lim['disk_mb']}m,mode=0755")
+        _cover("/tmp", f"size={lim['disk_mb']}m,mode=0755", _interpreter_paths())
         workdir = "/tmp/work"
         for d in (workdir, "/tmp/.shm"):
             os.mkdir(d, 0o700)

@@ -43,3 +43,31 @@ def test_sglang_serves_a_vlm_like_the_in_process_engine(sglang_python, tmp_path)
         assert engine.update_weights_from_disk(second.model_dir) == 1
         _same(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
               HFEngine(second.model_dir).generate(prompts, GREEDY, multi_modal=batch.multi_modal))
+
+
+def test_vlm_recipe_trains_on_sglang(sglang_python, tmp_path, monkeypatch):
+    """The CPU VLM recipe with rollout.name=sglang: the trainer starts its server, image prompts are generated there,
+    each step's sync sends the language model (the tower is frozen) and verify_sync finds the server scoring what
+    the actor does; the server is stopped at the end."""
+    import subprocess
+
+    from megappo.config import load_config
+    from megappo.testing.prompts import read_metrics
+    from megappo.trainer import fit
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "run"
+    cfg = load_config("recipes/cpu/tiny_vlm_ppo.yaml", [
+        f"trainer.default_local_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[]",
+        "data.synthetic.num_train_prompts=96", "data.synthetic.num_val_prompts=8",
+        "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
+        "actor_rollout_ref.rollout.verify_sync=true"])
+    assert fit(cfg) == 0
+    rows = [r for r in read_metrics(str(out)) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout/logprob_diff_mean"] < 1e-4 and r["rollout/verify_sync_max_diff"] < 1e-3, r
+        assert r["rollout/weight_sync_bytes"] > 0
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not [line for line in ps.splitlines() if "sglang.launch_server" in line and str(tmp_path) in line]
