@@ -169,7 +169,9 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+# SIGTERM's save-and-exit path is the sync trainer's (tests/e2e/test_resume_exact.py); what async adds, resuming the
+# queued batch, SIGKILL tests too: SIGTERM is long
+@pytest.mark.parametrize("sig", ["SIGKILL", pytest.param("SIGTERM", marks=pytest.mark.long)])
 def test_killed_or_preempted_then_resumed_is_the_uninterrupted_run(uninterrupted, tmp_path, sig):
     out, log = tmp_path / "run", tmp_path / "log"
     rc = _run(out, log, _after(out, 3), getattr(signal, sig))

@@ -24,7 +24,9 @@ def test_main_job_learns(tmp_path):
     assert (out / "hf" / "actor" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("recipe", ["tiny_ppo_kl_loss", "tiny_grpo", "tiny_ppo_one_step_off", "tiny_ppo_async",
+# tiny_ppo_one_step_off is tiny_ppo_async's schedule with W = 1 (tests/e2e/test_fully_async.py): the long tier
+@pytest.mark.parametrize("recipe", ["tiny_ppo_kl_loss", "tiny_grpo",
+                                    pytest.param("tiny_ppo_one_step_off", marks=pytest.mark.long), "tiny_ppo_async",
                                     "tiny_gspo", "tiny_rloo", "tiny_reinforce_pp", "tiny_dapo"])
 def test_cpu_variants_learn(tmp_path, recipe):
     rows = run_recipe(f"recipes/cpu/{recipe}.yaml", tmp_path / recipe, "trainer.save_freq=-1")

@@ -1,6 +1,7 @@
 """`SGLangEngine` on a real SGLang CPU server with a tiny Qwen2.5-VL (the colour_square task's files): image prompts
 from the data loader get the in-process engine's greedy tokens and log-probs, and a weight reload from disk makes
-the server answer what an engine on the new weights does. (The server starts in about a minute on 2 cores.)"""
+the server answer what an engine on the new weights does; the CPU VLM recipe trains with rollout.name=sglang. (The
+server starts in about a minute on 2 cores.)"""
 from __future__ import annotations
 
 import pytest

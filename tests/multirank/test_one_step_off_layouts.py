@@ -61,10 +61,12 @@ FULLY_AS_ONE_STEP_OFF = ["async_training.mode=fully_async", "async_training.trig
                          "async_training.staleness_threshold=1", "async_training.require_batches=2"]
 
 
+# one_step_off is fully_async's schedule with W = 1 and threshold 1: the default tier runs that spelling at DP2; the
+# others (and TP2 x PP2, which tests/multirank/test_trainer_layouts.py covers in sync mode) are long
 @pytest.mark.parametrize("nproc,layout", [
-    (2, []),
-    (4, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
+    pytest.param(2, [], marks=pytest.mark.long),
+    pytest.param(4, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"], marks=pytest.mark.long),
     # fully_async's producers (one per replica) on the one_step_off schedule: the same run
     (2, FULLY_AS_ONE_STEP_OFF),
     pytest.param(4, [*FULLY_AS_ONE_STEP_OFF, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
