@@ -159,13 +159,20 @@ def test_dp2_matches_dp1_with_a_sequence_level_loss(tmp_path):
     """recipes/cpu/tiny_gspo.yaml (GSPO's sequence-level ratio, seq-mean-token-mean, sampled responses of different
     lengths): each sequence weighs the same whichever rank and micro-batch holds it, so two data-parallel ranks with
     one sequence per micro-batch log the one-rank run's losses (which runs whole mini-batches)."""
+    # DP2 trains the one-rank run's mini-batches, in its order
+    _gspo_matches_one_rank(tmp_path, ["trainer.balance_batch=false"],
+                           ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+
+
+def _gspo_matches_one_rank(tmp_path, common_extra: list[str], layout: list[str]) -> None:
+    """tiny_gspo on one rank and on two with `layout`: the same rewards and lengths, and the same losses, grad norm,
+    entropy and KL (1e-4 relative) on responses of different lengths."""
     common = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-              "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64",
-              "trainer.balance_batch=false"]  # DP2 trains the one-rank run's mini-batches, in its order
-    one, two = tmp_path / "one", tmp_path / "dp2"
+              "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64", *common_extra]
+    one, two = tmp_path / "one", tmp_path / "two"
     assert fit(load_config("cpu/tiny_gspo", [*common, f"trainer.default_local_dir={one}"])) == 0
-    _torchrun(2, [*common, f"trainer.default_local_dir={two}", "trainer.n_gpus_per_node=2",
-                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"], recipe="recipes/cpu/tiny_gspo.yaml")
+    _torchrun(2, [*common, f"trainer.default_local_dir={two}", "trainer.n_gpus_per_node=2", *layout],
+              recipe="recipes/cpu/tiny_gspo.yaml")
     a, b = read_metrics(str(one)), read_metrics(str(two))
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     assert any(r["response/length_max"] != r["response/length_mean"] for r in a)  # lengths differ
@@ -190,17 +197,4 @@ def test_cp2_matches_one_rank(data, single, tmp_path):
 def test_cp2_matches_one_rank_with_a_sequence_level_loss(tmp_path):
     """GSPO's sequence-level ratio at CP2: every CP rank computes the loss on whole rows (the per-token results are
     gathered over the CP group), so each sequence's ratio is the one-rank run's."""
-    common = ["trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-              "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64"]
-    one, two = tmp_path / "one", tmp_path / "cp2"
-    assert fit(load_config("cpu/tiny_gspo", [*common, f"trainer.default_local_dir={one}"])) == 0
-    _torchrun(2, [*common, f"trainer.default_local_dir={two}", "trainer.n_gpus_per_node=2",
-                  "actor_rollout_ref.actor.megatron.context_parallel_size=2"], recipe="recipes/cpu/tiny_gspo.yaml")
-    a, b = read_metrics(str(one)), read_metrics(str(two))
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-    assert any(r["response/length_max"] != r["response/length_mean"] for r in a)  # lengths differ
-    for ra, rb in zip(a, b):
-        for k in ("reward/mean", "response/length_mean"):
-            assert rb[k] == ra[k], k
-        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
-            assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), f"step {ra['step']} {k}"
+    _gspo_matches_one_rank(tmp_path, [], ["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
