@@ -215,17 +215,22 @@ def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss
                        packed_seq_params=pack.packed_seq_params())
         return output, partial(loss_func, mb, pack=pack)
     input_ids, position_ids = left_aligned(mb)
-    spec = getattr(inner, "megappo_spec", None)
     if parallel_state is not None and parallel_state.cp_size > 1:  # _prepare checked the attention does CP
         input_ids, position_ids, cp = split_micro_batch(input_ids, position_ids, parallel_state,
                                                         _cp_multiple(inner, parallel_state))
         output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
         return output, partial(loss_func, mb, cp=cp)
-    # transformer-engine and megappo's SDPAttention apply the causal mask themselves (TE ignores one passed)
-    internal = getattr(spec, "use_transformer_engine", False) or getattr(inner, "megappo_sdpa_attention", False)
-    mask = None if internal else causal_mask(mb.seq_len, input_ids.device)
+    mask = None if _own_attention(inner) else causal_mask(mb.seq_len, input_ids.device)
     output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
     return output, partial(loss_func, mb)
+
+
+def _own_attention(inner: nn.Module) -> bool:
+    """Whether the model's attention is transformer-engine's or megappo's SDPAttention: both apply the causal mask
+    themselves (TE ignores one passed) and run packed and context-parallel micro-batches; megatron's local
+    DotProductAttention does neither."""
+    te = getattr(getattr(inner, "megappo_spec", None), "use_transformer_engine", False)
+    return bool(te or getattr(inner, "megappo_sdpa_attention", False))
 
 
 def _cp_multiple(inner: nn.Module, parallel_state: ParallelState) -> int:
@@ -244,9 +249,7 @@ def _vlm_forward_step(mb: ModelBatch, model: nn.Module, inner: nn.Module, pack: 
         output = model(input_ids=pack.input_ids, attention_mask=None, packed_seq_params=pack.packed_seq_params(),
                        **kwargs)
         return output, partial(loss_func, mb, pack=pack)
-    internal = getattr(getattr(inner, "megappo_spec", None), "use_transformer_engine", False) or \
-        getattr(inner, "megappo_sdpa_attention", False)
-    mask = None if internal else causal_mask(mb.seq_len, input_ids.device)
+    mask = None if _own_attention(inner) else causal_mask(mb.seq_len, input_ids.device)
     output = model(input_ids=input_ids, attention_mask=mask, **kwargs)
     return output, partial(loss_func, mb)
 
@@ -260,8 +263,7 @@ def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -
         if is_vlm(inner):
             raise NotImplementedError("context parallelism is not supported for vision-language models; set "
                                       "context_parallel_size=1")
-        te = getattr(getattr(inner, "megappo_spec", None), "use_transformer_engine", False)
-        if not (te or getattr(inner, "megappo_sdpa_attention", False)):
+        if not _own_attention(inner):
             raise NotImplementedError(
                 f"context_parallel_size={parallel_state.cp_size} needs transformer-engine's attention or megappo's "
                 "SDPAttention (megatron's DotProductAttention refuses CP); set context_parallel_size=1")
@@ -299,10 +301,7 @@ def _device(model_chunks: Sequence[nn.Module]) -> torch.device:
 def can_pack(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> bool:
     """Whether these chunks run packed (THD) micro-batches: megappo's SDPAttention (local spec) or
     transformer-engine attention, without context parallelism (TE's THD context parallelism: not wired yet)."""
-    model = unwrap(model_chunks[0])
-    spec = getattr(model, "megappo_spec", None)
-    attention = getattr(model, "megappo_sdpa_attention", False) or getattr(spec, "use_transformer_engine", False)
-    return bool(attention) and parallel_state.cp_size == 1
+    return _own_attention(unwrap(model_chunks[0])) and parallel_state.cp_size == 1
 
 
 def _pack_multiple(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> int:
