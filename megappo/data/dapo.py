@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from megappo.data.schema import DataError, _check_schema, open_parquet
+from megappo.data.schema import DataError, _check_schema, open_parquet, write_parquet_atomic
 
 # DAPO-Math-17k's prompt (the AIME-2024 file of the DAPO release uses the same one)
 PROMPT_TEMPLATE = (
@@ -137,16 +135,7 @@ def write(rows: list[dict], out_dir: str, name: str, force: bool = False) -> str
     if os.path.exists(target) and not force:
         raise FileExistsError(f"{target} already exists; pass --force to overwrite it")
     os.makedirs(out_dir, exist_ok=True)
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=out_dir)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_parquet_atomic(pa.Table.from_pylist(rows, schema=SCHEMA), target, ROW_GROUP_SIZE)
     return target
 
 
@@ -160,10 +149,4 @@ def convert_aime2024(input_path: str, out_dir: str, force: bool = False, keep_du
     path = find_input(input_path, (AIME_FILE, "aime_2024_problems.parquet"), "AIME 2024")
     rows = aime_rows(path, keep_duplicates)
     return write(rows, out_dir, AIME_FILE, force), len(rows)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 

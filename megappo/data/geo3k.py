@@ -19,13 +19,11 @@ import glob
 import io
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from megappo.data.schema import DataError, open_parquet
+from megappo.data.schema import DataError, open_parquet, write_parquet_atomic
 
 DATA_SOURCE = "hiyouga/geometry3k"
 IMAGE_TOKEN = "<image>"
@@ -206,19 +204,5 @@ def convert(input_dir: str, out_dir: str, force: bool = False) -> dict[str, int]
         tables[split] = pa.Table.from_pylist(to_rows(problems, split), schema=SCHEMA)
     os.makedirs(out_dir, exist_ok=True)
     for split, table in tables.items():
-        fd, tmp = tempfile.mkstemp(prefix=f".{split}.parquet.tmp-", dir=out_dir)
-        os.close(fd)
-        try:
-            pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE)
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, targets[split])
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_parquet_atomic(table, targets[split], ROW_GROUP_SIZE)
     return {split: t.num_rows for split, t in tables.items()}
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
-    os.umask(mask)
-    return mask

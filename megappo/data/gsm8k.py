@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megappo.data.schema import DataError, open_parquet
+from megappo.data.schema import DataError, open_parquet, umask
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -156,7 +156,7 @@ def convert(input_dir: str, out_dir: str, force: bool = False) -> dict[str, int]
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become out_dir's: give it what mkdir would
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would become out_dir's: give it what mkdir would
         for split, table in tables.items():
             pq.write_table(table, os.path.join(tmp, f"{split}.parquet"), row_group_size=ROW_GROUP_SIZE)
         if not os.path.exists(out_dir):
@@ -167,9 +167,3 @@ def convert(input_dir: str, out_dir: str, force: bool = False) -> dict[str, int]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {split: t.num_rows for split, t in tables.items()}
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
-    os.umask(mask)
-    return mask

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -168,3 +169,24 @@ def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str,
         file_row=row,
         images=cols[image_key][j] if image_key in cols else None,
     )
+
+
+def write_parquet_atomic(table: pa.Table, target: str, row_group_size: int) -> None:
+    """Write `table` to `target` through a temporary file in its folder renamed into place (a failure leaves no
+    partial file), with the permissions a plain open would give."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.tmp-", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size)
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def umask() -> int:
+    """The process's umask (reading it means setting it: it is put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
