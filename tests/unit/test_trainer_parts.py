@@ -116,3 +116,14 @@ def test_critic_loss_closure():
     # token 0 inside the clip range; token 1 clipped to 0.5, whose error (2.5^2) beats the unclipped (1^2)
     assert m["vf_clipfrac"].item() == pytest.approx(0.5)
     assert loss.item() == pytest.approx(0.5 * (0.0 + 6.25) / 2)
+
+
+def test_the_entry_point_stays_a_function_after_its_first_call():
+    """`megappo.trainer.fit` imports the loop's module on its first call; a submodule of the same name would replace
+    the package's `fit` with the module, and a second run in the process (a user's sweep, a test) would fail with
+    "'module' object is not callable"."""
+    import megappo.trainer
+
+    with pytest.raises(AttributeError):
+        megappo.trainer.fit(None)  # gets as far as the loop's module, which reads the (missing) config
+    assert callable(megappo.trainer.fit) and megappo.trainer.fit.__module__ == "megappo.trainer"

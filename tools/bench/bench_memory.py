@@ -222,7 +222,7 @@ def main() -> None:
 
     from megappo.config import load_config
 
-    fit_module = importlib.import_module("megappo.trainer.fit")  # the module (megappo.trainer.fit is the function)
+    fit_module = importlib.import_module("megappo.trainer.loop")
     metrics_module = importlib.import_module("megappo.trainer.metrics")
 
     cfg = load_config(None, overrides)

@@ -306,8 +306,8 @@ def _free_port() -> int:
 def run_megappo(models: dict, size: dict, steps: int, work: str, extra: list[str], use_rm: bool,
                 threads: int) -> dict | str:
     """`megappo train` in a world-1 subprocess on 1 thread; per-phase means of metrics.jsonl, or why it failed."""
-    if importlib.util.find_spec("megappo.trainer.fit") is None:
-        return "megappo trainer not available (megappo/trainer/fit.py is missing)"
+    if importlib.util.find_spec("megappo.trainer.loop") is None:
+        return "megappo trainer not available (megappo/trainer/loop.py is missing)"
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models["paths"]["policy"])
