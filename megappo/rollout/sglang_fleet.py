@@ -80,7 +80,9 @@ class SGLangFleet(RolloutEngine):
         """The trainer's agreed view after restarts: these servers, these alive, this router. The weight group is
         rebuilt at the next sync (a restarted server, even on its old port, is a new process with no group)."""
         version = self.weight_version
-        known = {e.url: e for e in self.engines}
+        # a server this fleet saw dead is a new process now, even on its old port: its client starts afresh (no
+        # adapter, no weight group), so nothing the old process held is assumed of it
+        known = {e.url: e for e, ok in zip(self.engines, self.alive) if ok}
         self.engines = [known.get(u.rstrip("/")) or self._engine(u) for u in urls]
         self.alive = list(alive)
         if self._lora is not None:  # a restarted server serves the base alone: give it the current adapter
