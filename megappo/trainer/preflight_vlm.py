@@ -6,24 +6,10 @@ is a vision-language one when it defines the vision tower of its model (`megappo
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Optional
 
 from megappo.config import MegappoConfig
-
-VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")  # megappo.models.vlm.config's, without its imports
-
-
-def _model_type(path: Optional[str]) -> Optional[str]:
-    if not path:
-        return None
-    file = Path(os.path.expanduser(path)) / "config.json"
-    try:
-        return json.loads(file.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+from megappo.models.vlm.model_type import is_vlm_dir
 
 
 def _synthetic_is_vlm(name: Optional[str]) -> bool:
@@ -37,8 +23,7 @@ def _synthetic_is_vlm(name: Optional[str]) -> bool:
 
 def is_vlm_run(cfg: MegappoConfig) -> bool:
     """Whether the run's actor is a vision-language model."""
-    return _model_type(cfg.actor_rollout_ref.model.path) in VLM_MODEL_TYPES or _synthetic_is_vlm(
-        cfg.data.synthetic.name)
+    return is_vlm_dir(cfg.actor_rollout_ref.model.path) or _synthetic_is_vlm(cfg.data.synthetic.name)
 
 
 def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:

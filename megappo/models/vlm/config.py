@@ -7,9 +7,8 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 from megappo.models.hf_config import UnsupportedModelError, load_hf_config_dict
+from megappo.models.vlm.model_type import VLM_MODEL_TYPES
 from megappo.models.vlm.vision import VisionArgs, vision_args_from_hf
-
-VLM_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 
 def is_vlm_config(hf_dir_or_config: Any) -> bool:
