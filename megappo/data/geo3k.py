@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from megappo.data.schema import DataError, open_parquet, write_parquet_atomic
+from megappo.data.schema import DataError, open_parquet, split_targets, write_splits_atomic
 
 DATA_SOURCE = "hiyouga/geometry3k"
 IMAGE_TOKEN = "<image>"
@@ -186,23 +186,18 @@ def to_rows(problems: list[Problem], split: str) -> list[dict]:
 def convert(input_dir: str, out_dir: str, force: bool = False) -> dict[str, int]:
     """Write out_dir/train.parquet and out_dir/test.parquet; returns the row count of each split.
 
-    Everything is read and checked before anything is written; each file is written to a temporary name and
-    renamed into place, so a failure leaves no partial file. Existing outputs are replaced only with `force`.
+    Everything is read and checked first, then written whole (`schema.write_splits_atomic`), so a failure leaves
+    no partial output. Existing outputs are replaced only with `force`.
     """
     input_dir, out_dir = os.path.expanduser(input_dir), os.path.abspath(os.path.expanduser(out_dir))
     if not os.path.isdir(input_dir):
         raise DataError(input_dir, "input directory not found", "pass --input DIR holding hiyouga/geometry3k's "
                         "data/*.parquet or Inter-GPS's train/ and test/ problem folders")
-    targets = {split: os.path.join(out_dir, f"{split}.parquet") for split in SPLITS}
-    existing = [p for p in targets.values() if os.path.exists(p)]
-    if existing and not force:
-        raise FileExistsError(f"{', '.join(existing)} already exist; pass --force to overwrite them")
+    split_targets(out_dir, SPLITS, force)
     tables = {}
     for split in SPLITS:
         kind, found = _find_split(input_dir, split)
         problems = _read_hf_parquet(found) if kind == "parquet" else [_read_folder(d) for d in found]
         tables[split] = pa.Table.from_pylist(to_rows(problems, split), schema=SCHEMA)
-    os.makedirs(out_dir, exist_ok=True)
-    for split, table in tables.items():
-        write_parquet_atomic(table, targets[split], ROW_GROUP_SIZE)
+    write_splits_atomic(tables, out_dir, ROW_GROUP_SIZE)
     return {split: t.num_rows for split, t in tables.items()}

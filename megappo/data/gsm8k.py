@@ -11,14 +11,11 @@ import glob
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from megappo.data.schema import DataError, open_parquet, umask
+from megappo.data.schema import DataError, open_parquet, split_targets, write_splits_atomic
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
@@ -135,16 +132,13 @@ def to_rows(examples: list[Example], split: str) -> list[dict]:
 def convert(input_dir: str, out_dir: str, force: bool = False) -> dict[str, int]:
     """Write out_dir/train.parquet and out_dir/test.parquet; returns the row count of each split.
 
-    Everything is read and checked first and written to a temporary directory beside out_dir, which is then
-    renamed into place, so a failure leaves no partial output. Existing outputs are replaced only with `force`.
+    Everything is read and checked first, then written whole (`schema.write_splits_atomic`), so a failure leaves
+    no partial output. Existing outputs are replaced only with `force`.
     """
     input_dir, out_dir = os.path.expanduser(input_dir), os.path.abspath(os.path.expanduser(out_dir))
     if not os.path.isdir(input_dir):
         raise DataError(input_dir, "input directory not found", "pass --input DIR holding train.jsonl and test.jsonl")
-    targets = {split: os.path.join(out_dir, f"{split}.parquet") for split in SPLITS}
-    existing = [p for p in targets.values() if os.path.exists(p)]
-    if existing and not force:
-        raise FileExistsError(f"{', '.join(existing)} already exist; pass --force to overwrite them")
+    split_targets(out_dir, SPLITS, force)
 
     tables = {}
     for split in SPLITS:
@@ -152,18 +146,5 @@ def convert(input_dir: str, out_dir: str, force: bool = False) -> dict[str, int]
         examples = _read_jsonl(files[0]) if kind == "jsonl" else _read_hf_parquet(files)
         tables[split] = pa.Table.from_pylist(to_rows(examples, split), schema=SCHEMA)
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
-        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would become out_dir's: give it what mkdir would
-        for split, table in tables.items():
-            pq.write_table(table, os.path.join(tmp, f"{split}.parquet"), row_group_size=ROW_GROUP_SIZE)
-        if not os.path.exists(out_dir):
-            os.rename(tmp, out_dir)  # the whole output appears at once
-        else:
-            for split, target in targets.items():  # each file appears whole; others in out_dir are kept
-                os.replace(os.path.join(tmp, f"{split}.parquet"), target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_splits_atomic(tables, out_dir, ROW_GROUP_SIZE)
     return {split: t.num_rows for split, t in tables.items()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -183,6 +184,36 @@ def write_parquet_atomic(table: pa.Table, target: str, row_group_size: int) -> N
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def split_targets(out_dir: str, splits: Sequence[str], force: bool) -> dict[str, str]:
+    """`out_dir/<split>.parquet` for each split; FileExistsError naming those already there unless `force` (asked
+    before any input is read, so a refusal costs nothing)."""
+    targets = {split: os.path.join(out_dir, f"{split}.parquet") for split in splits}
+    existing = [p for p in targets.values() if os.path.exists(p)]
+    if existing and not force:
+        raise FileExistsError(f"{', '.join(existing)} already exist; pass --force to overwrite them")
+    return targets
+
+
+def write_splits_atomic(tables: dict[str, pa.Table], out_dir: str, row_group_size: int) -> None:
+    """Write each table to `out_dir/<split>.parquet` through a temporary directory beside `out_dir`: a new `out_dir`
+    appears at once with every split, an existing one gets each file whole (other files in it are kept). A failure
+    leaves no partial output."""
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would become out_dir's: give it what mkdir would
+        for split, table in tables.items():
+            pq.write_table(table, os.path.join(tmp, f"{split}.parquet"), row_group_size=row_group_size)
+        if not os.path.exists(out_dir):
+            os.rename(tmp, out_dir)
+        else:
+            for split in tables:
+                os.replace(os.path.join(tmp, f"{split}.parquet"), os.path.join(out_dir, f"{split}.parquet"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def umask() -> int:
