@@ -8,17 +8,11 @@ import pytest
 from megappo.rollout import HFEngine, SamplingParams
 from megappo.rollout.sglang_engine import SGLangEngine
 from megappo.rollout.sglang_server import SGLangServer
+from megappo.testing.completions import assert_same_completions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-
-
-def _same(got, want, tol=1e-4):
-    assert [[c.output_ids for c in g] for g in got] == [[c.output_ids for c in g] for g in want]
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < tol
 
 
 @pytest.mark.long  # the fleet test compares greedy tokens with the in-process engine too
@@ -29,7 +23,7 @@ def test_sglang_engine_generates_what_the_in_process_engine_does(sglang_python, 
     new = make_hf_model("qwen2", str(tmp_path / "new"), seed=1)
     with SGLangServer(hf_dir, python=sglang_python) as server:
         engine = SGLangEngine(server.url)
-        _same(engine.generate(PROMPTS, GREEDY), HFEngine(hf_dir).generate(PROMPTS, GREEDY))
+        assert_same_completions(engine.generate(PROMPTS, GREEDY), HFEngine(hf_dir).generate(PROMPTS, GREEDY))
 
         sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, ignore_eos=True)
         a = engine.generate(PROMPTS, sampled)
@@ -41,12 +35,12 @@ def test_sglang_engine_generates_what_the_in_process_engine_does(sglang_python, 
         until_stop = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop,))
         cut = engine.generate(PROMPTS[:1], until_stop)
         assert cut[0][0].finish_reason == "stop" and cut[0][0].output_ids[-1] in (stop, *HFEngine(hf_dir).eos_ids)
-        _same(cut, HFEngine(hf_dir).generate(PROMPTS[:1], until_stop))
+        assert_same_completions(cut, HFEngine(hf_dir).generate(PROMPTS[:1], until_stop))
 
         assert engine.update_weights_from_disk(new) == 1
         got = engine.generate(PROMPTS, GREEDY)
         assert all(c.weight_version == 1 for g in got for c in g)
-        _same(got, HFEngine(new).generate(PROMPTS, GREEDY))
+        assert_same_completions(got, HFEngine(new).generate(PROMPTS, GREEDY))
 
 
 def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_model_dir, tmp_path):
@@ -79,4 +73,4 @@ def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_mode
     finally:
         destroy_parallel()
     assert all(c.weight_version == 5 for g in got for c in g)
-    _same(got, HFEngine(actor_dir).generate(PROMPTS, GREEDY))
+    assert_same_completions(got, HFEngine(actor_dir).generate(PROMPTS, GREEDY))

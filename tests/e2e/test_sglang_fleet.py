@@ -16,14 +16,11 @@ from megappo.rollout import HFEngine, SamplingParams
 from megappo.rollout.sglang_engine import SGLangEngine
 from megappo.rollout.sglang_fleet import SGLangFleet
 from megappo.rollout.sglang_server import SGLangServer
+from megappo.testing.completions import tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3], [4, 4], [8, 1, 2], [7]]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-
-
-def _tokens(groups):
-    return [[c.output_ids for c in g] for g in groups]
 
 
 def _log_lines(server) -> list[str]:
@@ -66,7 +63,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     model, servers = two_servers
     fleet = SGLangFleet([s.url for s in servers])
     got = fleet.generate(PROMPTS, GREEDY)
-    assert _tokens(got) == _tokens(HFEngine(model).generate(PROMPTS, GREEDY)) and fleet.retried_rows == 0
+    assert tokens(got) == tokens(HFEngine(model).generate(PROMPTS, GREEDY)) and fleet.retried_rows == 0
 
     # the real sglang-router in front of both: with other weights on the second server, each row's answer is one
     # of the two models', and both models answer (the router spread the rows); a wrong key is refused
@@ -78,9 +75,9 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     with SGLangRouter([s.url for s in servers], python=servers[0].python, api_key=servers[0].api_key) as router:
         assert router.healthy_workers() == sorted(s.url for s in servers)
         via = SGLangFleet([s.url for s in servers], router_url=router.url).generate(PROMPTS * 2, GREEDY)
-        first, second = (_tokens(HFEngine(m).generate(PROMPTS * 2, GREEDY)) for m in (model, routed))
+        first, second = (tokens(HFEngine(m).generate(PROMPTS * 2, GREEDY)) for m in (model, routed))
         answers = ["first" if t == a else "second" if t == b else "neither"
-                   for t, a, b in zip(_tokens(via), first, second)]
+                   for t, a, b in zip(tokens(via), first, second)]
         assert "neither" not in answers and set(answers) == {"first", "second"}, answers
         with pytest.raises(RuntimeError, match="401"):
             http_json(router.url + "/workers", timeout=5, api_key="wrong")
@@ -98,7 +95,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     tensors = sorted(load_file(os.path.join(new, "model.safetensors")).items())
     assert fleet.update_weights([tensors[i:i + 4] for i in range(0, len(tensors), 4)], version=7) == 7
     got = fleet.generate(PROMPTS, GREEDY)
-    assert _tokens(got) == _tokens(HFEngine(new).generate(PROMPTS, GREEDY))
+    assert tokens(got) == tokens(HFEngine(new).generate(PROMPTS, GREEDY))
     assert all(c.weight_version == 7 for g in got for c in g)
     assert {c.extra["sglang_weight_version"] for g in got for c in g} == {"7"}  # both servers answered
     fleet.close_weight_group()
@@ -110,18 +107,18 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     assert fleet.update_weights_from_tensor([tensors[i:i + 4] for i in range(0, len(tensors), 4)], version=8) == 8
     fleet.resume()
     fleet.check_version(8)
-    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == tokens(HFEngine(other).generate(PROMPTS, GREEDY))
     # a second tensor sync reuses the shared buffers of the first: the servers read the new values, not stale ones
     third = make_hf_model("qwen2", str(tmp_path / "third"), seed=10)
     tensors = sorted(load_file(os.path.join(third, "model.safetensors")).items())
     buffers = [b.data_ptr() for b in fleet._shm_staging.buffers]
     assert fleet.update_weights_from_tensor([tensors[i:i + 4] for i in range(0, len(tensors), 4)], version=9) == 9
     assert [b.data_ptr() for b in fleet._shm_staging.buffers] == buffers
-    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(third).generate(PROMPTS, GREEDY))
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == tokens(HFEngine(third).generate(PROMPTS, GREEDY))
     # ...and a bucket larger than a slot grows it: the whole of `other` in one bucket
     whole = sorted(load_file(os.path.join(other, "model.safetensors")).items())
     assert fleet.update_weights_from_tensor([whole], version=10) == 10
-    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == tokens(HFEngine(other).generate(PROMPTS, GREEDY))
     lps = fleet.prompt_log_probs(PROMPTS[1])
     assert len(lps) == 2 and lps[0] == pytest.approx(lps[1], abs=1e-5) and len(lps[0]) == len(PROMPTS[1]) - 1
     new = other
@@ -143,7 +140,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
         for s, mark in zip(servers, marks):
             asked = _requests(_log_lines(s)[mark:])
             assert "/health" not in asked and asked[0] == "/generate" and asked[-1] == "/model_info", (mode, asked)
-    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(other).generate(PROMPTS, GREEDY))
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == tokens(HFEngine(other).generate(PROMPTS, GREEDY))
 
     # SIGKILL the second server while it generates a long batch: every sample still comes back, once
     long = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True, n=4)  # seconds of work per server
@@ -158,10 +155,10 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     os.killpg(sglang_pid, signal.SIGKILL)
     worker.join(300)
     assert not worker.is_alive()
-    assert _tokens(result["groups"]) == _tokens(expected)
+    assert tokens(result["groups"]) == tokens(expected)
     assert fleet.alive == [True, False] and fleet.retried_rows > 0
 
     # later calls use the survivor alone: a reload from disk and a generation
     again = make_hf_model("qwen2", str(tmp_path / "again"), seed=6)
     assert fleet.update_weights_from_disk(again) == 14
-    assert _tokens(fleet.generate(PROMPTS, GREEDY)) == _tokens(HFEngine(again).generate(PROMPTS, GREEDY))
+    assert tokens(fleet.generate(PROMPTS, GREEDY)) == tokens(HFEngine(again).generate(PROMPTS, GREEDY))

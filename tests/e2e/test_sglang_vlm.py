@@ -9,16 +9,10 @@ import pytest
 from megappo.rollout import HFEngine, SamplingParams
 from megappo.rollout.sglang_engine import SGLangEngine
 from megappo.rollout.sglang_server import SGLangServer
+from megappo.testing.completions import assert_same_completions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.long]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
-
-
-def _same(got, want, tol=1e-4):
-    assert [[c.output_ids for c in g] for g in got] == [[c.output_ids for c in g] for g in want]
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < tol
 
 
 def test_sglang_serves_a_vlm_like_the_in_process_engine(sglang_python, tmp_path):
@@ -36,13 +30,13 @@ def test_sglang_serves_a_vlm_like_the_in_process_engine(sglang_python, tmp_path)
     prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.input_ids, batch.attention_mask)]
     with SGLangServer(first.model_dir, python=sglang_python) as server:
         engine = SGLangEngine(server.url, image_token_id=images.image_token_id)
-        _same(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
+        assert_same_completions(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
               HFEngine(first.model_dir).generate(prompts, GREEDY, multi_modal=batch.multi_modal))
         sampled = engine.generate(prompts, SamplingParams(max_new_tokens=3, temperature=1.0, n=2),
                                   multi_modal=batch.multi_modal)
         assert [len(g) for g in sampled] == [2] * 6
         assert engine.update_weights_from_disk(second.model_dir) == 1
-        _same(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
+        assert_same_completions(engine.generate(prompts, GREEDY, multi_modal=batch.multi_modal),
               HFEngine(second.model_dir).generate(prompts, GREEDY, multi_modal=batch.multi_modal))
 
 

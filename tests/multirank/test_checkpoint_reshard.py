@@ -16,12 +16,9 @@ pytestmark = pytest.mark.multirank
 
 
 def _batch():
-    from megappo.models.batch import ModelBatch
+    from megappo.testing.batches import random_batch
 
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (3, 6, 2, 5)]
-    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (4, 2, 6, 3)]
-    return ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
+    return random_batch(5, (3, 6, 2, 5), (4, 2, 6, 3))
 
 
 def _loss(out, ctx):

@@ -19,17 +19,9 @@ REL = 1e-5
 
 
 def _batch():
-    from megappo.models.batch import ModelBatch, TrainInputs
+    from megappo.testing.batches import random_batch
 
-    g = torch.Generator().manual_seed(11)
-    plens, rlens = [3, 7, 2, 5], [6, 2, 9, 4]
-    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in plens]
-    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in rlens]
-    b = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
-    shape = b.response_mask.shape
-    b.train = TrainInputs(old_log_probs=-6.2 + 0.1 * torch.randn(shape, generator=g),
-                          advantages=torch.randn(shape, generator=g), returns=torch.randn(shape, generator=g))
-    return b
+    return random_batch(11, [3, 7, 2, 5], [6, 2, 9, 4], old_log_prob=-6.2)
 
 
 def _loss(out, ctx):

@@ -19,16 +19,9 @@ RECIPE = "recipes/cpu/tiny_ppo_lora.yaml"
 
 
 def _batch():
-    from megappo.models.batch import ModelBatch, TrainInputs
+    from megappo.testing.batches import random_batch
 
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (3, 6)]
-    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in (5, 2)]
-    b = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
-    shape = b.response_mask.shape
-    b.train = TrainInputs(old_log_probs=-6.0 + 0.1 * torch.randn(shape, generator=g),
-                          advantages=torch.randn(shape, generator=g), returns=torch.randn(shape, generator=g))
-    return b
+    return random_batch(3, (3, 6), (5, 2), old_log_prob=-6.0)
 
 
 def _actor_loss(out, ctx):

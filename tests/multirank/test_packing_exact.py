@@ -19,19 +19,10 @@ REL = 1e-5
 
 
 def _batch():
-    from megappo.models.batch import ModelBatch, TrainInputs
+    from megappo.testing.batches import random_batch
 
-    g = torch.Generator().manual_seed(11)
-    plens = [2, 7, 3, 5, 4, 6, 2, 3]
     rlens = [3, 60, 5, 41, 2, 17, 33, 6]  # totals 5 .. 67: more than 10x apart
-    prompts = [torch.randint(1, 400, (n,), generator=g).tolist() for n in plens]
-    responses = [torch.randint(1, 400, (n,), generator=g).tolist() for n in rlens]
-    b = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
-    shape = b.response_mask.shape
-    b.train = TrainInputs(old_log_probs=-6.0 + 0.1 * torch.randn(shape, generator=g),
-                          advantages=torch.randn(shape, generator=g), returns=torch.randn(shape, generator=g),
-                          values=0.1 * torch.randn(shape, generator=g))
-    return b
+    return random_batch(11, [2, 7, 3, 5, 4, 6, 2, 3], rlens, old_log_prob=-6.0, values=True)
 
 
 def _job(rank, world_size, hf_dir, layouts):

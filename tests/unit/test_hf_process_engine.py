@@ -21,6 +21,7 @@ import torch
 from megappo.rollout.hf_engine import HFEngine
 from megappo.rollout.hf_process import HFProcessEngine
 from megappo.rollout.sampling import SamplingParams
+from megappo.testing.completions import tokens
 from megappo.testing.procs import process_gone
 
 torch.set_num_threads(1)
@@ -31,12 +32,8 @@ LONG = SamplingParams(max_new_tokens=480, temperature=1.0, seed=5, ignore_eos=Tr
 SHORT = replace(LONG, max_new_tokens=96)
 
 
-def _tokens(groups):
-    return [[c.output_ids for c in g] for g in groups]
-
-
 def _assert_same(got, want, tol=1e-6):
-    assert _tokens(got) == _tokens(want)
+    assert tokens(got) == tokens(want)
     for g, w in zip(got, want):
         for a, b in zip(g, w):
             assert a.prompt_index == b.prompt_index and a.finish_reason == b.finish_reason
@@ -166,7 +163,7 @@ def test_weight_updates_equal_an_in_process_engine_on_the_same_weights(engines, 
     for got in (mid[0].result(timeout=60), proc.generate(PROMPTS, SAMPLED)):
         _assert_same(got, want)
         assert all(c.weight_version == 7 for g in got for c in g)
-    assert _tokens(proc.generate(PROMPTS, GREEDY)) != _tokens(before)
+    assert tokens(proc.generate(PROMPTS, GREEDY)) != tokens(before)
     assert proc.prompt_log_probs(PROMPTS[1]) == want_engine.prompt_log_probs(PROMPTS[1])
 
     # a bad update fails with the child's error, and the engine goes on

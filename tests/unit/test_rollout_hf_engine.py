@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megappo.rollout import HFEngine, SamplingParams
+from megappo.testing.completions import tokens
 
 torch.set_num_threads(1)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
@@ -83,10 +84,6 @@ def test_bad_weight_updates_fail_clearly(hf_model_dir):
         HFEngine("/nonexistent")
 
 
-def _tokens(groups):
-    return [[c.output_ids for c in g] for g in groups]
-
-
 def test_a_sample_depends_on_its_seed_prompt_index_and_sample_index_not_on_its_batch(hf_model_dir):
     """Sample j of the batch's prompt i is drawn with its own seed (`sample_seed`): a data-parallel share of the
     batch (`prompt_offset`), other batch mates, another forward-batch size or another engine (rank) draw the same
@@ -94,25 +91,25 @@ def test_a_sample_depends_on_its_seed_prompt_index_and_sample_index_not_on_its_b
     hf_dir = hf_model_dir("qwen2")
     sampled = SamplingParams(max_new_tokens=6, temperature=1.0, n=3, seed=7, ignore_eos=True)
     whole = HFEngine(hf_dir).generate(PROMPTS, sampled)
-    assert len({tuple(t) for g in _tokens(whole) for t in g}) > 3  # it does sample (not all rows alike)
+    assert len({tuple(t) for g in tokens(whole) for t in g}) > 3  # it does sample (not all rows alike)
     # the two shares of a two-rank split, each on an engine of its own, with other forward-batch sizes
     first = HFEngine(hf_dir, max_num_seqs=2).generate(PROMPTS[:1], sampled, prompt_offset=0)
     rest = HFEngine(hf_dir, max_num_seqs=4).generate(PROMPTS[1:], sampled, prompt_offset=1)
-    assert _tokens(first + rest) == _tokens(whole)
+    assert tokens(first + rest) == tokens(whole)
     for got, want in zip(first + rest, whole):
         for a, b in zip(got, want):
             assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < 1e-5
     # other batch mates (a longer prompt pads the batch differently) at the same index: the same samples
     mates = HFEngine(hf_dir).generate([[4, 4, 4, 4, 4, 4, 4, 4, 4], PROMPTS[1]], sampled)
-    assert _tokens(mates)[1] == _tokens(whole)[1]
+    assert tokens(mates)[1] == tokens(whole)[1]
     # another index (or seed) is another draw
     moved = HFEngine(hf_dir).generate([PROMPTS[1]], sampled, prompt_offset=2)
-    assert _tokens(moved)[0] != _tokens(whole)[1]
+    assert tokens(moved)[0] != tokens(whole)[1]
     # without a seed the engine's stream seeds the request: engines built alike sample alike, request by request
     unseeded = replace(sampled, seed=None)
     a, b = HFEngine(hf_dir, seed=3), HFEngine(hf_dir, seed=3)
-    assert [_tokens(a.generate(PROMPTS, unseeded)) for _ in range(2)] == \
-        [_tokens(b.generate(PROMPTS, unseeded)) for _ in range(2)]
+    assert [tokens(a.generate(PROMPTS, unseeded)) for _ in range(2)] == \
+        [tokens(b.generate(PROMPTS, unseeded)) for _ in range(2)]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
@@ -138,5 +135,5 @@ def test_released_weights_are_freed_and_a_complete_update_restores_them_exactly(
         engine.prompt_log_probs([5, 6, 7])
     assert engine.load_weights([tensors], version=1) == 1
     after = engine.generate(PROMPTS, GREEDY)
-    assert _tokens(after) == _tokens(before)
+    assert tokens(after) == tokens(before)
     assert [c.log_probs for g in after for c in g] == [c.log_probs for g in before for c in g]
