@@ -124,7 +124,7 @@ def test_fully_async_loses_no_sample_to_a_server_killed_mid_generation(sglang_py
         "actor_rollout_ref.rollout.name=sglang", f"actor_rollout_ref.rollout.server_python={sglang_python}",
         "actor_rollout_ref.rollout.servers_per_node=2", "async_training.trigger_parameter_sync_step=1",
         "async_training.staleness_threshold=1", "async_training.partial_rollout=false",
-        "data.max_response_length=48", "actor_rollout_ref.rollout.ignore_eos=true",  # requests of ~0.2 s
+        "data.max_response_length=48", "actor_rollout_ref.rollout.ignore_eos=true",  # requests of ~0.4 s
         # The tiny model learned to answer in a few tokens; 48 forced tokens past its EOS are where it is most
         # sensitive: at the recipe's lr of 1e-3, about one run in four drew a first batch whose first Adam step moved
         # the policy by a KL of 2.3 (deterministic given that batch: replaying it gave the same), and the KL guard
@@ -153,8 +153,8 @@ def test_fully_async_loses_no_sample_to_a_server_killed_mid_generation(sglang_py
         return real_rows(self, *args, **kwargs)
 
     def getresponse(conn, *args, **kwargs):
-        # The request is sent and its answer (~0.4 s of generation) not begun: the server dies with it in flight.
-        # (A timer 50 ms after the call, as before, sometimes fired after a quick answer, and nothing was retried.)
+        # The request is sent and its answer (~0.4 s of generation) not begun: the server dies with it in flight
+        # (a timer started with the call could fire after a quick answer, and nothing would be retried)
         pid = in_flight.pop(threading.get_ident(), None)
         if pid is not None:
             os.killpg(pid, signal.SIGKILL)
