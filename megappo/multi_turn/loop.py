@@ -2,8 +2,9 @@
 
 A trajectory is built from the engine's own token ids (token in, token out): the model's turns are the tokens the
 engine sampled, never re-tokenised; after a turn that calls tools, the tools' answers are appended as the chat
-template renders them (`ChatDelta`: the text the template adds after the assistant's text, tokenised alone, which
-a strict check compares with the template applied to the final messages). The response is every token after the
+template renders them (`ChatDelta`, megappo/multi_turn/template.py: the text the template adds after the
+assistant's text, tokenised alone, each tool's text escaped and never tokenised to a control token; a strict check
+compares the result with the template applied to the final messages). The response is every token after the
 prompt; its loss mask is 1 on the model's tokens and 0 on the tool answers and the template's tokens, whose engine
 log-probs are 0.
 
@@ -28,14 +29,14 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
-from megappo.multi_turn.parser import PARSERS, STOP_STRINGS, ToolCall
+from megappo.multi_turn.parser import MARKUP, PARSERS, STOP_STRINGS, ToolCall
 from megappo.multi_turn.pool import ToolPool
+from megappo.multi_turn.template import ChatDelta
 from megappo.multi_turn.tools import BaseTool, ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
-_STUB_USER = [{"role": "user", "content": "?"}]  # the conversation a delta is rendered after (templates are local)
 
 
 def truncate(text: str, limit: int, side: str) -> str:
@@ -49,51 +50,6 @@ def truncate(text: str, limit: int, side: str) -> str:
         return text[:limit] + "...(truncated)"
     half = limit // 2
     return text[:half] + "...(truncated)..." + text[-half:]
-
-
-class ChatDelta:
-    """The chat template's tokens around tool answers, given the tokenizer (its chat template) and the tools'
-    schemas (the template's `tools=`)."""
-
-    def __init__(self, tokenizer, tool_schemas: list[dict]):
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("multi-turn rollouts need a tokenizer with a chat template (it renders the tool answers)")
-        self.tokenizer, self.schemas = tokenizer, tool_schemas or None
-        self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
-        self._head = self._render(_STUB_USER, True)
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def content(self, turn_ids: Sequence[int]) -> str:
-        """An assistant turn's message content: its text without a closing EOS."""
-        ids = list(turn_ids)
-        if ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
-        return self.decode(ids)
-
-    def tool_answer(self, turn_ids: Sequence[int], answers: list[str]) -> list[int]:
-        """The tokens the template puts after an assistant turn (`turn_ids`, as generated) and before the next
-        assistant turn's text: the turn's closing, the tool messages and the next generation prompt."""
-        before = self._head + self.decode(turn_ids)
-        after = self._render(_STUB_USER + [{"role": "assistant", "content": self.content(turn_ids)}]
-                             + [{"role": "tool", "content": a} for a in answers], True)
-        if not after.startswith(before):
-            raise RuntimeError("the chat template renders an assistant turn differently from the generated text, so "
-                               "tool answers cannot be appended token-in-token-out; the template must render an "
-                               "assistant message's content verbatim")
-        return self.encode(after[len(before):])
-
-    def expected_response(self, messages: list[dict]) -> list[int]:
-        """The template's tokens of a trajectory's turns (`messages` after the prompt) as one rendering."""
-        return self.encode(self._render(_STUB_USER + messages, False)[len(self._head):])
 
 
 @dataclass
@@ -125,7 +81,7 @@ class MultiTurnRollout:
 
     def __init__(self, mt_cfg, tokenizer, tools: dict[str, BaseTool], response_length: int):
         self.cfg, self.tools, self.response_length = mt_cfg, tools, response_length
-        self.delta = ChatDelta(tokenizer, [t.tool_schema for t in tools.values()])
+        self.delta = ChatDelta(tokenizer, [t.tool_schema for t in tools.values()], MARKUP[mt_cfg.format])
         self.parse = PARSERS[mt_cfg.format]
         end = tokenizer.convert_tokens_to_ids(STOP_STRINGS[mt_cfg.format])
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -198,7 +154,7 @@ class MultiTurnRollout:
         started = [[self._start(t, call) for call in calls] for t, calls in work]
         for (t, calls), pending in zip(work, started):
             results = [self._finish(call, p) for call, p in zip(calls, pending)]
-            answers = [r["text"] for r in results]
+            answers = [self.delta.escape(r["text"]) for r in results]  # what the model reads
             tokens = self.delta.tool_answer(t.ids[len(t.ids) - self._last_turn_len(t):], answers)
             t.user_turns += 1
             t.tool_results += results

@@ -14,6 +14,9 @@ from typing import Optional
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+# the wrapper the hermes templates put around a tool's answer (a tool's text must never close it)
+TOOL_RESPONSE_START = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
 _HERMES = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
@@ -37,7 +40,7 @@ def _hermes_call(raw: str) -> ToolCall:
         obj = json.loads(raw.strip())
     except ValueError as e:
         return ToolCall("", {}, raw, f"the tool call is not valid JSON ({e.msg} at position {e.pos}); write "
-                                     '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+                                     '{"name": ..., "arguments": {...}} between the tool_call tags')
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall("", {}, raw, 'the tool call needs a "name" (a string) and "arguments" (an object)')
     args = obj.get("arguments", {})
@@ -53,3 +56,5 @@ def _hermes_call(raw: str) -> ToolCall:
 
 PARSERS = {"hermes": parse_hermes}
 STOP_STRINGS = {"hermes": TOOL_CALL_END}  # the text that ends a call: generation stops there
+# the format's markup, which a tool's answer may not contain verbatim (megappo/multi_turn/template.py escapes it)
+MARKUP = {"hermes": (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)}

@@ -64,3 +64,23 @@ def make_tokenizer(out_dir: str | None = None, vocab_size: int = 512, seed: int 
         os.makedirs(out_dir, exist_ok=True)
         fast.save_pretrained(out_dir)
     return fast
+
+
+def make_chat_tokenizer(family: str = "qwen2.5"):
+    """A byte-level tokenizer (every byte one token, no merges: built at once) carrying a real model family's chat
+    template and special and added tokens (megappo.testing.chat_templates.CHAT_FAMILIES): what multi-turn
+    rendering is tested against."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    from megappo.testing.chat_templates import CHAT_FAMILIES
+
+    template, special, added = CHAT_FAMILIES[family]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {w: i for i, w in enumerate(alphabet)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         unk_token=None, bos_token=None, model_max_length=1 << 20)
+    tok.add_special_tokens({"additional_special_tokens": [s for s in special if s not in tok.all_special_tokens]})
+    tok.add_tokens(added)
+    tok.chat_template = template
+    return tok
