@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +50,8 @@ _ABBREVIATIONS = {
     # verl's older optimiser names
     "warmup_style": "lr_scheduler", "lr_decay_style": "lr_scheduler",
 }
+# Paths a recipe names that mean a file beside the recipe (`recipe_relative`).
+RECIPE_RELATIVE_KEYS = ("actor_rollout_ref.rollout.multi_turn.tool_config_path",)
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _REF = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
@@ -67,6 +70,8 @@ def load_config(
             data, source = read_recipe(path), str(path)
         for key, value in data.items():
             _set(cfg, str(key), value, source, errors, cli=False)
+        if not isinstance(recipe, Mapping):
+            _resolve_recipe_paths(cfg, path.parent)
     for override in overrides:
         key, value = _split_override(override, errors)
         if key is not None:
@@ -135,6 +140,32 @@ def bundled_recipes() -> dict[str, Path]:
         return {}
     return {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in sorted(RECIPES_DIR.rglob("*.yaml"))
             if "tools" not in p.relative_to(RECIPES_DIR).parts[:-1]}
+
+
+def recipe_relative(path: str, base_dir: Union[str, Path, None]) -> str:
+    """A path that a YAML file in `base_dir` names, as its author meant it: `~` expanded, absolute as given,
+    relative against `base_dir` (so a recipe runs from any working directory); a relative path that exists only
+    from the working directory still means that file (older recipes wrote paths from the repository root)."""
+    expanded = os.path.expanduser(path)
+    if os.path.isabs(expanded) or base_dir is None:
+        return expanded
+    beside = os.path.abspath(os.path.join(os.path.expanduser(str(base_dir)), expanded))
+    if os.path.exists(beside) or not os.path.exists(expanded):
+        return beside
+    return expanded
+
+
+def _resolve_recipe_paths(cfg: MegappoConfig, base_dir: Path) -> None:
+    """`RECIPE_RELATIVE_KEYS` as set by the recipe in `base_dir` (command-line values, set later, mean the working
+    directory)."""
+    for key in RECIPE_RELATIVE_KEYS:
+        *groups, name = key.split(".")
+        node: Any = cfg
+        for g in groups:
+            node = getattr(node, g)
+        value = getattr(node, name)
+        if isinstance(value, str) and value and "${" not in value:
+            setattr(node, name, recipe_relative(value, base_dir))
 
 
 def read_recipe(path: Path) -> Mapping:

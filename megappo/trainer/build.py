@@ -66,9 +66,9 @@ def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
     template_kwargs = {}
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if mt.enable:  # the tools' schemas go to the chat template, as verl gives them
-        from megappo.multi_turn.tools import load_tools
+        from megappo.multi_turn.tools import tool_schemas
 
-        template_kwargs["tools"] = [t.tool_schema for t in load_tools(mt.tool_config_path).values()] or None
+        template_kwargs["tools"] = tool_schemas(mt.tool_config_path)
 
     from megappo.data.images import ImageProcessing
 

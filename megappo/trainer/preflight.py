@@ -7,8 +7,9 @@ into mini- and micro-batches over data-parallel ranks, and the prompt plus respo
 max_position_embeddings. With check_files it also reads the schema of every Parquet file, imports the custom reward
 function, checks that trainer.default_local_dir can be created and written, and, when the trainer starts SGLang
 servers, that their python (rollout.server_python) has SGLang. With data.synthetic.name set, the trainer writes
-the model and the Parquet files itself: the task must exist, and neither is read. Each message names the key, what
-is wrong and the fix.
+the model and the Parquet files itself: the task must exist, and neither is read. Multi-turn tools are imported and
+their schemas checked, and the chat template must show them (megappo/trainer/preflight_tools.py). Each message names
+the key, what is wrong and the fix.
 
 Light to import: no torch, megatron or pyarrow until a check needs them.
 """
@@ -28,6 +29,7 @@ from typing import Optional
 from megappo.config import ConfigError, MegappoConfig
 from megappo.config.validate import plan, rule_errors, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
+from megappo.trainer.preflight_tools import check_multi_turn_tools
 from megappo.trainer.preflight_vlm import check_vision_language
 
 
@@ -60,6 +62,7 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     _check_placement(cfg, errors, launching=check_files)
     _check_rollout_correction(cfg, errors)
     check_vision_language(cfg, errors)
+    check_multi_turn_tools(cfg, errors, check_files, uses_synthetic_task(cfg))
     if check_files:
         errors += _output_dir_errors(cfg)
         if known_engine:
