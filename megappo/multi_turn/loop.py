@@ -172,27 +172,30 @@ class MultiTurnRollout:
         return len(t.mask) - k
 
     def _start(self, t: Trajectory, call: ToolCall) -> Any:
-        """Submit one call to the pool: (future, start time), or the answer text of a call that cannot run (every
-        failure is an answer that says what was wrong)."""
+        """Submit one call to the pool: (future, start time), or (failure kind, answer text) of a call that cannot
+        run (every failure is an answer that says what was wrong)."""
         if call.error is not None:
-            return f"Error: {call.error}"
+            return "bad_call", f"Error: {call.error}"
         if call.name not in self.tools:
-            return (f"Error: there is no tool named {call.name!r}; the tools are: "
-                    f"{', '.join(sorted(self.tools)) or 'none'}")
+            return "unknown_tool", (f"Error: there is no tool named {call.name!r}; the tools are: "
+                                    f"{', '.join(sorted(self.tools)) or 'none'}")
         try:
             if call.name not in t.instances:
                 t.instances[call.name] = f"{uuid.uuid4().hex}-{t.index}"
                 self.pool.create(call.name, t.instances[call.name])
             return self.pool.submit(call.name, t.instances[call.name], call.arguments), time.perf_counter()
         except Exception as e:  # a tool that fails to start is its answer, not a crashed step
-            return f"Error: the tool {call.name} failed: {type(e).__name__}: {e}"
+            return "raised", f"Error: the tool {call.name} failed: {type(e).__name__}: {e}"
 
     def _finish(self, call: ToolCall, pending: Any) -> dict[str, Any]:
-        """The call's record: its answer (by the pool's deadline), reward, metrics, error and timeout flags."""
+        """The call's record: its answer (by the pool's deadline), reward, metrics, error and timeout flags, and
+        `failure`: why the tool itself failed (raised, unknown_tool; bad_call: the model's call was malformed;
+        "" otherwise), which the trainer's console warnings read."""
         record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "error": 0.0, "timeout": 0.0,
-                                  "latency_s": 0.0, "reward": 0.0, "metrics": {}}
-        if isinstance(pending, str):
-            text, record["error"] = pending, 1.0
+                                  "latency_s": 0.0, "reward": 0.0, "metrics": {}, "failure": ""}
+        if isinstance(pending[0], str):
+            record["failure"], text = pending
+            record["error"] = 1.0
         else:
             future, t0 = pending
             result = self.pool.result(future)
@@ -202,6 +205,7 @@ class MultiTurnRollout:
             record["metrics"] = dict(result.metrics)
             record["error"] = float(bool(result.metrics.get("error", 0.0)))
             record["timeout"] = float(bool(result.metrics.get("timeout", 0.0)))
+            record["failure"] = "raised" if result.metrics.get("exception") else ""
             record["latency_s"] = time.perf_counter() - t0
         record["text"] = truncate(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
         return record

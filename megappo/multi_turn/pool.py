@@ -110,7 +110,7 @@ class ToolPool:
             return self.tools[name].execute(instance_id, arguments)
         except Exception as e:  # a tool's bug is the tool's answer, not the rollout's crash
             return ToolResult(text=f"Error: the tool {name} failed: {type(e).__name__}: {e}"[:2000],
-                              metrics={"error": 1.0, "sandbox_error": 1.0})
+                              metrics={"error": 1.0, "sandbox_error": 1.0, "exception": 1.0})
 
     def result(self, fut: cf.Future) -> ToolResult:
         """The call's answer, or a timeout answer at its deadline."""
@@ -167,7 +167,7 @@ class _ToolHost:
             if method != "execute":
                 raise
             return ToolResult(text=f"Error: the tool {name} failed: {type(e).__name__}: {e}"[:2000],
-                              metrics={"error": 1.0, "sandbox_error": 1.0})
+                              metrics={"error": 1.0, "sandbox_error": 1.0, "exception": 1.0})
 
     def ping(self) -> None:
         return None
@@ -231,7 +231,7 @@ class _RayActors:
                     continue
                 if method == "execute":
                     return ToolResult(text=f"Error: the tool {name}'s worker died: {e}"[:2000],
-                                      metrics={"error": 1.0, "sandbox_error": 1.0})
+                                      metrics={"error": 1.0, "sandbox_error": 1.0, "exception": 1.0})
                 raise
         raise AssertionError("unreachable")
 

@@ -44,19 +44,28 @@ def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) 
     with timer("rollout"):
         samples, metrics = source.take(step)
         metrics.update(phases.staleness(run, samples))
-        metrics.update(_turn_metrics(samples))
+        metrics.update(_turn_metrics(run, samples))
     with timer("reward"):
         scores, reward_metrics, _ = _score(run, samples)
     return Scored(samples, scores, metrics, reward_metrics)
 
 
-def _turn_metrics(samples: Samples) -> dict[str, float]:
-    """multi_turn/* and tool/* of multi-turn samples ({} for single-turn ones)."""
+def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
+    """multi_turn/* and tool/* of multi-turn samples ({} for single-turn ones); broken tools are warned of on the
+    console and stop the run when they keep failing (RunStopped, on every rank: every rank has the samples)."""
     if not samples.multi_turn:
         return {}
+    import torch.distributed as dist
+
+    from megappo.multi_turn.health import ToolWatch, watch_tools
     from megappo.multi_turn.loop import multi_turn_metrics
 
-    return multi_turn_metrics(samples.turn_stats, samples.tool_results)
+    metrics = multi_turn_metrics(samples.turn_stats, samples.tool_results)
+    if run.tool_watch is None:
+        mt = run.cfg.actor_rollout_ref.rollout.multi_turn
+        run.tool_watch = ToolWatch(mt.max_tool_error_fraction, mt.max_tool_error_steps, speak=dist.get_rank() == 0)
+    watch_tools(run.tool_watch, metrics, samples.tool_results)
+    return metrics
 
 
 def overlong_penalties(lengths: list[int], max_response_length: int, buffer_len: int, factor: float) -> list[float]:
@@ -144,7 +153,7 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     # counts add up over the generation batches; the reward function's means are averaged over them
     reward_metrics = {k: v if k.startswith("reward/num_") else v / gen for k, v in sums.items()}
     metrics = phases.staleness(run, merged)
-    metrics.update(_turn_metrics(merged))
+    metrics.update(_turn_metrics(run, merged))
     metrics.update({"train/num_gen_batches": float(gen), "filter_groups/num_dropped_groups": float(dropped),
                     "filter_groups/reward_mean_all": sum(all_scores) / max(len(all_scores), 1)})
     return Scored(merged, part_scores, metrics, reward_metrics)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from megappo.data.dataset import PromptBatch
     from megappo.data.loader import PromptLoader
+    from megappo.multi_turn.health import ToolWatch
 
 KLController = Union[FixedKLController, AdaptiveKLController]
 
@@ -113,6 +114,7 @@ class Run:
     state: TrainState
     correction: RolloutCorrection  # algorithm.rollout_correction, checked
     reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
+    tool_watch: Optional["ToolWatch"] = None  # multi-turn tool warnings and failing streak, made at the first step
 
     @property
     def kl_ctrl(self) -> KLController:

@@ -1,0 +1,123 @@
+"""Broken tools are said (megappo/multi_turn/health.py): a tool that raises or an unknown tool name is warned of on
+the console with the error, once per tool and kind a minute; a run whose tool calls keep failing stops with a
+message saying why and what to change."""
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+
+from megappo.config import load_config
+from megappo.config.schema import MultiTurnConfig
+from megappo.multi_turn.health import ToolWatch, watch_tools
+from megappo.multi_turn.loop import MultiTurnRollout, Trajectory, multi_turn_metrics
+from megappo.multi_turn.parser import parse_hermes
+from megappo.multi_turn.tools import BaseTool
+from megappo.tasks import tool_sum
+from megappo.trainer.guard import RunStopped
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+UNKNOWN = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
+BAD = '<tool_call>{"name": "calculator", "arguments": {</tool_call>'
+
+
+class Broken(BaseTool):
+    def execute(self, instance_id, arguments):
+        raise ZeroDivisionError("the tool's own bug")
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+    """The tool results and stats of three trajectories: a call to a tool that raises, an unknown tool, a malformed
+    call (each one call, as the loop records it)."""
+    tok, _ = tool_sum.make_tokenizer(tool_sum.ToolTask(), str(tmp_path_factory.mktemp("tok")))
+    mt = MultiTurnRollout(MultiTurnConfig(enable=True), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)}, 400)
+    results = []
+    try:
+        for text in (CALL, UNKNOWN, BAD):
+            [call] = parse_hermes(text)[1]
+            results.append([mt._finish(call, mt._start(Trajectory(0, 0, []), call))])
+    finally:
+        mt.close()
+    stats = [{"turns": 2.0, "budget_hit": 0.0, "turn_limit_hit": 0.0, "template_mismatch": 0.0}] * len(results)
+    return results, stats
+
+
+def test_failures_are_recorded_by_kind(calls):
+    results, _ = calls
+    assert [r[0]["failure"] for r in results] == ["raised", "unknown_tool", "bad_call"]
+    assert "ZeroDivisionError: the tool's own bug" in results[0][0]["text"]
+    assert all(r[0]["error"] == 1.0 for r in results)
+
+
+def test_console_warnings_once_per_tool_and_kind(calls):
+    results, _ = calls
+    now = [0.0]
+    out = io.StringIO()
+    watch = ToolWatch(0.5, 3, out=out, clock=lambda: now[0])
+    watch.warn(results)
+    watch.warn(results)  # the same failures again within the minute: not said again
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("megappo train: WARNING: tool 'calculator' raised an exception: the tool calculator "
+                               "failed: ZeroDivisionError: the tool's own bug")
+    assert lines[1].startswith("megappo train: WARNING: tool 'search' was called but no tool of that name is "
+                               "configured: there is no tool named 'search'; the tools are: calculator")
+    now[0] = 61.0
+    watch.warn(results[:1])
+    assert out.getvalue().splitlines()[2].endswith("1 more such failures since the last warning; said at most once "
+                                                   "a minute)")
+    quiet = io.StringIO()
+    ToolWatch(0.5, 3, speak=False, out=quiet).warn(results)  # not rank 0
+    assert quiet.getvalue() == ""
+
+
+def test_tool_errors_that_persist_stop_the_run(calls):
+    results, stats = calls
+    failing = multi_turn_metrics(stats, results)
+    assert failing["tool/error_fraction"] == 1.0
+    fine = {"tool/calls_per_sample": 1.0, "tool/error_fraction": 0.0}
+    watch = ToolWatch(0.5, 3, out=io.StringIO())
+    for metrics in (failing, failing, fine, failing, failing):  # a good step breaks the streak
+        watch_tools(watch, metrics, results)
+    with pytest.raises(RunStopped) as info:
+        watch_tools(watch, failing, results)
+    message = str(info.value)
+    assert message.startswith("more than actor_rollout_ref.rollout.multi_turn.max_tool_error_fraction=0.5 of the "
+                              "tool calls failed for 3 steps in a row (tool/error_fraction 1.00 in the last)")
+    assert "ZeroDivisionError: the tool's own bug" in message and "max_tool_error_steps" in message
+    never = ToolWatch(None, 3, out=io.StringIO())
+    for _ in range(5):
+        watch_tools(never, failing, results)
+
+
+def test_the_trainer_warns_and_stops(calls, capsys, monkeypatch):
+    """The trainer's step metrics (dynamic_sampling): the warning on stderr, RunStopped at the configured step."""
+    import torch.distributed as dist
+
+    from megappo.trainer import dynamic_sampling
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    results, stats = calls
+    cfg = load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_error_steps=2"])
+    run = SimpleNamespace(cfg=cfg, tool_watch=None)
+    samples = SimpleNamespace(multi_turn=True, turn_stats=stats, tool_results=results)
+    assert dynamic_sampling._turn_metrics(run, samples)["tool/error_fraction"] == 1.0
+    assert "WARNING: tool 'calculator' raised an exception" in capsys.readouterr().err
+    with pytest.raises(RunStopped, match="for 2 steps in a row"):
+        dynamic_sampling._turn_metrics(run, samples)
+
+
+def test_config_keys_are_checked():
+    from megappo.config import ConfigError, validate
+
+    mt = load_config("cpu/tiny_tool_ppo").actor_rollout_ref.rollout.multi_turn
+    assert mt.max_tool_error_fraction == 0.5 and mt.max_tool_error_steps == 3
+    for override, expected in (("max_tool_error_fraction=1.5", "max_tool_error_fraction: must be in [0, 1)"),
+                               ("max_tool_error_steps=0", "max_tool_error_steps: must be >= 1")):
+        with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace(")", r"\)")):
+            validate(load_config("cpu/tiny_tool_ppo", [f"actor_rollout_ref.rollout.multi_turn.{override}"]),
+                     check_files=False)
+    validate(load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_error_fraction=null"]),
+             check_files=False)
