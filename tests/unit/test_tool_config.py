@@ -124,7 +124,8 @@ def test_a_misspelt_tool_class_stops_the_launch_at_once(tmp_path):
 
 def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     """The tiny test tokenizer's template drops tools=: the preflight says so; the loop refuses it too."""
-    from megappo.multi_turn.loop import MultiTurnRollout
+    from megappo.config import ConfigError
+    from megappo.multi_turn.loop import MultiTurnRollout, build_multi_turn
     from megappo.multi_turn.tools import tool_schemas
     from megappo.testing import make_tokenizer
     from megappo.testing.tokenizer import make_chat_tokenizer
@@ -141,6 +142,8 @@ def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     tools = load_tools(mt_cfg.tool_config_path)
     with pytest.raises(ValueError, match="ignores tools="):
         MultiTurnRollout(mt_cfg, tok, tools, 40)
+    with pytest.raises(ConfigError, match="multi_turn.enable: the chat template .* ignores tools="):
+        build_multi_turn(cfg, engine=None)  # a run whose tokenizer the preflight could not read: said at setup
     good = make_chat_tokenizer("qwen2.5")
     good.save_pretrained(tmp_path / "qwen")
     errors = []
