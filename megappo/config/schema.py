@@ -262,10 +262,12 @@ class MultiTurnConfig:
     tool_backend: Literal["thread", "ray"] = "thread"
     tool_workers: int = 32
     tool_timeout_s: Optional[float] = None
-    # stop the run when more than this fraction of the tool calls fail (tool/error_fraction) for
-    # max_tool_error_steps steps in a row: a broken tool or tool config, not a model still learning (null: never)
-    max_tool_error_fraction: Optional[float] = 0.5
-    max_tool_error_steps: int = 3
+    # stop the run when the tool itself fails (raises, is not configured, its sandbox fails: tool/failure_fraction)
+    # on more than this fraction of the calls for max_tool_failure_steps steps in a row: a broken tool or tool
+    # config. The policy's own mistakes (failing code, bad arguments) never count: a model still learning makes
+    # them (null: never stop)
+    max_tool_failure_fraction: Optional[float] = 0.5
+    max_tool_failure_steps: int = 3
 
 
 @dataclass

@@ -351,11 +351,11 @@ def _check_multi_turn(cfg: MegappoConfig, errors: list[str], check_files: bool) 
           "use 1")
     _need(errors, mt.max_tool_response_length >= 1, f"{p}.max_tool_response_length",
           f"must be >= 1, got {mt.max_tool_response_length}", "use e.g. 256")
-    frac = mt.max_tool_error_fraction
-    _need(errors, frac is None or 0 <= frac < 1, f"{p}.max_tool_error_fraction",
-          f"must be in [0, 1) or null, got {frac}", "use e.g. 0.5 (null: never stop for tool errors)")
-    _need(errors, mt.max_tool_error_steps >= 1, f"{p}.max_tool_error_steps",
-          f"must be >= 1, got {mt.max_tool_error_steps}", "use e.g. 3")
+    frac = mt.max_tool_failure_fraction
+    _need(errors, frac is None or 0 <= frac < 1, f"{p}.max_tool_failure_fraction",
+          f"must be in [0, 1) or null, got {frac}", "use e.g. 0.5 (null: never stop for failing tools)")
+    _need(errors, mt.max_tool_failure_steps >= 1, f"{p}.max_tool_failure_steps",
+          f"must be >= 1, got {mt.max_tool_failure_steps}", "use e.g. 3")
     _need(errors, bool(mt.tool_config_path), f"{p}.tool_config_path", "is not set but multi_turn.enable is",
           "name a tool config YAML (verl's shape, see megappo/multi_turn/tools.py)")
     if check_files and mt.tool_config_path:

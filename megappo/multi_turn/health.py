@@ -1,5 +1,5 @@
 """Broken tools are said, not just counted: console warnings when a tool raises or an unknown tool is called, and
-the stop of a run whose tool calls keep failing (multi_turn.max_tool_error_fraction / max_tool_error_steps).
+the stop of a run whose tools keep failing (multi_turn.max_tool_failure_fraction / max_tool_failure_steps).
 
 A failing call is still the model's answer (the loop never fails a step for it), so without these a tool that
 raises on every call, or a config whose tool names differ from the ones the prompts teach, trains on quietly with
@@ -11,17 +11,16 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
-# record["failure"] kinds (megappo/multi_turn/loop.py) that a user must hear of; a malformed call (bad_call) is the
-# model's own mistake, which training corrects
-_WARNED = {"raised": "raised an exception", "unknown_tool": "was called but no tool of that name is configured"}
+from megappo.multi_turn.loop import TOOL_FAILURES
+
 
 
 class ToolWatch:
     """One run's tool warnings (printed where `speak`, i.e. on global rank 0) and its streak of failing steps."""
 
-    def __init__(self, max_error_fraction: Optional[float], max_error_steps: int, *, speak: bool = True,
+    def __init__(self, max_failure_fraction: Optional[float], max_failure_steps: int, *, speak: bool = True,
                  interval_s: float = 60.0, out: Optional[TextIO] = None, clock: Callable[[], float] = time.monotonic):
-        self.max_error_fraction, self.max_error_steps = max_error_fraction, max_error_steps
+        self.max_failure_fraction, self.max_failure_steps = max_failure_fraction, max_failure_steps
         self.speak, self.interval_s, self.clock = speak, interval_s, clock
         self.out = out
         self.failing_steps = 0
@@ -34,7 +33,7 @@ class ToolWatch:
         for results in tool_results:
             for r in results or ():
                 kind = r.get("failure")
-                if kind not in _WARNED:
+                if kind not in TOOL_FAILURES:
                     continue
                 key = ("(unknown)" if kind == "unknown_tool" else r["name"], kind)
                 now, last = self.clock(), self._said.get(key)
@@ -49,25 +48,26 @@ class ToolWatch:
     def _say(self, record: dict, kind: str, more: int) -> None:
         text = str(record.get("text", "")).removeprefix("Error: ")
         since = f"; {more} more such failures since the last warning" if more else ""
-        print(f"megappo train: WARNING: tool {record['name']!r} {_WARNED[kind]}: {text} (the model reads this as "
-              f"the tool's answer and the call counts in tool/error_fraction{since}; said at most once a minute)",
+        print(f"megappo train: WARNING: tool {record['name']!r} {TOOL_FAILURES[kind]}: {text} (the model reads this "
+              f"as the tool's answer and the call counts in tool/failure_fraction{since}; said at most once a minute)",
               file=self.out or sys.stderr, flush=True)
 
-    def check(self, error_fraction: Optional[float], examples: Sequence[str] = ()) -> Optional[str]:
-        """After a step with tool calls' `error_fraction` (tool/error_fraction): why the run must stop, once more
-        than max_error_fraction of the calls failed for max_error_steps steps in a row (None: go on)."""
-        if self.max_error_fraction is None or error_fraction is None:
+    def check(self, failure_fraction: Optional[float], examples: Sequence[str] = ()) -> Optional[str]:
+        """After a step with tool calls' `failure_fraction` (tool/failure_fraction): why the run must stop, once
+        the tool itself failed on more than max_failure_fraction of the calls for max_failure_steps steps in a row
+        (None: go on)."""
+        if self.max_failure_fraction is None or failure_fraction is None:
             return None
-        self.failing_steps = self.failing_steps + 1 if error_fraction > self.max_error_fraction else 0
-        if self.failing_steps < self.max_error_steps:
+        self.failing_steps = self.failing_steps + 1 if failure_fraction > self.max_failure_fraction else 0
+        if self.failing_steps < self.max_failure_steps:
             return None
         p = "actor_rollout_ref.rollout.multi_turn"
         said = "; ".join(dict.fromkeys(examples)) or "(none recorded)"
-        return (f"more than {p}.max_tool_error_fraction={self.max_error_fraction} of the tool calls failed for "
-                f"{self.failing_steps} steps in a row (tool/error_fraction {error_fraction:.2f} in the last), so the "
-                f"run stopped instead of training on failed tool calls. Answers of failed calls: {said}. Fix the "
-                f"tool or its config (or raise {p}.max_tool_error_fraction, null: never stop; "
-                f"{p}.max_tool_error_steps) and start the same command again to resume")
+        return (f"the tool itself failed on more than {p}.max_tool_failure_fraction={self.max_failure_fraction} of the "
+                f"calls for {self.failing_steps} steps in a row (tool/failure_fraction {failure_fraction:.2f} in the "
+                f"last), so the run stopped instead of training on failed tool calls. Answers of failed calls: {said}. Fix the "
+                f"tool or its config (or raise {p}.max_tool_failure_fraction, null: never stop; "
+                f"{p}.max_tool_failure_steps) and start the same command again to resume")
 
 
 def failed_answers(tool_results: Sequence[Optional[Sequence[dict]]], limit: int = 3) -> list[str]:
@@ -76,7 +76,7 @@ def failed_answers(tool_results: Sequence[Optional[Sequence[dict]]], limit: int 
     for results in tool_results:
         for r in results or ():
             text = str(r.get("text", ""))[:300]
-            if r.get("error") and text not in out:
+            if r.get("failure") in TOOL_FAILURES and text not in out:
                 out.append(text)
                 if len(out) >= limit:
                     return out
@@ -88,7 +88,7 @@ def watch_tools(watch: ToolWatch, metrics: dict[str, float], tool_results) -> No
     failing."""
     watch.warn(tool_results)
     if "tool/calls_per_sample" in metrics and metrics["tool/calls_per_sample"] > 0:
-        reason = watch.check(metrics.get("tool/error_fraction"), failed_answers(tool_results))
+        reason = watch.check(metrics.get("tool/failure_fraction"), failed_answers(tool_results))
     else:
         reason = watch.check(0.0)  # a step without calls breaks the streak
     if reason:

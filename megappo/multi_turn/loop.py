@@ -36,6 +36,11 @@ from megappo.multi_turn.tools import BaseTool, ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
+# record["failure"] kinds where the tool itself failed (tool/failure_fraction; the run's stop and warnings read
+# them); the model's own malformed call (bad_call) is not one: training corrects it
+TOOL_FAILURES = {"raised": "raised an exception", "unknown_tool": "was called but no tool of that name is configured",
+                 "sandbox": "could not run the code in its sandbox"}
+
 logger = logging.getLogger(__name__)
 
 
@@ -189,8 +194,8 @@ class MultiTurnRollout:
 
     def _finish(self, call: ToolCall, pending: Any) -> dict[str, Any]:
         """The call's record: its answer (by the pool's deadline), reward, metrics, error and timeout flags, and
-        `failure`: why the tool itself failed (raised, unknown_tool; bad_call: the model's call was malformed;
-        "" otherwise), which the trainer's console warnings read."""
+        `failure`: why the tool itself failed (raised, unknown_tool, sandbox: its sandbox could not run the code;
+        bad_call: the model's call was malformed; "" otherwise), which the trainer's warnings and stop read."""
         record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "error": 0.0, "timeout": 0.0,
                                   "latency_s": 0.0, "reward": 0.0, "metrics": {}, "failure": ""}
         if isinstance(pending[0], str):
@@ -205,7 +210,8 @@ class MultiTurnRollout:
             record["metrics"] = dict(result.metrics)
             record["error"] = float(bool(result.metrics.get("error", 0.0)))
             record["timeout"] = float(bool(result.metrics.get("timeout", 0.0)))
-            record["failure"] = "raised" if result.metrics.get("exception") else ""
+            record["failure"] = ("raised" if result.metrics.get("exception") else
+                                 "sandbox" if result.metrics.get("sandbox_error") else "")
             record["latency_s"] = time.perf_counter() - t0
         record["text"] = truncate(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
         return record
@@ -255,6 +261,7 @@ def multi_turn_metrics(stats: Sequence[Optional[dict]], tool_results: Sequence[S
            "multi_turn/template_mismatch_fraction": sum(s["template_mismatch"] for s in rows) / n,
            "tool/calls_per_sample": len(calls) / n,
            "tool/error_fraction": sum(c["error"] for c in calls) / max(len(calls), 1),
+           "tool/failure_fraction": sum(c["failure"] in TOOL_FAILURES for c in calls) / max(len(calls), 1),
            "tool/timeout_fraction": sum(c["timeout"] for c in calls) / max(len(calls), 1),
            "tool/latency_s": sum(c["latency_s"] for c in calls) / max(len(calls), 1)}
     by_tool: dict[str, list[dict]] = {}

@@ -63,7 +63,7 @@ def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
     metrics = multi_turn_metrics(samples.turn_stats, samples.tool_results)
     if run.tool_watch is None:
         mt = run.cfg.actor_rollout_ref.rollout.multi_turn
-        run.tool_watch = ToolWatch(mt.max_tool_error_fraction, mt.max_tool_error_steps, speak=dist.get_rank() == 0)
+        run.tool_watch = ToolWatch(mt.max_tool_failure_fraction, mt.max_tool_failure_steps, speak=dist.get_rank() == 0)
     watch_tools(run.tool_watch, metrics, samples.tool_results)
     return metrics
 

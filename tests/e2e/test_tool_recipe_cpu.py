@@ -53,5 +53,5 @@ def test_a_broken_tool_stops_the_run(tmp_path):
     assert proc.returncode == 3, (proc.stdout + err)[-6000:]
     assert err.count("WARNING: tool 'calculator' raised an exception: the tool calculator failed: RuntimeError: "
                      "the calculator is broken") == 1, err[-6000:]
-    assert "more than actor_rollout_ref.rollout.multi_turn.max_tool_error_fraction=0.5 of the tool calls failed " \
-           "for 3 steps in a row" in err, err[-6000:]
+    assert "the tool itself failed on more than actor_rollout_ref.rollout.multi_turn.max_tool_failure_fraction=0.5 " \
+           "of the calls for 3 steps in a row" in err, err[-6000:]

@@ -77,19 +77,38 @@ def test_tool_errors_that_persist_stop_the_run(calls):
     results, stats = calls
     failing = multi_turn_metrics(stats, results)
     assert failing["tool/error_fraction"] == 1.0
-    fine = {"tool/calls_per_sample": 1.0, "tool/error_fraction": 0.0}
+    assert failing["tool/failure_fraction"] == pytest.approx(2 / 3)  # the malformed call is the model's mistake
+    fine = {"tool/calls_per_sample": 1.0, "tool/failure_fraction": 0.0}
     watch = ToolWatch(0.5, 3, out=io.StringIO())
     for metrics in (failing, failing, fine, failing, failing):  # a good step breaks the streak
         watch_tools(watch, metrics, results)
     with pytest.raises(RunStopped) as info:
         watch_tools(watch, failing, results)
     message = str(info.value)
-    assert message.startswith("more than actor_rollout_ref.rollout.multi_turn.max_tool_error_fraction=0.5 of the "
-                              "tool calls failed for 3 steps in a row (tool/error_fraction 1.00 in the last)")
-    assert "ZeroDivisionError: the tool's own bug" in message and "max_tool_error_steps" in message
+    assert message.startswith("the tool itself failed on more than actor_rollout_ref.rollout.multi_turn."
+                              "max_tool_failure_fraction=0.5 of the calls for 3 steps in a row "
+                              "(tool/failure_fraction 0.67 in the last)")
+    assert "ZeroDivisionError: the tool's own bug" in message and "max_tool_failure_steps" in message
     never = ToolWatch(None, 3, out=io.StringIO())
     for _ in range(5):
         watch_tools(never, failing, results)
+
+
+def test_the_policys_own_failing_calls_never_stop_the_run():
+    """Code that fails, bad arguments, malformed calls: the model's mistakes (tool/error_fraction 1), which training
+    corrects; only the tool's own failures (tool/failure_fraction) count towards the stop."""
+    results = [[{"name": "python", "arguments": {}, "text": "Traceback ... ZeroDivisionError", "error": 1.0,
+                 "timeout": 0.0, "latency_s": 0.01, "reward": 0.0, "metrics": {"error": 1.0}, "failure": ""},
+                {"name": "", "arguments": {}, "text": "Error: not valid JSON", "error": 1.0, "timeout": 0.0,
+                 "latency_s": 0.0, "reward": 0.0, "metrics": {}, "failure": "bad_call"}]]
+    stats = [{"turns": 2, "budget_hit": 0, "turn_limit_hit": 0, "template_mismatch": 0}]
+    metrics = multi_turn_metrics(stats, results)
+    assert metrics["tool/error_fraction"] == 1.0 and metrics["tool/failure_fraction"] == 0.0
+    out = io.StringIO()
+    watch = ToolWatch(0.5, 2, out=out)
+    for _ in range(5):
+        watch_tools(watch, metrics, results)
+    assert out.getvalue() == ""
 
 
 def test_the_trainer_warns_and_stops(calls, capsys, monkeypatch):
@@ -100,7 +119,7 @@ def test_the_trainer_warns_and_stops(calls, capsys, monkeypatch):
 
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     results, stats = calls
-    cfg = load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_error_steps=2"])
+    cfg = load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_failure_steps=2"])
     run = SimpleNamespace(cfg=cfg, tool_watch=None)
     samples = SimpleNamespace(multi_turn=True, turn_stats=stats, tool_results=results)
     assert dynamic_sampling._turn_metrics(run, samples)["tool/error_fraction"] == 1.0
@@ -113,11 +132,11 @@ def test_config_keys_are_checked():
     from megappo.config import ConfigError, validate
 
     mt = load_config("cpu/tiny_tool_ppo").actor_rollout_ref.rollout.multi_turn
-    assert mt.max_tool_error_fraction == 0.5 and mt.max_tool_error_steps == 3
-    for override, expected in (("max_tool_error_fraction=1.5", "max_tool_error_fraction: must be in [0, 1)"),
-                               ("max_tool_error_steps=0", "max_tool_error_steps: must be >= 1")):
+    assert mt.max_tool_failure_fraction == 0.5 and mt.max_tool_failure_steps == 3
+    for override, expected in (("max_tool_failure_fraction=1.5", "max_tool_failure_fraction: must be in [0, 1)"),
+                               ("max_tool_failure_steps=0", "max_tool_failure_steps: must be >= 1")):
         with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace(")", r"\)")):
             validate(load_config("cpu/tiny_tool_ppo", [f"actor_rollout_ref.rollout.multi_turn.{override}"]),
                      check_files=False)
-    validate(load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_error_fraction=null"]),
+    validate(load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_failure_fraction=null"]),
              check_files=False)
