@@ -383,11 +383,12 @@ def reinforce_policy_loss(
     log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
     is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None, num_seqs: int | torch.Tensor | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE with optional IS weights (verl's ``compute_policy_loss_reinforce``, bypass ``loss_type=reinforce``).
 
     All [B, T]. Per token loss = -A * log pi * w (w detached; 1 when is_weights is None), so the gradient is
-    -A w grad log pi; no clipping. Aggregated like ``policy_loss``. Metrics: ``ppo_kl`` = masked mean of
+    -A w grad log pi; no clipping. Aggregated like ``policy_loss`` (norm_length: see ``aggregate_loss``). Metrics: ``ppo_kl`` = masked mean of
     rollout - current log-prob (detached).
     """
     m = mask.bool() if mask.dtype != torch.bool else mask
@@ -395,7 +396,7 @@ def reinforce_policy_loss(
     pg = -torch.where(m, advantages, zero) * torch.where(m, log_probs, zero)
     if is_weights is not None:
         pg = pg * torch.where(m, is_weights.detach(), zero)
-    loss = aggregate_loss(pg, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate_loss(pg, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     kl = masked_mean(torch.where(m, rollout_log_probs - log_probs.detach(), zero), m)
     return loss, {"ppo_kl": kl.detach()}
 
@@ -405,6 +406,7 @@ def bypass_policy_loss(
     settings: RolloutCorrection, *, clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float | None = 3.0,
     agg_mode: str = "token-mean", num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None, sum_across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``bypass_mode`` policy loss for one micro-batch; old log-probs are the rollout's.
 
@@ -412,16 +414,18 @@ def bypass_policy_loss(
     log_probs in the role of old (weights w = pi / pi_rollout); the loss is then taken over the rejection-masked
     tokens: ``loss_type=ppo_clip`` -> ``policy_loss(log_probs, rollout_log_probs, ...)`` with no IS weights (the
     ratio already is pi / pi_rollout); ``reinforce`` -> ``reinforce_policy_loss`` with w. num_tokens / num_seqs
-    as for ``policy_loss`` (verl counts them before rejection). Returns (loss, the loss's metrics as detached
+    as for ``policy_loss`` (verl counts them before rejection); norm_length is seq-mean-token-sum-norm's constant
+    divisor (``actor.loss_scale_factor``; None: this micro-batch's T, which differs between splits). Returns (loss, the loss's metrics as detached
     tensors merged with the ``rollout_corr/`` floats).
     """
     weights, eff_mask, corr = compute_rollout_correction(
         log_probs.detach(), rollout_log_probs, mask, settings, sum_across=sum_across)
     if settings.loss_type == "reinforce":
         loss, metrics = reinforce_policy_loss(log_probs, rollout_log_probs, advantages, eff_mask, is_weights=weights,
-                                              agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                                              agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                              norm_length=norm_length)
     else:
         loss, metrics = policy_loss(log_probs, rollout_log_probs, advantages, eff_mask, clip_low=clip_low,
                                     clip_high=clip_high, clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens,
-                                    num_seqs=num_seqs)
+                                    num_seqs=num_seqs, norm_length=norm_length)
     return loss, {**metrics, **corr}
