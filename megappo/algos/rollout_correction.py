@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from megappo.algos import aggregate_loss, masked_mean, policy_loss
+from megappo.algos.estimators import suggest
+from megappo.algos.rollout_presets import PRESETS
 
 __all__ = ["IS_LEVELS", "LOSS_TYPES", "RS_OPTIONS", "RolloutCorrection", "bypass_policy_loss",
            "compute_rollout_corr_metrics", "compute_rollout_correction", "reinforce_policy_loss"]
@@ -126,8 +128,12 @@ class RolloutCorrection:
     rollout_rs_threshold: str | float | None = None
     bypass_mode: bool = False
     loss_type: str = "ppo_clip"
+    preset: str | None = None  # the verl preset the fields started from (``rollout_presets``); informational
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise _bad("preset", f"unknown preset {self.preset!r}{suggest(str(self.preset), PRESETS)} "
+                                 f"(valid: {', '.join(PRESETS)})")
         if self.rollout_is not in (None, *IS_LEVELS):
             raise _bad("rollout_is", f"got {self.rollout_is!r}; valid values: null, token, sequence")
         if self.rollout_is is not None and self.rollout_is_threshold is None:

@@ -301,7 +301,8 @@ def advantages(run: Run, exp: Experience) -> None:
         return
     seq = exp.token_rewards.sum(-1)
     all_seq, all_uid = dp_gather(seq, run.ps), dp_gather(exp.uids, run.ps)
-    all_len = dp_gather(exp.response_lengths().float(), run.ps)
+    # lengths from the loss mask (the model's own tokens), not the attention mask: tool answers are no response
+    all_len = dp_gather(mask.sum(-1).float(), run.ps)
     adv = spec.fn(all_seq, all_uid, all_len, p)
     mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
     t.advantages, t.returns = estimators.outcome_to_tokens(spec, mine, mask, sum_across)

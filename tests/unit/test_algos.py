@@ -479,3 +479,37 @@ def test_entropy_from_logits():
     assert algos.entropy_from_logits(onehot).item() == pytest.approx(0.0, abs=1e-6)
     bf16 = algos.entropy_from_logits(logits.to(torch.bfloat16))
     assert bf16.dtype == torch.float32 and torch.allclose(bf16.double(), want, atol=0.05)
+
+
+def test_opo_lengths_in_a_multi_turn_step_are_the_model_tokens():
+    """The trainer's advantage phase weighs OPO's baseline by the loss mask's tokens (verl's response_mask), not by
+    the attention mask, which also counts the tool answers of a multi-turn rollout."""
+    from types import SimpleNamespace
+
+    from megappo.algos.estimators import opo, EstimatorParams
+    from megappo.config import load_config
+    from megappo.trainer import phases
+    from megappo.trainer.experience import build_experience, Samples
+
+    responses = [[5, 6, 7, 8, 9, 10], [5, 6], [7, 8, 9], [5]]
+    loss_masks = [[1, 0, 0, 0, 1, 1], None, [1, 0, 1], None]  # tool answers in the first and third
+    n = len(responses)
+    samples = Samples(prompt_ids=[[1, 2]] * n, response_ids=responses, rollout_log_probs=[[0.0] * len(r) for r in
+                      responses], truncated=[False] * n, uids=[0, 0, 0, 0], data_sources=["t"] * n,
+                      ground_truths=[None] * n, extra_infos=[{}] * n, weight_versions=[0] * n,
+                      dataset_indices=[0] * n, partial=[False] * n, loss_masks=loss_masks)
+    exp = build_experience(samples, range(n), pad_token_id=0)
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    rewards = torch.zeros(exp.mask.shape)
+    rewards[torch.arange(n), exp.last_scored_index()] = scores
+    exp.token_rewards = rewards
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=opo",
+                             "actor_rollout_ref.rollout.n=4"])
+    run = SimpleNamespace(cfg=cfg, ps=SimpleNamespace(dp_size=1, dp_rank=0, dp_group=None))
+    phases.advantages(run, exp)
+    model_tokens = torch.tensor([3.0, 2.0, 2.0, 1.0])
+    assert torch.equal(exp.mask.sum(-1).float(), model_tokens)
+    expected = opo(scores, torch.zeros(n, dtype=torch.long), model_tokens, EstimatorParams())
+    torch.testing.assert_close(exp.train.advantages, expected[:, None] * exp.mask)
+    attention = opo(scores, torch.zeros(n, dtype=torch.long), exp.response_lengths().float(), EstimatorParams())
+    assert not torch.allclose(expected, attention)  # the attention mask's lengths would give other numbers
