@@ -53,10 +53,12 @@ class Estimator:
     needs_groups: bool = False
     needs_greedy_baseline: bool = False
     whiten_tokens: bool = False  # outcome only: whiten advantages[:, None] * mask over the step's tokens
-    # inputs the trainer's step does not carry yet (see megappo/algos/token_baselines.py and `gdpo`); the config's
-    # validation refuses these estimators in a training run, naming what is missing
-    needs_reward_components: bool = False  # gdpo: each reward component's score per response
-    needs_sum_pi_squared: bool = False  # optimal_token_baseline: sum over the vocabulary of pi^2 per token
+    # gdpo: the outcome function gets [K, N] scores, one row per algorithm.gdpo_reward_keys component of the reward
+    # function's result, instead of the summed [N] score
+    needs_reward_components: bool = False
+    # optimal_token_baseline: the old policy's sum over the vocabulary of pi^2 per token, which the trainer's
+    # log-prob forward does not compute yet (megappo/algos/token_baselines.py); the config refuses these
+    needs_sum_pi_squared: bool = False
 
 
 ADV_ESTIMATORS: dict[str, Estimator] = {}

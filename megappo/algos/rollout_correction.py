@@ -394,8 +394,8 @@ def reinforce_policy_loss(
     """REINFORCE with optional IS weights (verl's ``compute_policy_loss_reinforce``, bypass ``loss_type=reinforce``).
 
     All [B, T]. Per token loss = -A * log pi * w (w detached; 1 when is_weights is None), so the gradient is
-    -A w grad log pi; no clipping. Aggregated like ``policy_loss`` (norm_length: see ``aggregate_loss``). Metrics: ``ppo_kl`` = masked mean of
-    rollout - current log-prob (detached).
+    -A w grad log pi; no clipping. Aggregated like ``policy_loss`` (norm_length: see ``aggregate_loss``).
+    Metrics: ``ppo_kl`` = masked mean of rollout - current log-prob (detached).
     """
     m = mask.bool() if mask.dtype != torch.bool else mask
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
@@ -421,8 +421,8 @@ def bypass_policy_loss(
     tokens: ``loss_type=ppo_clip`` -> ``policy_loss(log_probs, rollout_log_probs, ...)`` with no IS weights (the
     ratio already is pi / pi_rollout); ``reinforce`` -> ``reinforce_policy_loss`` with w. num_tokens / num_seqs
     as for ``policy_loss`` (verl counts them before rejection); norm_length is seq-mean-token-sum-norm's constant
-    divisor (``actor.loss_scale_factor``; None: this micro-batch's T, which differs between splits). Returns (loss, the loss's metrics as detached
-    tensors merged with the ``rollout_corr/`` floats).
+    divisor (``actor.loss_scale_factor``; None: this micro-batch's T, which differs between splits).
+    Returns (loss, the loss's metrics as detached tensors merged with the ``rollout_corr/`` floats).
     """
     weights, eff_mask, corr = compute_rollout_correction(
         log_probs.detach(), rollout_log_probs, mask, settings, sum_across=sum_across)

@@ -83,9 +83,9 @@ class AlgorithmConfig:
     gamma: float = 1.0  # discount factor for GAE
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
     # a name of megappo.algos.estimators (README's table): gae (needs a critic), grpo, rloo, reinforce_plus_plus,
-    # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized; or
-    # custom_adv_estimator.name (gdpo, optimal_token_baseline, tir_optimal_token_baseline: registered, refused by
-    # the trainer until it carries their inputs)
+    # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, gdpo (with
+    # gdpo_reward_keys); or custom_adv_estimator.name (optimal_token_baseline, tir_optimal_token_baseline:
+    # registered, refused until the log-prob forward computes their sum of pi^2)
     adv_estimator: str = "gae"
     # grpo / grpo_passk: divide by the group std (false + loss_agg_mode=seq-mean-token-sum-norm: Dr. GRPO)
     norm_adv_by_std_in_grpo: bool = True
@@ -95,7 +95,8 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    gdpo_reward_keys: Optional[list[str]] = None  # gdpo: the reward function's component keys, each normalised
+    # gdpo: keys of the dict the rule reward function returns, each normalised within the group (required)
+    gdpo_reward_keys: Optional[list[str]] = None
     gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; None: all 1
 
 

@@ -188,9 +188,14 @@ def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
         _need(errors, not critic_on, "critic.enable", f"is true but algorithm.adv_estimator={name} "
               "does not use a critic", "set critic.enable=false (or leave it unset)")
     if spec.needs_reward_components:
-        _need(errors, False, key, f"is {name}, whose reward components (algorithm.gdpo_reward_keys) megappo's trainer "
-              "does not yet carry from the reward function to the advantages (only the summed score)",
-              "use algorithm.adv_estimator=grpo until then (gdpo's math is in megappo/algos/estimators.py)")
+        keys, weights = alg.gdpo_reward_keys, alg.gdpo_reward_weights
+        _need(errors, bool(keys), "algorithm.gdpo_reward_keys", f"is {keys} but algorithm.adv_estimator={name} "
+              "normalises each reward component the reward function returns", "list the keys of the dict your "
+              "reward function returns, e.g. [format_reward,accuracy_reward]")
+        _need(errors, not keys or weights is None or len(weights) == len(keys), "algorithm.gdpo_reward_weights",
+              f"has {len(weights or [])} weights for {len(keys or [])} gdpo_reward_keys", "give one per key, or null")
+        _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
+              f"{name} reads the reward components of the rule reward function", "use a rule reward")
     if spec.needs_sum_pi_squared:
         _need(errors, False, key, f"is {name}, which needs the old policy's sum over the vocabulary of pi^2 at every "
               "response token (verl's actor.calculate_sum_pi_squared); megappo's log-prob forward does not compute "

@@ -15,8 +15,9 @@ from megappo.trainer import fit
 pytestmark = pytest.mark.e2e
 BUILTIN_ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
                       "gpg", "grpo_passk", "grpo_vectorized", "rloo_vectorized"]
-# registered, refused by the config until the trainer carries their inputs (tests/unit/test_config.py)
-UNWIRED_ESTIMATORS = ["gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
+# registered, refused by the config until the trainer carries their inputs (tests/unit/test_config.py); gdpo
+# needs reward components: test_gdpo_trains_on_the_reward_functions_components
+UNWIRED_ESTIMATORS = ["optimal_token_baseline", "tir_optimal_token_baseline"]
 BUILTIN_LOSSES = ["vanilla", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "geo_mean", "gpg", "dppo_tv", "dppo_kl",
                   "dro"]
 SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
@@ -67,3 +68,15 @@ def test_custom_estimator_and_loss_from_a_file(data, tmp_path):
                "actor_rollout_ref.actor.policy_loss.loss_mode=clipped_pg",
                f"actor_rollout_ref.actor.policy_loss.path={path}", "actor_rollout_ref.actor.policy_loss.name=clipped_pg")
     assert "critic/vf_loss" not in row and "actor/pg_loss" in row
+
+
+def test_gdpo_trains_on_the_reward_functions_components(data, tmp_path):
+    """gdpo reads algorithm.gdpo_reward_keys from the dict the reward function returns."""
+    reward = tmp_path / "components.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    fmt = float(len(solution_str) % 2)\n"
+                      "    acc = float(len(solution_str) % 3 == 0)\n"
+                      "    return {'score': fmt + acc, 'format_reward': fmt, 'accuracy_reward': acc}\n")
+    row = _run(data, tmp_path / "gdpo", "algorithm.adv_estimator=gdpo", f"custom_reward_function.path={reward}",
+               "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]", "algorithm.gdpo_reward_weights=[1,2]")
+    assert "actor/pg_loss" in row and "critic/vf_loss" not in row

@@ -618,7 +618,12 @@ def test_dro_needs_its_beta_and_unwired_estimators_say_why():
     validate(load_config(None, [*MODEL, "actor_rollout_ref.actor.policy_loss.loss_mode=dro",
                                 "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]), world_size=8)
     group = ["actor_rollout_ref.rollout.n=4"]
-    assert "gdpo_reward_keys" in _rule_messages("algorithm.adv_estimator=gdpo", *group)
+    assert "algorithm.gdpo_reward_keys: is None" in _rule_messages("algorithm.adv_estimator=gdpo", *group)
+    assert "2 weights for 1 gdpo_reward_keys" in _rule_messages(
+        "algorithm.adv_estimator=gdpo", *group, "algorithm.gdpo_reward_keys=[acc]",
+        "algorithm.gdpo_reward_weights=[1,2]")
+    validate(load_config(None, [*MODEL, "algorithm.adv_estimator=gdpo", *group,
+                                "algorithm.gdpo_reward_keys=[acc,format]"]), world_size=8)
     for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         assert "calculate_sum_pi_squared" in _rule_messages(f"algorithm.adv_estimator={name}", *group)
     for name in ("grpo_vectorized", "rloo_vectorized"):

@@ -282,9 +282,12 @@ def test_bypass_losses():
     assert "rollout_corr/rollout_is_mean" in metrics and "ppo_kl" in metrics
 
 
-@pytest.mark.parametrize("index", range(len(DATA["bypass_cases"])), ids=lambda i: "{loss_type}-{agg}-{f}-in{input}-{c}".format(
-    **DATA["bypass_cases"][i], f=DATA["bypass_cases"][i]["loss_scale_factor"],
-    c=DATA["bypass_cases"][i]["correction"].get("rollout_is")))
+def _bypass_id(i: int) -> str:
+    c = DATA["bypass_cases"][i]
+    return f"{c['loss_type']}-{c['agg']}-{c['loss_scale_factor']}-in{c['input']}-{c['correction'].get('rollout_is')}"
+
+
+@pytest.mark.parametrize("index", range(len(DATA["bypass_cases"])), ids=_bypass_id)
 def test_bypass_loss_matches_verl(index):
     """verl's compute_policy_loss_bypass_mode, loss_scale_factor included (the B=1, T=4 example: -4/7 and +4/7)."""
     case = DATA["bypass_cases"][index]

@@ -9,11 +9,11 @@ unpacked wheel: ``pip download verl==0.9.1 --no-deps`` and unzip it; the stored 
 verl's ``verl/trainer/ppo/core_algos.py`` is run as is, loaded with importlib (importing ``verl`` pulls in Ray and
 the whole config tree) after ``verl/utils/torch_functional.py`` (masked_mean / masked_whiten). Stand-ins for
 imports that carry no numbers go into ``sys.modules`` first: ``tensordict`` / ``transformers`` (annotations),
-``verl.utils.device``, ``verl.utils.import_utils.deprecated`` (a no-op decorator), and the config classes ``AlgoConfig`` and
-``ActorConfig``: the losses read their settings from an ActorConfig (and assert its type), so the stand-in is a
-plain attribute holder of the same name, with ``get`` and an empty ``global_batch_info`` (one rank, no global
-counts: verl's single-batch path). ``verl/utils/groupwise.py`` (the vectorized estimators' group statistics) is
-verl's own file.
+``verl.utils.device``, ``verl.utils.import_utils.deprecated`` (a no-op decorator), and the config classes
+``AlgoConfig`` and ``ActorConfig``: the losses read their settings from an ActorConfig (and assert its type), so
+the stand-in is a plain attribute holder of the same name, with ``get`` and an empty ``global_batch_info`` (one
+rank, no global counts: verl's single-batch path). ``verl/utils/groupwise.py`` (the vectorized estimators' group
+statistics) is verl's own file.
 
 Cases: two input sets (binary outcome scores; continuous scores with per-token rewards), groups of four, three,
 one and two, an all-equal group, ties, an empty response; every estimator (grpo_passk on a set without a group
@@ -340,24 +340,33 @@ def main() -> None:
         _keep_recorded(torch.load(a.out, weights_only=False), data)
     torch.save(data, a.out)
     errors = sorted({c["verl_error"] for c in est_cases if c["verl_error"]})
-    print(f"{len(est_cases)} estimator, {len(loss_cases)} loss and {len(agg_cases)} agg_loss cases from verl "
+    print(f"{len(data['estimator_cases'])} estimator, {len(loss_cases)} loss and {len(agg_cases)} agg_loss cases "
+          f"from verl "
           f"{version} -> {a.out} ({a.out.stat().st_size} bytes); verl raised: {errors}")
 
 
 def _keep_recorded(old: dict, new: dict) -> None:
     """Keep the stored file's cases bit for bit where this run recomputed them: float noise of another CPU (a
     vectorised sigmoid, 2e-9) must not rewrite them. Anything beyond 1e-6 is an error, not noise."""
+    def same(got, value, where: str) -> None:
+        if isinstance(value, dict):
+            assert isinstance(got, dict) and set(got) == set(value), where
+            for k in value:
+                same(got[k], value[k], f"{where}.{k}")
+        elif isinstance(value, (list, tuple)):
+            assert len(got) == len(value), where
+            for j, (x, y) in enumerate(zip(got, value)):
+                same(x, y, f"{where}[{j}]")
+        elif isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got, value, rtol=1e-6, atol=1e-6, equal_nan=True, msg=where)
+        elif isinstance(value, float):
+            assert abs(got - value) <= 1e-6 * max(1.0, abs(value)) or (got != got and value != value), where
+        else:
+            assert got == value, where
+
     for key in ("estimator_cases", "loss_cases", "agg_cases"):
         for i, was in enumerate(old[key]):
-            now = new[key][i]
-            for field, value in was.items():
-                got = now[field]
-                if isinstance(value, torch.Tensor):
-                    torch.testing.assert_close(got, value, rtol=1e-6, atol=1e-6, equal_nan=True)
-                elif isinstance(value, float):
-                    assert abs(got - value) <= 1e-6 * max(1.0, abs(value)), (key, i, field)
-                elif field != "metrics":
-                    assert got == value, (key, i, field)
+            same(new[key][i], was, f"{key}[{i}]")
             new[key][i] = was
 
 
