@@ -334,7 +334,37 @@ def test_presets_are_verls():
     from megappo.algos.rollout_presets import PRESETS
 
     assert PRESETS == DATA["presets"] and len(PRESETS) == 19
+    assert [c["name"] for c in DATA["preset_cases"]] == list(DATA["presets"])
     for name, fields in PRESETS.items():
         RolloutCorrection(**fields, preset=name)  # every preset is a valid section
     with pytest.raises(ValueError, match="did you mean 'bypass_pg_is'"):
         RolloutCorrection(preset="bypass_pg_iss")
+
+
+@pytest.mark.parametrize("index", range(len(DATA["preset_cases"])), ids=lambda i: DATA["preset_cases"][i]["name"])
+def test_preset_runs_as_verls(index):
+    """Each preset as verl runs it: a bypass preset's loss and gradient, a decoupled one's weights, mask, metrics."""
+    from megappo.algos.rollout_presets import PRESETS
+
+    case = DATA["preset_cases"][index]
+    s = RolloutCorrection(**PRESETS[case["name"]], preset=case["name"])
+    if s.bypass_mode:
+        inp = DATA["bypass_inputs"][2]
+        logp = inp["log_prob"].clone().requires_grad_(True)
+        loss, metrics = bypass_policy_loss(logp, inp["rollout_log_prob"], inp["advantages"], inp["response_mask"],
+                                           s)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(case["loss"], rel=1e-6, abs=1e-6)
+        torch.testing.assert_close(logp.grad, case["grad"], rtol=1e-6, atol=1e-6)
+        assert float(metrics["ppo_kl"]) == pytest.approx(case["ppo_kl"], rel=1e-6, abs=1e-6)
+        return
+    inp = DATA["bypass_inputs"][3]
+    weights, mask, metrics = compute_rollout_correction(inp["old_log_probs"], inp["rollout_log_probs"],
+                                                        inp["response_mask"], s)
+    if case["weights"] is None:
+        assert weights is None
+    else:
+        torch.testing.assert_close(weights, case["weights"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(mask, case["mask"]) and set(metrics) == set(case["metrics"])
+    for key, expected in case["metrics"].items():
+        assert metrics[key] == pytest.approx(expected, rel=1e-6, abs=1e-6), key

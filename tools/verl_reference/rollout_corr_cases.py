@@ -27,7 +27,9 @@ files, each classmethod that returns a config, called with its defaults); ``bypa
 ``compute_policy_loss_bypass_mode`` (``core_algos.py``, loaded as ``core_algos_cases.py`` does) for both loss types
 x token-mean / seq-mean-token-sum / seq-mean-token-sum-norm with and without a loss_scale_factor x three
 corrections, on the first input set with random advantages and on the four-token example of B=1, T=4, equal
-log-probs, A=1 (loss, gradient with respect to log_prob, ppo_kl).
+log-probs, A=1 (loss, gradient with respect to log_prob, ppo_kl); ``preset_cases``, each preset run as verl runs it
+(a bypass preset's loss on a third bypass input, close to the rollout policy but for every third row; a decoupled
+one's weights, mask and metrics on a fourth, the first input set with that same old policy).
 """
 
 from __future__ import annotations
@@ -162,10 +164,27 @@ def verl_presets(verl_root: Path) -> dict[str, dict]:
     return out
 
 
-def bypass_cases(verl_root: Path, inputs: list[dict]) -> tuple[list[dict], list[dict]]:
-    """verl's bypass-mode loss: (inputs, cases)."""
+def _bypass_loss(ca, inp: dict, corr: dict, agg: str, factor) -> dict:
+    """verl's compute_policy_loss_bypass_mode on `inp`: loss, gradient with respect to log_prob, ppo_kl."""
+    from core_algos_cases import ActorConfig, _Config
+
+    config = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                         policy_loss=_Config(rollout_correction=_Config(**corr)),
+                         global_batch_info={"loss_scale_factor": factor} if factor else {})
+    log_prob = inp["log_prob"].clone().requires_grad_(True)
+    loss, metrics = ca.get_policy_loss_fn("bypass_mode")(
+        old_log_prob=inp["rollout_log_prob"], log_prob=log_prob, advantages=inp["advantages"],
+        response_mask=inp["response_mask"], loss_agg_mode=agg, config=config)
+    loss.backward()
+    return dict(loss=float(loss.detach()), grad=log_prob.grad.clone(), ppo_kl=float(metrics["actor/ppo_kl"]))
+
+
+def bypass_cases(verl_root: Path, inputs: list[dict], presets: dict[str, dict]
+                 ) -> tuple[list[dict], list[dict], list[dict]]:
+    """verl's bypass-mode loss: (inputs, cases, one case per preset: a bypass preset's loss on the third input,
+    a decoupled one's weights, mask and metrics on the fourth)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from core_algos_cases import ActorConfig, _Config, load_core_algos
+    from core_algos_cases import load_core_algos
 
     ca = load_core_algos(verl_root)  # its bypass loss imports the helper loaded above, from sys.modules
     g = torch.Generator().manual_seed(31)
@@ -179,19 +198,28 @@ def bypass_cases(verl_root: Path, inputs: list[dict]) -> tuple[list[dict], list[
         for loss_type in ("ppo_clip", "reinforce"):
             for corr in BYPASS_CORRECTIONS:
                 for agg, factor in BYPASS_AGGS:
-                    rc = _Config(loss_type=loss_type, **corr)
-                    config = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None,
-                                         clip_ratio_c=3.0, policy_loss=_Config(rollout_correction=rc),
-                                         global_batch_info={"loss_scale_factor": factor} if factor else {})
-                    log_prob = inp["log_prob"].clone().requires_grad_(True)
-                    loss, metrics = ca.get_policy_loss_fn("bypass_mode")(
-                        old_log_prob=inp["rollout_log_prob"], log_prob=log_prob, advantages=inp["advantages"],
-                        response_mask=inp["response_mask"], loss_agg_mode=agg, config=config)
-                    loss.backward()
                     cases.append(dict(input=i, loss_type=loss_type, correction=corr, agg=agg,
-                                      loss_scale_factor=factor, loss=float(loss.detach()),
-                                      grad=log_prob.grad.clone(), ppo_kl=float(metrics["actor/ppo_kl"])))
-    return b_inputs, cases
+                                      loss_scale_factor=factor,
+                                      **_bypass_loss(ca, inp, dict(loss_type=loss_type, **corr), agg, factor)))
+    # near the rollout policy (geometric-mean ratios within the presets' 0.1 %), but for the rows that drifted
+    g = torch.Generator().manual_seed(32)
+    drift = torch.where(torch.arange(B)[:, None] % 3 == 0, torch.full((B, 1), 0.2), torch.full((B, 1), 3e-4))
+    near = dict(b_inputs[0])
+    near["log_prob"] = near["rollout_log_prob"] + drift * torch.randn(B, R, generator=g)
+    b_inputs.append(near)
+    decoupled = dict(inputs[0], old_log_probs=near["log_prob"])  # the same closeness for old vs rollout
+    preset_cases = []
+    for name, fields in presets.items():
+        if fields["bypass_mode"]:
+            preset_cases.append(dict(name=name, **_bypass_loss(ca, near, fields, "token-mean", None)))
+        else:
+            settings = {k: v for k, v in fields.items() if k not in ("bypass_mode", "loss_type")}
+            preset_cases.append(dict(name=name, **run_case(_helper(), decoupled, settings)))
+    return b_inputs + [decoupled], cases, preset_cases
+
+
+def _helper() -> types.ModuleType:
+    return sys.modules["verl.trainer.ppo.rollout_corr_helper"]
 
 
 def main() -> None:
@@ -226,12 +254,12 @@ def main() -> None:
         torch.distributed.destroy_process_group()
 
     presets = verl_presets(a.verl_root)
-    b_inputs, b_cases = bypass_cases(a.verl_root, inputs)
+    b_inputs, b_cases, preset_cases = bypass_cases(a.verl_root, inputs, presets)
 
     version = (a.verl_root / "verl" / "version" / "version").read_text().strip()
     a.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(dict(verl_version=version, inputs=inputs, cases=cases, presets=presets, bypass_inputs=b_inputs,
-                    bypass_cases=b_cases), a.out)
+                    bypass_cases=b_cases, preset_cases=preset_cases), a.out)
     masked = [(c["metrics"] or {}).get("rollout_corr/rollout_rs_masked_fraction") for c in cases]
     masked = [round(x, 3) for x in masked if x is not None]
     print(f"{len(cases)} cases from verl {version} -> {a.out} ({a.out.stat().st_size} bytes); "
