@@ -6,13 +6,15 @@ on data-parallel shards without knowing its name:
 - ``outcome``: ``fn(scores [N], group_ids [N], lengths [N], params) -> advantages [N]``, one number per response
   from its sequence score. The trainer gathers the step's scores from every rank first (groups of a prompt may be
   spread over ranks), so the function sees the whole step. The token advantages and returns are
-  ``advantages[:, None] * mask``; with ``whiten_tokens`` those are further whitened over the step's tokens.
+  ``advantages[:, None] * mask``; with ``whiten_tokens`` those are further whitened over the step's tokens. With
+  ``needs_reward_components`` (gdpo) scores is [K, N], one row per reward component instead of the summed score.
 - ``token``: ``fn(token_rewards [B, T], mask [B, T], values [B, T] | None, baselines [B] | None, params,
   sum_across) -> (advantages [B, T], returns [B, T])`` on this rank's rows; batch statistics go through
   ``sum_across`` (see ``masked_whiten``).
 
 ``Estimator.needs_critic`` / ``needs_groups`` (rollout.n > 1) / ``needs_greedy_baseline`` (ReMax's greedy response
-per prompt, scored, as ``baselines``) are what the config's derived defaults, its validation and the trainer read.
+per prompt, scored, as ``baselines``) / ``needs_reward_components`` / ``needs_sum_pi_squared`` (the optimal token
+baselines, ``token_baselines``) are what the config's derived defaults, its validation and the trainer read.
 A user's estimator registers from a file: ``algorithm.custom_adv_estimator.{path,name}`` (see ``load_custom``).
 """
 from __future__ import annotations
