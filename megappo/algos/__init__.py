@@ -428,7 +428,9 @@ def policy_loss(
     if clip_c is not None:
         pg_cap = -advantages * clip_c
         dual_active = (advantages < 0) & (pg_losses > pg_cap)
-        pg_losses = torch.where(dual_active, pg_cap, pg_losses)
+        # minimum, not a where on dual_active: at an exact tie (ratio == clip_c) it splits the gradient between
+        # the cap and the clipped loss, as verl's torch.min does
+        pg_losses = torch.where(advantages < 0, torch.minimum(pg_cap, pg_losses), pg_losses)
         clipfrac_lower = masked_mean(dual_active.to(ratio.dtype), m)
     else:
         clipfrac_lower = torch.zeros((), dtype=ratio.dtype, device=ratio.device)

@@ -6,13 +6,15 @@ on data-parallel shards without knowing its name:
 - ``outcome``: ``fn(scores [N], group_ids [N], lengths [N], params) -> advantages [N]``, one number per response
   from its sequence score. The trainer gathers the step's scores from every rank first (groups of a prompt may be
   spread over ranks), so the function sees the whole step. The token advantages and returns are
-  ``advantages[:, None] * mask``; with ``whiten_tokens`` those are further whitened over the step's tokens.
+  ``advantages[:, None] * mask``; with ``whiten_tokens`` those are further whitened over the step's tokens. With
+  ``needs_reward_components`` (gdpo) scores is [K, N], one row per reward component instead of the summed score.
 - ``token``: ``fn(token_rewards [B, T], mask [B, T], values [B, T] | None, baselines [B] | None, params,
   sum_across) -> (advantages [B, T], returns [B, T])`` on this rank's rows; batch statistics go through
   ``sum_across`` (see ``masked_whiten``).
 
 ``Estimator.needs_critic`` / ``needs_groups`` (rollout.n > 1) / ``needs_greedy_baseline`` (ReMax's greedy response
-per prompt, scored, as ``baselines``) are what the config's derived defaults, its validation and the trainer read.
+per prompt, scored, as ``baselines``) / ``needs_reward_components`` / ``needs_sum_pi_squared`` (the optimal token
+baselines, ``token_baselines``) are what the config's derived defaults, its validation and the trainer read.
 A user's estimator registers from a file: ``algorithm.custom_adv_estimator.{path,name}`` (see ``load_custom``).
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from megappo.algos import _reverse_linear_scan, compute_gae, compute_grpo_advantages, masked_whiten
+from megappo.algos.token_baselines import optimal_token_baseline, tir_optimal_token_baseline
 
 __all__ = ["ADV_ESTIMATORS", "EstimatorParams", "Estimator", "adv_estimator", "get_adv_estimator",
            "load_custom", "register_adv_estimator", "suggest"]
@@ -40,6 +43,7 @@ class EstimatorParams:
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     eps: float = 1e-6
+    gdpo_reward_weights: Optional[tuple[float, ...]] = None  # gdpo: one weight per reward component; None: all 1
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,12 @@ class Estimator:
     needs_groups: bool = False
     needs_greedy_baseline: bool = False
     whiten_tokens: bool = False  # outcome only: whiten advantages[:, None] * mask over the step's tokens
+    # gdpo: the outcome function gets [K, N] scores, one row per algorithm.gdpo_reward_keys component of the reward
+    # function's result, instead of the summed [N] score
+    needs_reward_components: bool = False
+    # optimal_token_baseline: the old policy's sum over the vocabulary of pi^2 per token, which the trainer's
+    # log-prob forward does not compute yet (megappo/algos/token_baselines.py); the config refuses these
+    needs_sum_pi_squared: bool = False
 
 
 ADV_ESTIMATORS: dict[str, Estimator] = {}
@@ -167,6 +177,34 @@ def opo(scores, group_ids, lengths, p: EstimatorParams) -> torch.Tensor:
     return _out(x - baseline[inverse], scores)
 
 
+def grpo_vectorized(scores, group_ids, lengths, p: EstimatorParams) -> torch.Tensor:
+    """verl's vectorised GRPO as its trainer calls it: always divided by the group std (verl passes it no
+    norm_adv_by_std_in_grpo, so that setting does not reach it)."""
+    return compute_grpo_advantages(scores, group_ids, eps=p.eps, norm_by_std=True)
+
+
+def rloo_vectorized(scores, group_ids, lengths, p: EstimatorParams) -> torch.Tensor:
+    """verl's vectorised RLOO: as `rloo`, except that a response alone in its group gets 0, not its score."""
+    inverse, k = _groups(group_ids)
+    _, n = _group_mean(scores, inverse, k)
+    return _out(torch.where(n > 1, rloo(scores, group_ids, lengths, p).double(), torch.zeros_like(n)), scores)
+
+
+def gdpo(scores, group_ids, lengths, p: EstimatorParams) -> torch.Tensor:
+    """GDPO (arXiv:2601.05242): each reward component normalised within its group as GRPO does, then the
+    components' weighted sum (gdpo_reward_weights, default all 1), then whitened over the step's tokens. Always
+    divided by the group std, as verl's trainer calls it (norm_adv_by_std_in_grpo does not reach it).
+
+    scores: [K, N] (one row per component, algorithm.gdpo_reward_keys) or [N] (the sequence score alone, verl's
+    fallback: GRPO whitened over tokens). Returns [N]."""
+    comps = scores.unsqueeze(0) if scores.dim() == 1 else scores
+    weights = p.gdpo_reward_weights or (1.0,) * comps.shape[0]
+    if len(weights) != comps.shape[0]:
+        raise ValueError(f"gdpo has {comps.shape[0]} reward components but {len(weights)} gdpo_reward_weights")
+    total = sum(w * grpo_vectorized(c, group_ids, lengths, p).double() for w, c in zip(weights, comps, strict=True))
+    return _out(total, comps)
+
+
 def gpg(scores, group_ids, lengths, p: EstimatorParams) -> torch.Tensor:
     """GPG (Chu et al. 2025): alpha (score - group mean), alpha = N / (responses with a non-zero score)."""
     inverse, k = _groups(group_ids)
@@ -237,15 +275,30 @@ for _name, _fn, _needs in (
     ("opo", opo, dict(needs_groups=True)),
     ("gpg", gpg, dict(needs_groups=True)),
     ("grpo_passk", grpo_passk, dict(needs_groups=True)),
+    ("grpo_vectorized", grpo_vectorized, dict(needs_groups=True)),
+    ("rloo_vectorized", rloo_vectorized, dict(needs_groups=True)),
+    ("gdpo", gdpo, dict(needs_groups=True, whiten_tokens=True, needs_reward_components=True)),
+    ("optimal_token_baseline", optimal_token_baseline, dict(kind="token", needs_groups=True,
+                                                            needs_sum_pi_squared=True)),
+    ("tir_optimal_token_baseline", tir_optimal_token_baseline, dict(kind="token", needs_groups=True,
+                                                                    needs_sum_pi_squared=True)),
 ):
     register_adv_estimator(_name, _fn, **_needs)
 
 
 def compute_advantages(spec: Estimator, token_rewards: torch.Tensor, mask: torch.Tensor, p: EstimatorParams, *,
                        values: Optional[torch.Tensor] = None, baselines: Optional[torch.Tensor] = None,
-                       group_ids: Optional[torch.Tensor] = None, sum_across=None) -> tuple[torch.Tensor, torch.Tensor]:
+                       group_ids: Optional[torch.Tensor] = None, sum_across=None,
+                       old_log_probs: Optional[torch.Tensor] = None, sum_pi_squared: Optional[torch.Tensor] = None,
+                       is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Any estimator on one whole batch (no data parallelism): token_rewards, mask [B, T] -> (advantages, returns)
-    [B, T], both zero on masked positions. The trainer's phase does the same with the scores of every rank."""
+    [B, T], both zero on masked positions. The trainer's phase does the same with the scores of every rank.
+    old_log_probs, sum_pi_squared, is_weights [B, T]: the optimal token baselines' inputs (`token_baselines`)."""
+    if spec.needs_sum_pi_squared:
+        if old_log_probs is None or sum_pi_squared is None:
+            raise ValueError(f"{spec.name} needs old_log_probs and sum_pi_squared")
+        adv, ret = spec.fn(token_rewards, mask, group_ids, old_log_probs, sum_pi_squared, is_weights=is_weights)
+        return adv * mask, ret * mask
     if spec.kind == "token":
         adv, ret = spec.fn(token_rewards, mask, values, baselines, p, sum_across)
         return adv * mask, ret * mask

@@ -43,6 +43,7 @@ class PolicyLossParams:
     tau_pos: float = 1.0  # sapo
     tau_neg: float = 1.05
     norm_length: Optional[float] = None  # seq-mean-token-sum-norm's divisor (loss_scale_factor); None: T
+    dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty's coefficient (required, > 0)
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -139,7 +140,8 @@ def cispo(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, ag
 def sapo(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, agg_mode="token-mean",
          num_tokens=None, num_seqs=None, is_weights=None):
     """SAPO (Qwen 2025): a sigmoid gate 4/tau sigmoid(tau (r - 1)) instead of the hard clip, tau_pos for A > 0 and
-    tau_neg otherwise. Always aggregated seq-mean-token-mean, as verl does, whatever loss_agg_mode says."""
+    tau_neg otherwise. Always aggregated seq-mean-token-mean, as verl does, whatever loss_agg_mode says (the
+    config's validation refuses any other loss_agg_mode with sapo, so the setting is never silently dropped)."""
     m, lp, old, adv, w = _prepare(log_probs, old_log_probs, advantages, mask, is_weights)
     neg_kl = torch.clamp(lp - old, -20.0, 20.0)
     ratio = torch.exp(neg_kl)
@@ -235,3 +237,56 @@ def geo_mean(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *,
     clipped = (neg_kl != neg_kl_clamp).to(lp.dtype)
     return loss, _metrics(m, masked_mean(-neg_kl, m), masked_mean(clipped * (adv > 0), m),
                           masked_mean(clipped * (adv < 0), m))
+
+
+def _dppo(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, agg_mode, num_tokens, num_seqs,
+          is_weights, valid_fn):
+    """DPPO's shared body: -A * sg(min(r, clip_c)) * log-prob on the tokens `valid_fn` keeps (a binary-divergence
+    trust region on the sampled token's probability instead of PPO's ratio clip); clip_c 20 when None."""
+    m, lp, old, adv, w = _prepare(log_probs, old_log_probs, advantages, mask, is_weights)
+    neg_kl = torch.clamp(lp - old, -20.0, 20.0)
+    ratio = torch.exp(neg_kl)
+    clip_c = 20.0 if p.clip_c is None else p.clip_c
+    truncated = torch.clamp(ratio, max=clip_c).detach()
+    with torch.no_grad():
+        valid = valid_fn(torch.exp(lp), torch.exp(old), lp, old, adv).to(lp.dtype)
+    losses = -adv * truncated * lp * valid
+    loss = _agg(losses, m, w, agg_mode, p, num_tokens, num_seqs)
+    return loss, _metrics(m, masked_mean(-neg_kl, m), masked_mean(1.0 - valid, m),
+                          masked_mean((ratio > clip_c).to(lp.dtype) * valid, m))
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, agg_mode="token-mean",
+            num_tokens=None, num_seqs=None, is_weights=None):
+    """DPPO-Binary-TV (arXiv:2602.04879): a token keeps its gradient while its probability moved by at most
+    clip_ratio_high up (A > 0) or clip_ratio_low down (A <= 0); clip_ratio_c truncates the detached ratio."""
+    def valid(prob, old_prob, lp, old, adv):
+        return torch.where(adv > 0, prob - old_prob <= p.clip_high, prob - old_prob >= -p.clip_low)
+    return _dppo(log_probs, old_log_probs, advantages, mask, p, agg_mode, num_tokens, num_seqs, is_weights, valid)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, agg_mode="token-mean",
+            num_tokens=None, num_seqs=None, is_weights=None):
+    """DPPO-Binary-KL (arXiv:2602.04879): as dppo_tv with the binary KL of the sampled token's Bernoulli
+    (old p, new p) as the divergence, bounded by clip_ratio_high (A > 0, probability up) or clip_ratio_low."""
+    def valid(prob, old_prob, lp, old, adv):
+        # 1e-8 keeps log finite when a probability reaches 1
+        kl = old_prob * (old - lp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+        return torch.where(adv > 0, (kl <= p.clip_high) | (prob <= old_prob), (kl <= p.clip_low) | (prob >= old_prob))
+    return _dppo(log_probs, old_log_probs, advantages, mask, p, agg_mode, num_tokens, num_seqs, is_weights, valid)
+
+
+@register_policy_loss("dro")
+def dro(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, agg_mode="token-mean",
+        num_tokens=None, num_seqs=None, is_weights=None):
+    """DRO (direct reward optimisation): -(A * log-prob - dro_beta / 2 * (log-prob - old)^2), no ratio and no
+    clip; the quadratic term keeps the policy near the old one. Needs dro_beta > 0."""
+    if p.dro_beta is None or not p.dro_beta > 0:
+        raise ValueError(f"loss_mode dro needs policy_loss.dro_beta > 0, got {p.dro_beta}")
+    m, lp, old, adv, w = _prepare(log_probs, old_log_probs, advantages, mask, is_weights)
+    log_ratio = lp - old
+    losses = -(lp * adv - 0.5 * p.dro_beta * log_ratio.square())
+    loss = _agg(losses, m, w, agg_mode, p, num_tokens, num_seqs)
+    return loss, _metrics(m, masked_mean(-log_ratio, m))

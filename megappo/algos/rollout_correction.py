@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from megappo.algos import aggregate_loss, masked_mean, policy_loss
+from megappo.algos.estimators import suggest
+from megappo.algos.rollout_presets import PRESETS
 
 __all__ = ["IS_LEVELS", "LOSS_TYPES", "RS_OPTIONS", "RolloutCorrection", "bypass_policy_loss",
            "compute_rollout_corr_metrics", "compute_rollout_correction", "reinforce_policy_loss"]
@@ -126,8 +128,12 @@ class RolloutCorrection:
     rollout_rs_threshold: str | float | None = None
     bypass_mode: bool = False
     loss_type: str = "ppo_clip"
+    preset: str | None = None  # the verl preset the fields started from (``rollout_presets``); informational
 
     def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise _bad("preset", f"unknown preset {self.preset!r}{suggest(str(self.preset), PRESETS)} "
+                                 f"(valid: {', '.join(PRESETS)})")
         if self.rollout_is not in (None, *IS_LEVELS):
             raise _bad("rollout_is", f"got {self.rollout_is!r}; valid values: null, token, sequence")
         if self.rollout_is is not None and self.rollout_is_threshold is None:
@@ -383,19 +389,20 @@ def reinforce_policy_loss(
     log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
     is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
     num_tokens: int | torch.Tensor | None = None, num_seqs: int | torch.Tensor | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """REINFORCE with optional IS weights (verl's ``compute_policy_loss_reinforce``, bypass ``loss_type=reinforce``).
 
     All [B, T]. Per token loss = -A * log pi * w (w detached; 1 when is_weights is None), so the gradient is
-    -A w grad log pi; no clipping. Aggregated like ``policy_loss``. Metrics: ``ppo_kl`` = masked mean of
-    rollout - current log-prob (detached).
+    -A w grad log pi; no clipping. Aggregated like ``policy_loss`` (norm_length: see ``aggregate_loss``).
+    Metrics: ``ppo_kl`` = masked mean of rollout - current log-prob (detached).
     """
     m = mask.bool() if mask.dtype != torch.bool else mask
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     pg = -torch.where(m, advantages, zero) * torch.where(m, log_probs, zero)
     if is_weights is not None:
         pg = pg * torch.where(m, is_weights.detach(), zero)
-    loss = aggregate_loss(pg, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate_loss(pg, m, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
     kl = masked_mean(torch.where(m, rollout_log_probs - log_probs.detach(), zero), m)
     return loss, {"ppo_kl": kl.detach()}
 
@@ -405,6 +412,7 @@ def bypass_policy_loss(
     settings: RolloutCorrection, *, clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float | None = 3.0,
     agg_mode: str = "token-mean", num_tokens: int | torch.Tensor | None = None,
     num_seqs: int | torch.Tensor | None = None, sum_across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    norm_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``bypass_mode`` policy loss for one micro-batch; old log-probs are the rollout's.
 
@@ -412,16 +420,18 @@ def bypass_policy_loss(
     log_probs in the role of old (weights w = pi / pi_rollout); the loss is then taken over the rejection-masked
     tokens: ``loss_type=ppo_clip`` -> ``policy_loss(log_probs, rollout_log_probs, ...)`` with no IS weights (the
     ratio already is pi / pi_rollout); ``reinforce`` -> ``reinforce_policy_loss`` with w. num_tokens / num_seqs
-    as for ``policy_loss`` (verl counts them before rejection). Returns (loss, the loss's metrics as detached
-    tensors merged with the ``rollout_corr/`` floats).
+    as for ``policy_loss`` (verl counts them before rejection); norm_length is seq-mean-token-sum-norm's constant
+    divisor (``actor.loss_scale_factor``; None: this micro-batch's T, which differs between splits).
+    Returns (loss, the loss's metrics as detached tensors merged with the ``rollout_corr/`` floats).
     """
     weights, eff_mask, corr = compute_rollout_correction(
         log_probs.detach(), rollout_log_probs, mask, settings, sum_across=sum_across)
     if settings.loss_type == "reinforce":
         loss, metrics = reinforce_policy_loss(log_probs, rollout_log_probs, advantages, eff_mask, is_weights=weights,
-                                              agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                                              agg_mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                                              norm_length=norm_length)
     else:
         loss, metrics = policy_loss(log_probs, rollout_log_probs, advantages, eff_mask, clip_low=clip_low,
                                     clip_high=clip_high, clip_c=clip_c, agg_mode=agg_mode, num_tokens=num_tokens,
-                                    num_seqs=num_seqs)
+                                    num_seqs=num_seqs, norm_length=norm_length)
     return loss, {**metrics, **corr}

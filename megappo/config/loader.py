@@ -32,7 +32,7 @@ from megappo.config.fields import (
     iter_leaves,
     type_name,
 )
-from megappo.config.schema import MegappoConfig, MegatronConfig
+from megappo.config.schema import MegappoConfig, MegatronConfig, RolloutCorrectionConfig
 
 # the fields of `MegatronConfig` that make the parallel layout (shared by actor, reference and critic)
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -59,28 +59,58 @@ _REF = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 def load_config(
     recipe: Union[str, Path, Mapping, None] = None, overrides: Sequence[str] = ()
 ) -> MegappoConfig:
-    """Defaults <- recipe (a YAML path, a recipe name under recipes/, or a mapping) <- `key=value` overrides."""
-    cfg = MegappoConfig()
-    errors: list[str] = []
+    """Defaults <- recipe (a YAML path, a recipe name under recipes/, or a mapping) <- `key=value` overrides.
+
+    With algorithm.rollout_correction.preset, the defaults are the preset's fields and the recipe and the
+    overrides are applied again over them, so a key the user set explicitly wins over the preset."""
+    data, source = {}, ""
     if recipe is not None:
         if isinstance(recipe, Mapping):
             data, source = recipe, "the given mapping"
         else:
             path = find_recipe(recipe)
             data, source = read_recipe(path), str(path)
-        for key, value in data.items():
-            _set(cfg, str(key), value, source, errors, cli=False)
-        if not isinstance(recipe, Mapping):
-            _resolve_recipe_paths(cfg, path.parent)
-    for override in overrides:
-        key, value = _split_override(override, errors)
-        if key is not None:
-            _set(cfg, key, value, "command line", errors, cli=True)
+    base_dir = None if recipe is None or isinstance(recipe, Mapping) else path.parent
+    cfg, errors = _apply(MegappoConfig(), data, source, overrides, base_dir)
+    preset = cfg.algorithm.rollout_correction.preset
+    if not errors and preset is not None:
+        base = MegappoConfig()
+        try:
+            base.algorithm.rollout_correction = RolloutCorrectionConfig(**_preset_fields(preset), preset=preset)
+        except ValueError as e:
+            errors.append(str(e))
+        else:
+            cfg, errors = _apply(base, data, source, overrides, base_dir)
     if not errors:
         _interpolate(cfg, errors)
     if errors:
         raise ConfigError(errors)
     return resolve(cfg)
+
+
+def _apply(cfg: MegappoConfig, data: Mapping, source: str, overrides: Sequence[str], base_dir: Optional[Path]
+           ) -> tuple[MegappoConfig, list[str]]:
+    """The recipe's keys (its paths resolved against `base_dir`, the recipe's folder), then the overrides."""
+    errors: list[str] = []
+    for key, value in data.items():
+        _set(cfg, str(key), value, source, errors, cli=False)
+    if base_dir is not None:
+        _resolve_recipe_paths(cfg, base_dir)
+    for override in overrides:
+        key, value = _split_override(override, errors)
+        if key is not None:
+            _set(cfg, key, value, "command line", errors, cli=True)
+    return cfg, errors
+
+
+def _preset_fields(name: str) -> dict[str, Any]:
+    from megappo.algos.estimators import suggest
+    from megappo.algos.rollout_presets import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"algorithm.rollout_correction.preset: unknown preset {name!r}{suggest(name, PRESETS)} "
+                         f"(valid: {', '.join(PRESETS)})")
+    return dict(PRESETS[name])
 
 
 def from_dict(data: Mapping) -> MegappoConfig:

@@ -49,6 +49,9 @@ class RolloutCorrectionConfig:
     # true: no recompute, old log-probs are the rollout's and the correction runs inside the loss (loss_type)
     bypass_mode: bool = False
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass_mode only
+    # one of verl's named presets (README; megappo/algos/rollout_presets.py), e.g. decoupled_geo_rs_seq_tis: the
+    # section starts from its fields, and the keys above set in the same recipe or command line override them
+    preset: Optional[str] = None
 
 
 @dataclass
@@ -80,7 +83,9 @@ class AlgorithmConfig:
     gamma: float = 1.0  # discount factor for GAE
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
     # a name of megappo.algos.estimators (README's table): gae (needs a critic), grpo, rloo, reinforce_plus_plus,
-    # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk; or custom_adv_estimator.name
+    # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, gdpo (with
+    # gdpo_reward_keys); or custom_adv_estimator.name (optimal_token_baseline, tir_optimal_token_baseline:
+    # registered, refused until the log-prob forward computes their sum of pi^2)
     adv_estimator: str = "gae"
     # grpo / grpo_passk: divide by the group std (false + loss_agg_mode=seq-mean-token-sum-norm: Dr. GRPO)
     norm_adv_by_std_in_grpo: bool = True
@@ -90,6 +95,9 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    # gdpo: keys of the dict the rule reward function returns, each normalised within the group (required)
+    gdpo_reward_keys: Optional[list[str]] = None
+    gdpo_reward_weights: Optional[list[float]] = None  # gdpo: one weight per key; None: all 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,13 +183,15 @@ class MegatronConfig:
 class PolicyLossConfig:
     """verl's `actor.policy_loss` (megappo/algos/policy_losses.py)."""
 
-    # vanilla (PPO clip + dual clip), gspo, cispo, sapo, clip_cov, kl_cov, geo_mean, gpg; or a user's `name`
+    # vanilla (PPO clip + dual clip), gspo, cispo, sapo, clip_cov, kl_cov, geo_mean, gpg, dppo_tv, dppo_kl (clip
+    # ratios: probability-change bounds; clip_ratio_c truncates the ratio), dro (dro_beta); or a user's `name`
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens whose gradient is cut
     clip_cov_lb: float = 1.0  # clip_cov: covariance range of the candidates
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens that get the KL penalty
     ppo_kl_coef: float = 0.1  # kl_cov: that penalty's coefficient
+    dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty's coefficient (required, > 0)
     path: Optional[str] = None  # a user's loss: the .py file
     name: Optional[str] = None  # and the function in it, registered under this name (set loss_mode to it)
 

@@ -155,11 +155,13 @@ def _custom_file(errors: list[str], key: str, path: Optional[str], name: Optiona
                  selector: str) -> None:
     if path is None:
         return
-    _need(errors, bool(name) and str(name).isidentifier(), f"{key}.name", f"'{name}' is not a Python name",
-          "set it to the function's name in the file")
+    named = bool(name) and str(name).isidentifier()
+    _need(errors, named, f"{key}.name", "is not set" if name is None else f"'{name}' is not a Python name",
+          f"set {key}.name to the function's name in {path}, and {selector} to that same name")
     _need(errors, Path(os.path.expanduser(path)).is_file(), f"{key}.path", f"'{path}' is not a file",
           "point it at the .py file that defines the function")
-    _need(errors, selected, selector, f"does not name {key}.name '{name}'", f"set {selector}={name} to use it")
+    if named:  # without a name there is nothing to select yet; the message above says what to set
+        _need(errors, selected, selector, f"does not name {key}.name '{name}'", f"set {selector}={name} to use it")
 
 
 def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
@@ -185,6 +187,20 @@ def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
     else:
         _need(errors, not critic_on, "critic.enable", f"is true but algorithm.adv_estimator={name} "
               "does not use a critic", "set critic.enable=false (or leave it unset)")
+    if spec.needs_reward_components:
+        keys, weights = alg.gdpo_reward_keys, alg.gdpo_reward_weights
+        _need(errors, bool(keys), "algorithm.gdpo_reward_keys", f"is {keys} but algorithm.adv_estimator={name} "
+              "normalises each reward component the reward function returns", "list the keys of the dict your "
+              "reward function returns, e.g. [format_reward,accuracy_reward]")
+        _need(errors, not keys or weights is None or len(weights) == len(keys), "algorithm.gdpo_reward_weights",
+              f"has {len(weights or [])} weights for {len(keys or [])} gdpo_reward_keys", "give one per key, or null")
+        _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
+              f"{name} reads the reward components of the rule reward function", "use a rule reward")
+    if spec.needs_sum_pi_squared:
+        _need(errors, False, key, f"is {name}, which needs the old policy's sum over the vocabulary of pi^2 at every "
+              "response token (verl's actor.calculate_sum_pi_squared); megappo's log-prob forward does not compute "
+              "it yet, and the baseline compares tokens across a group that data parallelism may split",
+              "use algorithm.adv_estimator=grpo or opo until then (the math is in megappo/algos/token_baselines.py)")
     if spec.needs_greedy_baseline:
         _need(errors, cfg.async_training.mode == "sync", "async_training.mode",
               f"is {cfg.async_training.mode} but algorithm.adv_estimator={name} scores a greedy response of the "
@@ -213,6 +229,11 @@ def _check_policy_loss(cfg: MegappoConfig, errors: list[str]) -> None:
         _need(errors, getattr(a, key) > 0, f"{p}.{key}", f"must be > 0, got {getattr(a, key)}", "use 1.0 / 1.05")
     _need(errors, a.loss_scale_factor is None or a.loss_scale_factor > 0, f"{p}.loss_scale_factor",
           f"must be > 0 or null, got {a.loss_scale_factor}", "use null for data.max_response_length")
+    _need(errors, pl.loss_mode != "sapo" or a.loss_agg_mode == "seq-mean-token-mean", f"{p}.loss_agg_mode",
+          f"is {a.loss_agg_mode} but policy_loss.loss_mode=sapo always aggregates seq-mean-token-mean (as verl's "
+          "sapo does, whatever loss_agg_mode says)", f"set {p}.loss_agg_mode=seq-mean-token-mean with sapo")
+    _need(errors, pl.loss_mode != "dro" or (pl.dro_beta is not None and pl.dro_beta > 0), f"{p}.policy_loss.dro_beta",
+          f"is {pl.dro_beta} but policy_loss.loss_mode=dro needs a positive coefficient", "set it, e.g. 0.1")
     bypass = cfg.algorithm.rollout_correction.bypass_mode
     _need(errors, not bypass or pl.loss_mode == "vanilla", f"{p}.policy_loss.loss_mode",
           f"is {pl.loss_mode} but algorithm.rollout_correction.bypass_mode=true uses its own loss (loss_type)",

@@ -74,7 +74,7 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
         if s.bypass is not None:
             pg_loss, pg_metrics = bypass_policy_loss(
                 out.log_probs, t.old_log_probs, t.advantages, mask, s.bypass, clip_low=s.clip_low,
-                clip_high=s.clip_high, clip_c=s.clip_c, agg_mode=s.agg_mode, **counts)
+                clip_high=s.clip_high, clip_c=s.clip_c, agg_mode=s.agg_mode, norm_length=s.norm_length, **counts)
             pg_metrics = {k: torch.as_tensor(v) for k, v in pg_metrics.items()}
         else:
             pg_loss, pg_metrics = pg(out.log_probs, t.old_log_probs, t.advantages, mask, params, agg_mode=s.agg_mode,

@@ -35,6 +35,7 @@ class Scored:
     scores: Optional[list[float]]
     metrics: dict[str, float]  # rollout, staleness and dynamic-sampling metrics
     reward_metrics: dict[str, float]  # reward/* of the reward function and the overlong penalty
+    extras: Optional[dict[str, list[float]]] = None  # the reward function's other numeric keys, per sample (gdpo)
 
 
 def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) -> Scored:
@@ -46,8 +47,8 @@ def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) 
         metrics.update(phases.staleness(run, samples))
         metrics.update(_turn_metrics(run, samples))
     with timer("reward"):
-        scores, reward_metrics, _ = _score(run, samples)
-    return Scored(samples, scores, metrics, reward_metrics)
+        scores, reward_metrics, scored = _score(run, samples)
+    return Scored(samples, scores, metrics, reward_metrics, scored.extras if scored else None)
 
 
 def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
@@ -120,6 +121,7 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     fg, want = run.cfg.algorithm.filter_groups, run.cfg.data.train_batch_size
     parts: list[Samples] = []
     part_scores: list[float] = []
+    part_extras: dict[str, list[float]] = {}
     all_scores: list[float] = []
     sums: dict[str, float] = {}
     kept = dropped = gen = 0
@@ -145,6 +147,11 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
         chosen = set(keep)
         rows = [i for i, uid in enumerate(samples.uids) if uid in chosen]
         parts.append(samples.select(rows))
+        extras = scored.extras if scored else {}
+        for name in set(part_extras) | set(extras):  # a key one batch lacks is NaN there, as within a batch
+            values = extras.get(name)
+            part_extras.setdefault(name, [math.nan] * len(part_scores)).extend(
+                values[i] if values else math.nan for i in rows)
         part_scores += [scores[i] for i in rows]
         kept += len(keep)
     merged = Samples.concat(parts)
@@ -156,4 +163,4 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     metrics.update(_turn_metrics(run, merged))
     metrics.update({"train/num_gen_batches": float(gen), "filter_groups/num_dropped_groups": float(dropped),
                     "filter_groups/reward_mean_all": sum(all_scores) / max(len(all_scores), 1)})
-    return Scored(merged, part_scores, metrics, reward_metrics)
+    return Scored(merged, part_scores, metrics, reward_metrics, part_extras)

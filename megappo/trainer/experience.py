@@ -114,6 +114,7 @@ class Experience:
     scores: Optional[torch.Tensor] = None  # [B] the sequence score (rule reward or reward model)
     token_rewards: Optional[torch.Tensor] = None  # [B, R] score at the last token, minus the KL penalty if any
     baselines: Optional[torch.Tensor] = None  # [B] the score of the prompt's greedy response (ReMax)
+    reward_components: Optional[torch.Tensor] = None  # [K, B] the reward function's algorithm.gdpo_reward_keys
 
     @property
     def train(self) -> TrainInputs:

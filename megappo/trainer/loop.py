@@ -104,6 +104,8 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
         samples, reward_metrics = scored.samples, scored.reward_metrics
         m.update(scored.metrics)
         exp = phases.make_experience(run, samples, scored.scores)
+        if estimator_needs(cfg, "needs_reward_components"):
+            phases.reward_components(run, exp, scored.extras)
         if estimator_needs(cfg, "needs_greedy_baseline"):
             with timer("greedy_baseline"):
                 m.update(phases.greedy_baselines(run, samples, exp))

@@ -40,6 +40,11 @@ def dp_gather(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return gather_over_ranks(t, ps.dp_group) if ps.dp_size > 1 else t
 
 
+def dp_gather_rows(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """`dp_gather` of a [B] tensor, or of each row of a [K, B] one."""
+    return dp_gather(t, ps) if t.dim() == 1 else torch.stack([dp_gather(row, ps) for row in t])
+
+
 def dp_sum(values: list[float], ps: ParallelState) -> list[float]:
     return reduce_over_ranks(values, group=ps.dp_group) if ps.dp_size > 1 else list(values)
 
@@ -142,6 +147,21 @@ def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -
     if scores is not None:
         exp.scores = torch.tensor([scores[i] for i in exp.indices], dtype=torch.float32)
     return exp
+
+
+def reward_components(run: Run, exp: Experience, extras: Optional[dict[str, list[float]]]) -> None:
+    """exp.reward_components [K, B]: algorithm.gdpo_reward_keys of the reward function's other numeric keys
+    (`extras`, per sample of the step) for this rank's rows; a sample the function failed on gets
+    reward_model.failure_score in each (as its summed score does)."""
+    extras, rows = extras or {}, exp.indices
+    keys = run.cfg.algorithm.gdpo_reward_keys or []
+    missing = [k for k in keys if k not in extras]
+    if missing:
+        raise RunStopped(f"algorithm.gdpo_reward_keys names {', '.join(missing)}, which the reward function did not "
+                         f"return (it returned: score{''.join(', ' + k for k in sorted(extras))}); make it return a "
+                         "dict with those keys, or name the keys it returns")
+    comps = torch.tensor([[extras[k][i] for i in rows] for k in keys], dtype=torch.float32).reshape(len(keys), -1)
+    exp.reward_components = torch.nan_to_num(comps, nan=run.cfg.reward_model.failure_score)
 
 
 def reward_model_scores(run: Run, exp: Experience) -> None:
@@ -300,8 +320,11 @@ def advantages(run: Run, exp: Experience) -> None:
         t.advantages, t.returns = adv * mask, returns * mask
         return
     seq = exp.token_rewards.sum(-1)
-    all_seq, all_uid = dp_gather(seq, run.ps), dp_gather(exp.uids, run.ps)
-    all_len = dp_gather(exp.response_lengths().float(), run.ps)
+    if spec.needs_reward_components:  # gdpo: its components instead of the summed score
+        seq = exp.reward_components
+    all_seq, all_uid = dp_gather_rows(seq, run.ps), dp_gather(exp.uids, run.ps)
+    # lengths from the loss mask (the model's own tokens), not the attention mask: tool answers are no response
+    all_len = dp_gather(mask.sum(-1).float(), run.ps)
     adv = spec.fn(all_seq, all_uid, all_len, p)
     mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
     t.advantages, t.returns = estimators.outcome_to_tokens(spec, mine, mask, sum_across)

@@ -27,7 +27,7 @@ def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.
     pl = a.policy_loss
     params = PolicyLossParams(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
                               clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
-                              tau_pos=a.tau_pos, tau_neg=a.tau_neg)
+                              tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=pl.dro_beta)
     return ActorLossSettings(clip_low=a.clip_ratio_low * clip_scale, clip_high=a.clip_ratio_high * clip_scale,
                              clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
                              use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef * kl_scale,
@@ -44,7 +44,9 @@ def norm_length(cfg: MegappoConfig) -> float:
 
 def estimator_params(cfg: MegappoConfig) -> EstimatorParams:
     alg = cfg.algorithm
-    return EstimatorParams(gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+    weights = tuple(alg.gdpo_reward_weights) if alg.gdpo_reward_weights else None
+    return EstimatorParams(gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+                           gdpo_reward_weights=weights)
 
 
 def rollout_correction(cfg: MegappoConfig) -> RolloutCorrection:

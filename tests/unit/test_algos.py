@@ -479,3 +479,105 @@ def test_entropy_from_logits():
     assert algos.entropy_from_logits(onehot).item() == pytest.approx(0.0, abs=1e-6)
     bf16 = algos.entropy_from_logits(logits.to(torch.bfloat16))
     assert bf16.dtype == torch.float32 and torch.allclose(bf16.double(), want, atol=0.05)
+
+
+def test_opo_lengths_in_a_multi_turn_step_are_the_model_tokens():
+    """The trainer's advantage phase weighs OPO's baseline by the loss mask's tokens (verl's response_mask), not by
+    the attention mask, which also counts the tool answers of a multi-turn rollout."""
+    from types import SimpleNamespace
+
+    from megappo.algos.estimators import opo, EstimatorParams
+    from megappo.config import load_config
+    from megappo.trainer import phases
+    from megappo.trainer.experience import build_experience, Samples
+
+    responses = [[5, 6, 7, 8, 9, 10], [5, 6], [7, 8, 9], [5]]
+    loss_masks = [[1, 0, 0, 0, 1, 1], None, [1, 0, 1], None]  # tool answers in the first and third
+    n = len(responses)
+    samples = Samples(prompt_ids=[[1, 2]] * n, response_ids=responses, rollout_log_probs=[[0.0] * len(r) for r in
+                      responses], truncated=[False] * n, uids=[0, 0, 0, 0], data_sources=["t"] * n,
+                      ground_truths=[None] * n, extra_infos=[{}] * n, weight_versions=[0] * n,
+                      dataset_indices=[0] * n, partial=[False] * n, loss_masks=loss_masks)
+    exp = build_experience(samples, range(n), pad_token_id=0)
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    rewards = torch.zeros(exp.mask.shape)
+    rewards[torch.arange(n), exp.last_scored_index()] = scores
+    exp.token_rewards = rewards
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=opo",
+                             "actor_rollout_ref.rollout.n=4"])
+    run = SimpleNamespace(cfg=cfg, ps=SimpleNamespace(dp_size=1, dp_rank=0, dp_group=None))
+    phases.advantages(run, exp)
+    model_tokens = torch.tensor([3.0, 2.0, 2.0, 1.0])
+    assert torch.equal(exp.mask.sum(-1).float(), model_tokens)
+    expected = opo(scores, torch.zeros(n, dtype=torch.long), model_tokens, EstimatorParams())
+    torch.testing.assert_close(exp.train.advantages, expected[:, None] * exp.mask)
+    attention = opo(scores, torch.zeros(n, dtype=torch.long), exp.response_lengths().float(), EstimatorParams())
+    assert not torch.allclose(expected, attention)  # the attention mask's lengths would give other numbers
+
+
+def test_gdpo_step_reads_the_reward_components():
+    """The trainer's phases hand gdpo algorithm.gdpo_reward_keys of the reward function's extras (a failed sample:
+    failure_score), not the summed score; a key the function did not return stops the run naming what it did."""
+    from types import SimpleNamespace
+
+    from megappo.algos.estimators import EstimatorParams, gdpo, get_adv_estimator, outcome_to_tokens
+    from megappo.config import load_config
+    from megappo.trainer import phases
+    from megappo.trainer.experience import Samples, build_experience
+    from megappo.trainer.guard import RunStopped
+
+    n = 6
+    samples = Samples(prompt_ids=[[1, 2]] * n, response_ids=[[5] * (k + 1) for k in range(n)],
+                      rollout_log_probs=[[0.0] * (k + 1) for k in range(n)], truncated=[False] * n,
+                      uids=[0, 0, 0, 1, 1, 1], data_sources=["t"] * n, ground_truths=[None] * n,
+                      extra_infos=[{}] * n, weight_versions=[0] * n, dataset_indices=[0] * n, partial=[False] * n)
+    exp = build_experience(samples, range(n), pad_token_id=0)
+    exp.token_rewards = torch.zeros(exp.mask.shape)
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "algorithm.adv_estimator=gdpo",
+                             "actor_rollout_ref.rollout.n=3", "algorithm.gdpo_reward_keys=[fmt,acc]",
+                             "algorithm.gdpo_reward_weights=[0.5,2]", "reward_model.failure_score=-1"])
+    run = SimpleNamespace(cfg=cfg, ps=SimpleNamespace(dp_size=1, dp_rank=0, dp_group=None))
+    extras = {"fmt": [1.0, 0.0, 1.0, 1.0, 1.0, 0.0], "acc": [0.0, 1.0, float("nan"), 1.0, 0.0, 0.0], "x": [0.0] * n}
+    phases.reward_components(run, exp, extras)
+    torch.testing.assert_close(exp.reward_components[1], torch.tensor([0.0, 1.0, -1.0, 1.0, 0.0, 0.0]))
+    phases.advantages(run, exp)
+    p = EstimatorParams(gdpo_reward_weights=(0.5, 2.0))
+    seq = gdpo(exp.reward_components, exp.uids, exp.mask.sum(-1), p)
+    expected, _ = outcome_to_tokens(get_adv_estimator("gdpo"), seq, exp.mask)
+    torch.testing.assert_close(exp.train.advantages, expected)
+    assert exp.train.advantages.abs().sum() > 0  # the summed token rewards (all 0) would give nothing
+    with pytest.raises(RunStopped, match=r"names acc, which .* did not return \(it returned: score, acc2, fmt"):
+        phases.reward_components(run, exp, {"fmt": extras["fmt"], "acc2": extras["acc"]})
+
+
+def test_dynamic_sampling_keeps_each_kept_samples_reward_extras(monkeypatch):
+    """With algorithm.filter_groups, the reward extras gdpo reads follow the kept rows across generation batches (a
+    key one batch lacks is NaN in its rows)."""
+    import math
+    from types import SimpleNamespace
+
+    from megappo.config import load_config
+    from megappo.trainer import dynamic_sampling, phases
+    from megappo.trainer.experience import Samples
+    from megappo.trainer.metrics import Timer
+
+    def batch(first_uid):
+        n = 4
+        return Samples(prompt_ids=[[1]] * n, response_ids=[[5]] * n, rollout_log_probs=[[0.0]] * n,
+                       truncated=[False] * n, uids=[first_uid, first_uid, first_uid + 1, first_uid + 1],
+                       data_sources=["t"] * n, ground_truths=[None] * n, extra_infos=[{}] * n,
+                       weight_versions=[0] * n, dataset_indices=list(range(n)), partial=[False] * n)
+
+    # batch 0: group 0 constant (dropped), group 1 kept; batch 1: group 2 kept, group 3 surplus
+    batches = [batch(0), batch(2)]
+    scored = [phases.RuleScores([1.0, 1.0, 0.0, 1.0], {}, {"fmt": [9.0, 9.0, 1.0, 2.0]}),
+              phases.RuleScores([0.0, 1.0, 0.0, 1.0], {}, {"fmt": [3.0, 4.0, 5.0, 6.0], "acc": [7.0, 8.0, 0.0, 0.0]})]
+    monkeypatch.setattr(dynamic_sampling, "_score", lambda run, s: (scored[0].scores, {}, scored.pop(0)))
+    source = SimpleNamespace(take=lambda step, gen_batch: (batches[gen_batch], {}))
+    cfg = load_config(None, ["actor_rollout_ref.model.path=/m", "algorithm.filter_groups.enable=true",
+                             "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2"])
+    run = SimpleNamespace(cfg=cfg, state=SimpleNamespace(weight_version=0), roles=SimpleNamespace(critic=None))
+    out = dynamic_sampling.rollout_and_score(run, source, 1, Timer())
+    assert out.scores == [0.0, 1.0, 0.0, 1.0]
+    assert out.extras["fmt"] == [1.0, 2.0, 3.0, 4.0]
+    assert all(math.isnan(v) for v in out.extras["acc"][:2]) and out.extras["acc"][2:] == [7.0, 8.0]

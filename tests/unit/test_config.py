@@ -106,7 +106,7 @@ def test_issue_defaults():
         "partial_rollout": False}
     assert dataclasses.asdict(cfg.algorithm.rollout_correction) == {
         "rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False, "rollout_rs": None,
-        "rollout_rs_threshold": None, "bypass_mode": False, "loss_type": "ppo_clip"}
+        "rollout_rs_threshold": None, "bypass_mode": False, "loss_type": "ppo_clip", "preset": None}
 
 
 def test_derived_defaults_follow_their_source():
@@ -589,3 +589,57 @@ def test_estimator_and_loss_names_come_from_the_registries():
         assert load_config(None, [*MODEL, f"algorithm.adv_estimator={name}"]).critic.enable is critic
     assert "is not a file" in msg("algorithm.adv_estimator=mine", "algorithm.custom_adv_estimator.path=/nonexistent.py",
                                   "algorithm.custom_adv_estimator.name=mine")
+
+
+def _rule_messages(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(None, [*MODEL, *overrides]), world_size=8)
+    return str(info.value)
+
+
+def test_sapo_refuses_a_loss_agg_mode_it_would_ignore():
+    msg = _rule_messages("actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "algorithm.adv_estimator=grpo",
+                         "actor_rollout_ref.rollout.n=4")
+    assert "actor_rollout_ref.actor.loss_agg_mode: is token-mean" in msg and "seq-mean-token-mean" in msg
+    validate(load_config(None, [*MODEL, "actor_rollout_ref.actor.policy_loss.loss_mode=sapo",
+                                "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]), world_size=8)
+
+
+def test_custom_loss_without_a_name_says_to_set_the_name(tmp_path):
+    path = tmp_path / "loss.py"
+    path.write_text("def my_loss(*a, **k):\n    pass\n")
+    msg = _rule_messages(f"actor_rollout_ref.actor.policy_loss.path={path}")
+    assert "policy_loss.name: is not set" in msg and "loss_mode to that same name" in msg
+    assert "=None" not in msg
+
+
+def test_dro_needs_its_beta_and_unwired_estimators_say_why():
+    assert "policy_loss.dro_beta: is None" in _rule_messages("actor_rollout_ref.actor.policy_loss.loss_mode=dro")
+    validate(load_config(None, [*MODEL, "actor_rollout_ref.actor.policy_loss.loss_mode=dro",
+                                "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]), world_size=8)
+    group = ["actor_rollout_ref.rollout.n=4"]
+    assert "algorithm.gdpo_reward_keys: is None" in _rule_messages("algorithm.adv_estimator=gdpo", *group)
+    assert "2 weights for 1 gdpo_reward_keys" in _rule_messages(
+        "algorithm.adv_estimator=gdpo", *group, "algorithm.gdpo_reward_keys=[acc]",
+        "algorithm.gdpo_reward_weights=[1,2]")
+    validate(load_config(None, [*MODEL, "algorithm.adv_estimator=gdpo", *group,
+                                "algorithm.gdpo_reward_keys=[acc,format]"]), world_size=8)
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        assert "calculate_sum_pi_squared" in _rule_messages(f"algorithm.adv_estimator={name}", *group)
+    for name in ("grpo_vectorized", "rloo_vectorized"):
+        validate(load_config(None, [*MODEL, f"algorithm.adv_estimator={name}", *group]), world_size=8)
+
+
+def test_rollout_correction_preset_and_explicit_keys():
+    rc = load_config(None, [*MODEL, "algorithm.rollout_correction.preset=decoupled_k3_rs_token_tis",
+                            "algorithm.rollout_correction.rollout_rs_threshold=0.05"]).algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold, rc.bypass_mode) == (
+        "token", 2.0, "seq_mean_k3", "0.05", False)  # a Union[float, str] key keeps the command line's text
+    recipe = {"algorithm": {"rollout_correction": {"preset": "bypass_pg_is", "rollout_is": "token"}}}
+    rc = load_config(recipe, MODEL).algorithm.rollout_correction
+    assert (rc.rollout_is, rc.bypass_mode, rc.loss_type) == ("token", True, "reinforce")
+    cfg = load_config(recipe, MODEL)
+    assert from_dict(to_dict(cfg)).algorithm.rollout_correction == cfg.algorithm.rollout_correction
+    validate(cfg, world_size=8)
+    with pytest.raises(ConfigError, match="did you mean 'decoupled_geo_rs'"):
+        load_config(None, [*MODEL, "algorithm.rollout_correction.preset=decoupled_geo"])

@@ -280,3 +280,91 @@ def test_bypass_losses():
     n = eff_mask.sum()
     torch.testing.assert_close(logp.grad, torch.where(eff_mask.bool(), -adv * w / n, torch.zeros(())))
     assert "rollout_corr/rollout_is_mean" in metrics and "ppo_kl" in metrics
+
+
+def _bypass_id(i: int) -> str:
+    c = DATA["bypass_cases"][i]
+    return f"{c['loss_type']}-{c['agg']}-{c['loss_scale_factor']}-in{c['input']}-{c['correction'].get('rollout_is')}"
+
+
+@pytest.mark.parametrize("index", range(len(DATA["bypass_cases"])), ids=_bypass_id)
+def test_bypass_loss_matches_verl(index):
+    """verl's compute_policy_loss_bypass_mode, loss_scale_factor included (the B=1, T=4 example: -4/7 and +4/7)."""
+    case = DATA["bypass_cases"][index]
+    inp = DATA["bypass_inputs"][case["input"]]
+    s = RolloutCorrection(bypass_mode=True, loss_type=case["loss_type"], **case["correction"])
+    logp = inp["log_prob"].clone().requires_grad_(True)
+    loss, metrics = bypass_policy_loss(logp, inp["rollout_log_prob"], inp["advantages"], inp["response_mask"], s,
+                                       agg_mode=case["agg"], norm_length=case["loss_scale_factor"])
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(case["loss"], rel=1e-6, abs=1e-6)
+    torch.testing.assert_close(logp.grad, case["grad"], rtol=1e-6, atol=1e-6)
+    assert float(metrics["ppo_kl"]) == pytest.approx(case["ppo_kl"], rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+@pytest.mark.parametrize("agg", algos.AGG_MODES)
+def test_bypass_loss_splits_like_the_batch(loss_type, agg):
+    """With the global counts and a constant norm_length, micro-batches cut to their own widths sum to the batch."""
+    old, rollout, mask = _batch(B=4, R=6, scale=0.2)
+    adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
+    s = RolloutCorrection(bypass_mode=True, loss_type=loss_type, rollout_is="token")
+    counts = dict(num_tokens=int(mask.sum()), num_seqs=4, norm_length=6.0, agg_mode=agg)
+
+    def run(rows_per_piece):
+        logp = old.clone().requires_grad_(True)
+        total = 0.0
+        for start in range(0, 4, rows_per_piece):
+            rows = slice(start, start + rows_per_piece)
+            width = max(int(mask[rows].sum(-1).max()), 1)
+            loss, _ = bypass_policy_loss(logp[rows, :width], rollout[rows, :width], adv[rows, :width],
+                                         mask[rows, :width], s, **counts)
+            loss.backward()
+            total += float(loss.detach())
+        return total, logp.grad
+
+    whole, grad = run(4)
+    for rows in (1, 3):
+        part, part_grad = run(rows)
+        assert part == pytest.approx(whole, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(part_grad, grad, rtol=1e-5, atol=1e-7)
+
+
+def test_presets_are_verls():
+    from megappo.algos.rollout_presets import PRESETS
+
+    assert PRESETS == DATA["presets"] and len(PRESETS) == 19
+    assert [c["name"] for c in DATA["preset_cases"]] == list(DATA["presets"])
+    for name, fields in PRESETS.items():
+        RolloutCorrection(**fields, preset=name)  # every preset is a valid section
+    with pytest.raises(ValueError, match="did you mean 'bypass_pg_is'"):
+        RolloutCorrection(preset="bypass_pg_iss")
+
+
+@pytest.mark.parametrize("index", range(len(DATA["preset_cases"])), ids=lambda i: DATA["preset_cases"][i]["name"])
+def test_preset_runs_as_verls(index):
+    """Each preset as verl runs it: a bypass preset's loss and gradient, a decoupled one's weights, mask, metrics."""
+    from megappo.algos.rollout_presets import PRESETS
+
+    case = DATA["preset_cases"][index]
+    s = RolloutCorrection(**PRESETS[case["name"]], preset=case["name"])
+    if s.bypass_mode:
+        inp = DATA["bypass_inputs"][2]
+        logp = inp["log_prob"].clone().requires_grad_(True)
+        loss, metrics = bypass_policy_loss(logp, inp["rollout_log_prob"], inp["advantages"], inp["response_mask"],
+                                           s)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(case["loss"], rel=1e-6, abs=1e-6)
+        torch.testing.assert_close(logp.grad, case["grad"], rtol=1e-6, atol=1e-6)
+        assert float(metrics["ppo_kl"]) == pytest.approx(case["ppo_kl"], rel=1e-6, abs=1e-6)
+        return
+    inp = DATA["bypass_inputs"][3]
+    weights, mask, metrics = compute_rollout_correction(inp["old_log_probs"], inp["rollout_log_probs"],
+                                                        inp["response_mask"], s)
+    if case["weights"] is None:
+        assert weights is None
+    else:
+        torch.testing.assert_close(weights, case["weights"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(mask, case["mask"]) and set(metrics) == set(case["metrics"])
+    for key, expected in case["metrics"].items():
+        assert metrics[key] == pytest.approx(expected, rel=1e-6, abs=1e-6), key

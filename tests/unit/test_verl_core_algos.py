@@ -34,9 +34,11 @@ def test_cases_cover_every_name():
     assert {c["agg"] for c in DATA["loss_cases"]} == set(algos.AGG_MODES)
 
 
-def _params(algo: dict) -> est.EstimatorParams:
+def _params(algo: dict, extra: dict | None = None) -> est.EstimatorParams:
+    weights = (extra or {}).get("weights")
     return est.EstimatorParams(gamma=algo.get("gamma", 1.0), lam=algo.get("lam", 1.0),
-                               norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True))
+                               norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
+                               gdpo_reward_weights=tuple(weights) if weights else None)
 
 
 @pytest.mark.parametrize("i", range(len(DATA["estimator_cases"])),
@@ -44,12 +46,17 @@ def _params(algo: dict) -> est.EstimatorParams:
                              **DATA["estimator_cases"][i], g=len(set(DATA["estimator_cases"][i]["groups"]))))
 def test_estimator_matches_verl(i):
     case = DATA["estimator_cases"][i]
-    inp = DATA["estimator_inputs"][case["input"]]
+    extra = case.get("extra")
+    inp = DATA["estimator_inputs" if extra is None else "otb_inputs"][case["input"]]
     spec = est.get_adv_estimator(case["name"])
-    mask = inp["response_mask"]
+    mask, groups, p = inp["response_mask"], torch.tensor(case["groups"]), _params(case["algo"], extra)
     run = lambda: est.compute_advantages(  # noqa: E731
-        spec, inp["token_rewards"], mask, _params(case["algo"]), values=inp["values"],
-        baselines=inp["reward_baselines"], group_ids=torch.tensor(case["groups"]))
+        spec, inp["token_rewards"], mask, p, values=inp["values"], baselines=inp["reward_baselines"],
+        group_ids=groups, old_log_probs=inp.get("old_log_probs"), sum_pi_squared=inp.get("sum_pi_squared"),
+        is_weights=inp["rollout_is_weights"] if (extra or {}).get("is_weights") else None)
+    if extra and "components" in extra:  # gdpo's reward components, as verl reads them from non_tensor_batch
+        run = lambda: est.outcome_to_tokens(  # noqa: E731
+            spec, spec.fn(torch.stack(extra["components"]), groups, mask.sum(-1), p), mask)
     if case["verl_error"]:
         with pytest.raises(ValueError, match="at least 2"):
             run()
@@ -66,7 +73,7 @@ def _loss_params(s: dict) -> pl.PolicyLossParams:
                                clip_cov_ratio=s["clip_cov_ratio"], clip_cov_lb=s["clip_cov_lb"],
                                clip_cov_ub=s["clip_cov_ub"], kl_cov_ratio=s["kl_cov_ratio"],
                                ppo_kl_coef=s["ppo_kl_coef"], tau_pos=s["tau_pos"], tau_neg=s["tau_neg"],
-                               norm_length=s["loss_scale_factor"])
+                               norm_length=s["loss_scale_factor"], dro_beta=s["dro_beta"])
 
 
 @pytest.mark.parametrize("i", range(len(DATA["loss_cases"])), ids=lambda i: "{mode}-{agg}-in{input}-s{settings}{w}".format(
@@ -96,3 +103,21 @@ def test_aggregate_loss_matches_verl():
                                    num_tokens=kw.get("batch_num_tokens"), num_seqs=kw.get("global_batch_size"),
                                    norm_length=kw.get("loss_scale_factor"))
         assert float(got) == pytest.approx(case["loss"], rel=1e-6, abs=1e-6), (case["agg"], kw)
+
+
+def test_dual_clip_tie_splits_the_gradient_as_verl():
+    """At ratio == clip_ratio_c (== 1 + clip_ratio_high) with A < 0, verl's torch.min gives half the gradient."""
+    ties = [c for c in DATA["loss_cases"] if c["input"] == 2]
+    assert {c["agg"] for c in ties} == set(algos.AGG_MODES) and all(c["mode"] == "vanilla" for c in ties)
+    inp = DATA["loss_inputs"][2]
+    tie = torch.exp(inp["log_prob"] - inp["old_log_prob"]) == 3.0
+    half = tie & (inp["advantages"] < 0)
+    assert half.any() and (tie & (inp["advantages"] > 0)).any()
+    case = next(c for c in ties if c["agg"] == "token-sum")
+    log_prob = inp["log_prob"].clone().requires_grad_(True)
+    loss, _ = pl.get_policy_loss("vanilla")(log_prob, inp["old_log_prob"], inp["advantages"], inp["response_mask"],
+                                            _loss_params(DATA["loss_settings"][2]), agg_mode="token-sum")
+    loss.backward()
+    full = -inp["advantages"] * 3.0
+    torch.testing.assert_close(log_prob.grad[half], 0.5 * full[half])
+    torch.testing.assert_close(case["grad"][half], 0.5 * full[half])

@@ -20,6 +20,16 @@ normalisation on / off) x rejection off, plus every rejection option alone and t
 plus every rejection setting with token TIS. Batch normalisation is also recorded with torch.distributed up
 (one gloo rank), where verl takes its distributed_masked_mean path. Where verl raises (ZeroDivisionError in its
 effective sample size when IcePop zeroes every weight) the case records the error instead of outputs.
+
+Added after those (the cases above stay as they were): ``presets``, the fields of each of verl's named
+``RolloutCorrectionConfig`` presets (``verl/trainer/config/algorithm.py`` and ``verl/base_config.py``, verl's own
+files, each classmethod that returns a config, called with its defaults); ``bypass_cases``, verl's
+``compute_policy_loss_bypass_mode`` (``core_algos.py``, loaded as ``core_algos_cases.py`` does) for both loss types
+x token-mean / seq-mean-token-sum / seq-mean-token-sum-norm with and without a loss_scale_factor x three
+corrections, on the first input set with random advantages and on the four-token example of B=1, T=4, equal
+log-probs, A=1 (loss, gradient with respect to log_prob, ppo_kl); ``preset_cases``, each preset run as verl runs it
+(a bypass preset's loss on a third bypass input, close to the rollout policy but for every third row; a decoupled
+one's weights, mask and metrics on a fourth, the first input set with that same old policy).
 """
 
 from __future__ import annotations
@@ -132,6 +142,86 @@ def run_case(helper, inputs: dict[str, torch.Tensor], settings: dict) -> dict:
     return dict(verl_error=None, weights=weights, mask=mask, metrics=metrics)
 
 
+BYPASS_CORRECTIONS = [dict(), dict(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4"),
+                      dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0")]
+BYPASS_AGGS = [("token-mean", None), ("seq-mean-token-sum", None), ("seq-mean-token-sum-norm", None),
+               ("seq-mean-token-sum-norm", 7)]
+
+
+def verl_presets(verl_root: Path) -> dict[str, dict]:
+    """{preset name: its fields}, from verl's RolloutCorrectionConfig classmethods called with their defaults."""
+    import dataclasses
+    import inspect
+
+    pkg = verl_root / "verl"
+    _load("verl.base_config", pkg / "base_config.py")
+    cls = _load("verl_algorithm_config", pkg / "trainer" / "config" / "algorithm.py").RolloutCorrectionConfig
+    out = {}
+    for name, member in cls.__dict__.items():
+        if isinstance(member, classmethod) and inspect.signature(member.__func__).return_annotation in (
+                "RolloutCorrectionConfig", cls):
+            out[name] = {k: v for k, v in dataclasses.asdict(getattr(cls, name)()).items() if not k.startswith("_")}
+    return out
+
+
+def _bypass_loss(ca, inp: dict, corr: dict, agg: str, factor) -> dict:
+    """verl's compute_policy_loss_bypass_mode on `inp`: loss, gradient with respect to log_prob, ppo_kl."""
+    from core_algos_cases import ActorConfig, _Config
+
+    config = ActorConfig(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
+                         policy_loss=_Config(rollout_correction=_Config(**corr)),
+                         global_batch_info={"loss_scale_factor": factor} if factor else {})
+    log_prob = inp["log_prob"].clone().requires_grad_(True)
+    loss, metrics = ca.get_policy_loss_fn("bypass_mode")(
+        old_log_prob=inp["rollout_log_prob"], log_prob=log_prob, advantages=inp["advantages"],
+        response_mask=inp["response_mask"], loss_agg_mode=agg, config=config)
+    loss.backward()
+    return dict(loss=float(loss.detach()), grad=log_prob.grad.clone(), ppo_kl=float(metrics["actor/ppo_kl"]))
+
+
+def bypass_cases(verl_root: Path, inputs: list[dict], presets: dict[str, dict]
+                 ) -> tuple[list[dict], list[dict], list[dict]]:
+    """verl's bypass-mode loss: (inputs, cases, one case per preset: a bypass preset's loss on the third input,
+    a decoupled one's weights, mask and metrics on the fourth)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from core_algos_cases import load_core_algos
+
+    ca = load_core_algos(verl_root)  # its bypass loss imports the helper loaded above, from sys.modules
+    g = torch.Generator().manual_seed(31)
+    first = inputs[0]
+    b_inputs = [dict(log_prob=first["old_log_probs"].clone(), rollout_log_prob=first["rollout_log_probs"],
+                     advantages=torch.randn(B, R, generator=g), response_mask=first["response_mask"]),
+                dict(log_prob=torch.full((1, 4), -1.0), rollout_log_prob=torch.full((1, 4), -1.0),
+                     advantages=torch.ones(1, 4), response_mask=torch.ones(1, 4, dtype=torch.int64))]
+    cases = []
+    for i, inp in enumerate(b_inputs):
+        for loss_type in ("ppo_clip", "reinforce"):
+            for corr in BYPASS_CORRECTIONS:
+                for agg, factor in BYPASS_AGGS:
+                    cases.append(dict(input=i, loss_type=loss_type, correction=corr, agg=agg,
+                                      loss_scale_factor=factor,
+                                      **_bypass_loss(ca, inp, dict(loss_type=loss_type, **corr), agg, factor)))
+    # near the rollout policy (geometric-mean ratios within the presets' 0.1 %), but for the rows that drifted
+    g = torch.Generator().manual_seed(32)
+    drift = torch.where(torch.arange(B)[:, None] % 3 == 0, torch.full((B, 1), 0.2), torch.full((B, 1), 3e-4))
+    near = dict(b_inputs[0])
+    near["log_prob"] = near["rollout_log_prob"] + drift * torch.randn(B, R, generator=g)
+    b_inputs.append(near)
+    decoupled = dict(inputs[0], old_log_probs=near["log_prob"])  # the same closeness for old vs rollout
+    preset_cases = []
+    for name, fields in presets.items():
+        if fields["bypass_mode"]:
+            preset_cases.append(dict(name=name, **_bypass_loss(ca, near, fields, "token-mean", None)))
+        else:
+            settings = {k: v for k, v in fields.items() if k not in ("bypass_mode", "loss_type")}
+            preset_cases.append(dict(name=name, **run_case(_helper(), decoupled, settings)))
+    return b_inputs + [decoupled], cases, preset_cases
+
+
+def _helper() -> types.ModuleType:
+    return sys.modules["verl.trainer.ppo.rollout_corr_helper"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("verl_root", type=Path)
@@ -163,13 +253,18 @@ def main() -> None:
     finally:
         torch.distributed.destroy_process_group()
 
+    presets = verl_presets(a.verl_root)
+    b_inputs, b_cases, preset_cases = bypass_cases(a.verl_root, inputs, presets)
+
     version = (a.verl_root / "verl" / "version" / "version").read_text().strip()
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(dict(verl_version=version, inputs=inputs, cases=cases), a.out)
+    torch.save(dict(verl_version=version, inputs=inputs, cases=cases, presets=presets, bypass_inputs=b_inputs,
+                    bypass_cases=b_cases, preset_cases=preset_cases), a.out)
     masked = [(c["metrics"] or {}).get("rollout_corr/rollout_rs_masked_fraction") for c in cases]
     masked = [round(x, 3) for x in masked if x is not None]
     print(f"{len(cases)} cases from verl {version} -> {a.out} ({a.out.stat().st_size} bytes); "
-          f"rollout_rs_masked_fraction seen: {sorted(set(masked))}")
+          f"rollout_rs_masked_fraction seen: {sorted(set(masked))}; {len(presets)} presets, "
+          f"{len(b_cases)} bypass-loss cases")
 
 
 if __name__ == "__main__":
