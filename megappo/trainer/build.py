@@ -20,6 +20,7 @@ from megappo.platform.device import detect_platform
 from megappo.platform.layout import ParallelLayout
 from megappo.trainer import checkpointing, settings
 from megappo.trainer.guard import KLGuard
+from megappo.trainer.inputs import load_data, load_tokenizer
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.preflight import preflight, require_output_dir
 from megappo.trainer.roles import build_roles, describe
@@ -59,38 +60,6 @@ def _synthetic(cfg: MegappoConfig, local_dir: str) -> None:
     cfg.data.train_files, cfg.data.val_files = task.train_files, task.val_files
 
 
-def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
-    from megappo.data import PromptDataset, PromptLoader
-
-    d = cfg.data
-    template_kwargs = {}
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    if mt.enable:  # the tools' schemas go to the chat template, as verl gives them
-        from megappo.multi_turn.tools import load_tools
-
-        template_kwargs["tools"] = [t.tool_schema for t in load_tools(mt.tool_config_path).values()] or None
-
-    from megappo.data.images import ImageProcessing
-
-    # a vision-language actor's image processor and image tokens (None for a text model)
-    images = ImageProcessing.from_model(cfg.actor_rollout_ref.model.path, tokenizer, min_pixels=d.image_min_pixels,
-                                        max_pixels=d.image_max_pixels)
-
-    def dataset(files):
-        return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                             filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key,
-                             chat_template_kwargs=template_kwargs or None, image_processing=images,
-                             image_key=d.image_key)
-
-    # a loader batch is a generation batch: train_batch_size prompts unless algorithm.filter_groups generates more
-    train = PromptLoader(dataset(d.train_files), d.gen_batch_size, shuffle=d.shuffle, seed=d.seed)
-    val = None
-    if d.val_files:
-        val_set = dataset(d.val_files)
-        val = PromptLoader(val_set, d.val_batch_size or len(val_set), shuffle=False, drop_last=False)
-    return train, val
-
-
 def _scorer(cfg: MegappoConfig):
     if dist.get_rank() != 0:
         return None
@@ -120,13 +89,8 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
             _stop_if_finished(cfg, local_dir, t.total_training_steps)
         _synthetic(cfg, local_dir)
         preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
-        from transformers import AutoTokenizer
-
-        tok_path = (cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path
-                    or cfg.actor_rollout_ref.model.path)
-        tokenizer = AutoTokenizer.from_pretrained(tok_path,
-                                                  trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-        loader, val_loader = _data(cfg, tokenizer)
+        tokenizer = load_tokenizer(cfg)
+        loader, val_loader = load_data(cfg, tokenizer)
         total = t.total_training_steps or t.total_epochs * len(loader)
         if not t.total_training_steps:
             _stop_if_finished(cfg, local_dir, total)
@@ -206,6 +170,9 @@ def _resume(run: Run, state: TrainState) -> None:
     if resume is not None:
         restore(run, state, resume)
         state.resumed = True
+        if dist.get_rank() == 0:
+            print(f"megappo train: resumed from {resume} (step {state.step}); continuing at step {state.step + 1} "
+                  f"of {state.total_steps}", file=sys.stderr, flush=True)
 
 
 def restore(run: Run, state: TrainState, directory: str, *, rollback: bool = False) -> None:
