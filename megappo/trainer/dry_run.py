@@ -1,11 +1,11 @@
 """`megappo train --dry-run`, past preflight: the inputs the run reads at start, read as the run reads them.
 
-The tokenizer is loaded, the tool config's classes imported and built (multi-turn), and every prompt of the train
+The tool config's classes are imported and built (multi-turn), the tokenizer is loaded, and every prompt of the train
 and validation files rendered with the chat template, its `<image>`s expanded (each image file opened, its header
 read) and tokenised, under the run's own length rules (data.max_prompt_length with data.truncation /
 data.filter_overlong_prompts): what the run would reject raises here, with the same message. Not checked: an image's
-pixels beyond its header (decoded when its batch is collated), model weights (loaded by the run), and anything of a
-synthetic task, whose model and prompts the run writes itself.
+pixels beyond its header (decoded when its batch is collated), model weights (loaded by the run), what a tool does
+when called, and the prompts of a synthetic task, whose model and data the run writes itself.
 """
 from __future__ import annotations
 
@@ -16,12 +16,17 @@ from megappo.config import resolve
 from megappo.config.schema import MegappoConfig
 
 
-def check_inputs(cfg: MegappoConfig, out=sys.stdout) -> None:
+def check_inputs(cfg: MegappoConfig, out=None) -> None:
     """Raise what the run would raise on its inputs (DataError, ConfigError); print one line per dataset."""
+    out = out or sys.stdout
+    from megappo.trainer.inputs import load_data, load_tokenizer, load_tool_config
+
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if mt.enable:
+        tools = load_tool_config(mt.tool_config_path)
+        print(f"megappo train: tools: {', '.join(tools) or 'none'} ({mt.tool_config_path})", file=out)
     if cfg.data.synthetic.name:
         return
-    from megappo.trainer.inputs import load_data, load_tokenizer
-
     cfg = resolve(copy.deepcopy(cfg))
     train, val = load_data(cfg, load_tokenizer(cfg))
     for name, loader in (("train", train), ("validation", val)):
