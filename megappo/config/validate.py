@@ -16,6 +16,7 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
 from megappo.config.loader import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
+from megappo.data.errors import converter_hint
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -238,7 +239,7 @@ def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> Non
         if check_files:
             for f in files:
                 _need(errors, Path(os.path.expanduser(f)).exists(), f"data.{key}", f"'{f}' does not exist",
-                      "make it with `megappo data gsm8k --input DIR --out DIR` or point the key at your Parquet")
+                      converter_hint(f))
 
 
 def _check_synthetic(cfg: MegappoConfig, errors: list[str]) -> None:
