@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 EPILOG = """\
@@ -59,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megappo.trainer import user_errors
 
+    if "LOCAL_RANK" in os.environ and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # a torchrun rank inherits launch/torchrun.sh's torchrun's ignored SIGINT: the Ctrl-C the script passes on
+        # must reach it (the trainer installs its own handler once set up)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     loaded: list = []  # the config once loaded: its output directory takes the error log
     try:
         return _run(args, loaded)

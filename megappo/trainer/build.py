@@ -18,7 +18,7 @@ from megappo.models.losses import actor_loss_fn, critic_loss_fn
 from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
 from megappo.platform.layout import ParallelLayout
-from megappo.trainer import checkpointing, settings
+from megappo.trainer import checkpointing, run_config, settings
 from megappo.trainer.guard import KLGuard
 from megappo.trainer.inputs import load_data, load_tokenizer
 from megappo.trainer.metrics import MetricsLogger
@@ -84,16 +84,17 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
     require_output_dir(cfg)  # a clear error before the lock creates local_dir (`megappo train` checked it too)
     lock = _own_dir(local_dir, t.dir_lock_wait_s)  # before anything in local_dir is read, written or removed
     run = state = None
+    config_text = run_config.snapshot(cfg)  # before the run fills in paths of its own (a synthetic task's)
     try:
         if t.total_training_steps:  # the end is known before the synthetic task is (re)built: nothing is written
-            _stop_if_finished(cfg, local_dir, t.total_training_steps)
+            _stop_if_finished(cfg, local_dir, t.total_training_steps, config_text)
         _synthetic(cfg, local_dir)
         preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
         tokenizer = load_tokenizer(cfg)
         loader, val_loader = load_data(cfg, tokenizer)
         total = t.total_training_steps or t.total_epochs * len(loader)
         if not t.total_training_steps:
-            _stop_if_finished(cfg, local_dir, total)
+            _stop_if_finished(cfg, local_dir, total, config_text)
         roles = build_roles(cfg, ps, platform, total)
         kl = cfg.algorithm.kl_ctrl
         state = TrainState(0, total, loader, val_loader, local_dir=local_dir, lock=lock,
@@ -109,6 +110,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         apply_guard_scales(run)
         _resume(run, state)
         if dist.get_rank() == 0:
+            run_config.record(local_dir, config_text, resumed=state.resumed)
             print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
                   file=sys.stderr, flush=True)
         state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
@@ -146,7 +148,7 @@ def _own_dir(local_dir: str, wait_s: float) -> Optional[RunLock]:
     raise SystemExit(1)
 
 
-def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int) -> None:
+def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int, config_text: str) -> None:
     """A run started again over a finished one (trainer.resume_mode=auto, the same number of steps) says so and
     raises AlreadyFinished on every rank (`fit` returns 0), before it builds a model or writes a file: no summary,
     no step, no second export or empty TensorBoard file. Collective."""
@@ -157,6 +159,7 @@ def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int) -> None:
     if message[0] is not None:
         if dist.get_rank() == 0:
             print(message[0], file=sys.stderr, flush=True)
+            run_config.warn_finished(local_dir, config_text)
         raise AlreadyFinished(message[0])
 
 

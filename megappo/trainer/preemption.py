@@ -28,10 +28,13 @@ from megappo.trainer.files import write_atomic
 
 EXIT_REQUEUE = 75
 STATUS_FILE = "run_status.json"
-# SIGINT is a person's Ctrl-C (under torchrun, passed on to every rank by torchrun): treated as SIGTERM, so the
-# work since the last checkpoint is kept; a second Ctrl-C stops at once whenever it comes (a person, not a relay)
+# SIGINT is a person's Ctrl-C (passed on to every rank by launch/torchrun.sh or torchrun; srun sends it to every
+# process of the step): treated as SIGTERM, so the work since the last checkpoint is kept. A second Ctrl-C stops at
+# once, unless it comes within COPY_WINDOW_S: a relayed copy (srun's, then torchrun's) arrives within milliseconds,
+# a person's second press a good fraction of a second later.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+COPY_WINDOW_S = 0.3
 REPEAT_WINDOW_S = 5.0  # a relayed copy measured well under a second on a local Slurm; a person's second try is slower
 
 
@@ -77,6 +80,8 @@ class StopRequest:
     def _interrupt(self) -> None:
         says = int(os.environ.get("RANK", "0")) == 0  # every rank gets it (torchrun passes it on); one says it
         if self.signal is not None:
+            if time.monotonic() - self._first_at < COPY_WINDOW_S:
+                return
             if says:
                 print("megappo train: Ctrl-C again: stopping now, without saving this step (the last checkpoint "
                       "stays)", file=sys.stderr, flush=True)
