@@ -16,7 +16,6 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
 from megappo.config.loader import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
-from megappo.data.errors import converter_hint
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -238,8 +237,10 @@ def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> Non
                   "set data.train_files=PATH.parquet or [a.parquet,b.parquet]")
         if check_files:
             for f in files:
-                _need(errors, Path(os.path.expanduser(f)).exists(), f"data.{key}", f"'{f}' does not exist",
-                      converter_hint(f))
+                if not Path(os.path.expanduser(f)).exists():
+                    from megappo.data.errors import converter_hint  # config imports nothing else of megappo
+
+                    errors.append(f"data.{key}: '{f}' does not exist; {converter_hint(f)}")
 
 
 def _check_synthetic(cfg: MegappoConfig, errors: list[str]) -> None:
