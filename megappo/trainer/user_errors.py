@@ -3,7 +3,7 @@ what preflight finds): `megappo train` prints their message alone and exits 1. T
 debugs megappo itself, so it goes to a log file in the run's output directory (named in the message) and to the
 console with `--debug`. Any other exception is a bug, in megappo or in the user's code, and keeps its traceback.
 
-Light to import: the error classes are imported when one is caught.
+Light to import: nothing of megappo is imported here.
 """
 from __future__ import annotations
 
@@ -16,24 +16,21 @@ EXIT_ERROR = 1
 LOG_FILE = "error.log"  # error.rank<N>.log on the other ranks
 
 
-def user_error_types() -> tuple[type, ...]:
-    from megappo.config import ConfigError
-    from megappo.data.errors import DataError
-    from megappo.models.checkpoint import CheckpointError
-    from megappo.models.hf_config import UnsupportedModelError
-    from megappo.platform.layout import LayoutError
-    from megappo.rewards.registry import RewardFunctionError
+# (module, class): the input errors. Only modules already imported are looked at: an error can only come from a
+# module that was loaded, and a mistyped key must not wait for torch to load before it is said.
+USER_ERRORS = (
+    ("megappo.config.fields", "ConfigError"), ("megappo.data.errors", "DataError"),
+    ("megappo.models.checkpoint", "CheckpointError"), ("megappo.models.hf_config", "UnsupportedModelError"),
+    ("megappo.platform.layout", "LayoutError"), ("megappo.rewards.registry", "RewardFunctionError"),
+    # a tool-class error of its own, once tool loading defines one (until then trainer/inputs.py makes it a
+    # ConfigError)
+    ("megappo.multi_turn.tools", "ToolConfigError"),
+)
 
-    types = [ConfigError, DataError, CheckpointError, UnsupportedModelError, LayoutError, RewardFunctionError]
-    try:
-        from megappo.multi_turn import tools
-    except ImportError:  # a broken install shows its own error elsewhere
-        return tuple(types)
-    # a tool-class error of its own, once megappo.multi_turn.tools defines one (tool_config.py covers it until then)
-    tool_error = getattr(tools, "ToolConfigError", None)
-    if isinstance(tool_error, type) and issubclass(tool_error, BaseException):
-        types.append(tool_error)
-    return tuple(types)
+
+def user_error_types() -> tuple[type, ...]:
+    found = (getattr(sys.modules.get(module), name, None) for module, name in USER_ERRORS)
+    return tuple(t for t in found if isinstance(t, type) and issubclass(t, BaseException))
 
 
 def is_user_error(e: BaseException) -> bool:
