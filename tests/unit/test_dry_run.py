@@ -4,6 +4,7 @@ load; and passes what the run would take."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +13,7 @@ import pytest
 from megappo.cli import main
 
 LONG = "count " * 200
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(path, contents, images=None):
@@ -52,7 +54,7 @@ def test_an_overlong_prompt_fails_the_dry_run_only_where_the_run_would_reject_it
 
 def test_a_misspelt_tool_class_fails_the_dry_run(tmp_path, capsys):
     tools = tmp_path / "tools.yaml"
-    tools.write_text((open("recipes/cpu/tools/calculator.yaml").read()
+    tools.write_text(((REPO / "recipes" / "cpu" / "tools" / "calculator.yaml").read_text()
                       .replace("calculator.CalculatorTool", "calculator.CalculaterTool")))
     rc = main(["train", "--dry-run", "--config", "recipes/cpu/tiny_tool_ppo.yaml",
                f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}"])
