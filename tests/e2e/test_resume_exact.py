@@ -170,8 +170,9 @@ def test_ctrl_c_saves_the_finished_step_exits_75_and_the_same_command_resumes(re
     says so, the step in progress finishes and is saved, no helper prints a traceback, and the same command
     continues exactly, saying where from."""
     env, out, log = _env(tmp_path), tmp_path / "interrupted", tmp_path / "interrupted.log"
-    # reward workers and an engine process of its own: the helpers a Ctrl-C reaches too
-    cmd = _command(out) + ["reward_model.backend=process", "reward_model.num_workers=1"]
+    # reward workers and the engine in a process of its own: helpers that a Ctrl-C reaches too
+    cmd = _command(out) + ["reward_model.backend=process", "reward_model.num_workers=1",
+                           "actor_rollout_ref.hybrid_engine=false"]
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
