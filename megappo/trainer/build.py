@@ -6,7 +6,7 @@ import copy
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
