@@ -3,9 +3,9 @@ last start that trained there. A start with a different configuration is said on
 (which then does nothing, and the new configuration would never run) and when resuming one (the checkpoint was
 trained under the old one).
 
-Keys that only say how long the run goes, where its output is, when it saves, validates or logs, or how long it
-waits for the directory are not differences: extending total_training_steps, or saving more often after a resume,
-is the same run continued.
+Keys that only say how long the run goes, where its output is, when it saves, validates or logs, how long it waits
+for the directory, or on how many ranks in which parallel layout it runs are not differences: extending
+total_training_steps, saving more often, or a requeue on another number of nodes is the same run continued.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ NOT_THE_RUN = (
     "trainer.resume_from_path", "trainer.save_freq", "trainer.max_ckpt_to_keep", "trainer.test_freq",
     "trainer.val_before_train", "trainer.log_val_generations", "trainer.logger", "trainer.project_name",
     "trainer.experiment_name", "trainer.dir_lock_wait_s", "trainer.save_before_deadline",
+    # the ranks and their parallel layout: a checkpoint loads at any layout, and the numbers do not depend on it
+    "trainer.nnodes", "trainer.n_gpus_per_node",
 )
 SHOWN = 8  # differences listed; the rest are counted
 
@@ -38,6 +40,10 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _counts(key: str) -> bool:
+    from megappo.config.loader import LAYOUT_KEYS
+
+    if ".megatron." in key and key.rsplit(".", 1)[1] in LAYOUT_KEYS:
+        return False
     return not any(key == k or key.startswith(k + ".") for k in NOT_THE_RUN)
 
 

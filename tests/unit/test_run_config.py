@@ -15,7 +15,8 @@ def test_only_keys_that_change_the_run_are_differences(tmp_path):
     run_config.record(str(tmp_path), _text(), resumed=False)
     assert (tmp_path / run_config.CONFIG_FILE).is_file()
     same = _text("trainer.total_training_steps=40", "trainer.save_freq=5", "trainer.logger=[]",
-                 f"trainer.default_local_dir={tmp_path}", "trainer.test_freq=2", "trainer.experiment_name=x")
+                 f"trainer.default_local_dir={tmp_path}", "trainer.test_freq=2", "trainer.experiment_name=x",
+                 "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
     assert run_config.changes(str(tmp_path), same) == []
     assert run_config.changes(str(tmp_path), _text("algorithm.adv_estimator=rloo")) == [
         "algorithm.adv_estimator: 'grpo' -> 'rloo'"]
