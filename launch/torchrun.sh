@@ -11,8 +11,8 @@
 # rank 0. Ranks per node: --nproc-per-node, else NPROC_PER_NODE, else one per visible GPU, else 1.
 # Exit status: megappo's own (0, 1, 3 stopped, 75 preempted: requeue), not torchrun's 1 for all of them; 2 when
 # a node did not join within MEGAPPO_JOIN_TIMEOUT seconds (600; the message names it) or the arguments are wrong.
-# SIGTERM/SIGUSR1 to this script (SIGUSR2 from launch/slurm/*.sbatch) reach the workers, not torchrun: they save
-# a checkpoint and exit 75.
+# SIGTERM/SIGUSR1 to this script (SIGUSR2 from launch/slurm/*.sbatch) and Ctrl-C (SIGINT) reach the workers, not
+# torchrun: they save a checkpoint and exit 75.
 set -euo pipefail
 
 usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -106,6 +106,9 @@ trap cleanup EXIT
 # reward pools, rollout servers) must not get it at all.
 # - SIGTERM/SIGUSR1 to this script: passed on to the ranks. Under a Slurm step they are not: Slurm signals every
 #   process of the step itself (scancel, --signal without B:), so the ranks have it already.
+# - SIGINT (Ctrl-C): passed on to the ranks, or under a Slurm step left to srun, which sends it to every process.
+#   torchrun ignores it (a background command of a script starts with SIGINT ignored, and torchrun is told not to
+#   handle it), so it neither stops its workers itself nor dies with a traceback.
 # - SIGUSR2: the stop request launch/slurm/*.sbatch relay through srun, which signals every process of the step;
 #   everything below this script ignores SIGUSR2 (ignored dispositions are inherited, across exec too), and this
 #   script passes it on to the ranks as SIGUSR1.
@@ -124,9 +127,11 @@ to_ranks() {  # SIGNAL_RECEIVED SIGNAL_TO_SEND
 
 # torchrun, its workers and their children ignore both (the trainer installs its own SIGUSR1 handler once set up).
 trap '' USR1 USR2
-python -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" -m megappo.cli "$@" &
+PET_SIGNALS_TO_HANDLE=SIGTERM,SIGHUP,SIGQUIT \
+  python -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" -m megappo.cli "$@" &
 torchrun_pid=$!
 trap 'to_ranks TERM TERM' TERM
+trap 'to_ranks INT INT' INT
 trap 'to_ranks USR1 USR1' USR1
 trap 'to_ranks USR2 USR1' USR2
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 EPILOG = """\
@@ -47,20 +48,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="check everything (model, data schema, reward function included), then exit without "
                         "training")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an input error (config, data, tool class, checkpoint) too; "
+                        "without it the message alone is printed and the traceback goes to "
+                        "<default_local_dir>/error.log")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides, e.g. actor_rollout_ref.actor.optim.lr=1e-6")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megappo.config import ConfigError, load_config, to_yaml
+    from megappo.trainer import user_errors
+
+    if "LOCAL_RANK" in os.environ and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # a torchrun rank inherits launch/torchrun.sh's torchrun's ignored SIGINT: the Ctrl-C the script passes on
+        # must reach it (the trainer installs its own handler once set up)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    loaded: list = []  # the config once loaded: its output directory takes the error log
+    try:
+        return _run(args, loaded)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's own handler is installed, or after it is removed
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("megappo train: interrupted (Ctrl-C) while starting or shutting down, outside any step; the "
+                  "checkpoints already written stay", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if not user_errors.is_user_error(e):
+            raise
+        return user_errors.report(e, loaded[0].trainer.default_local_dir if loaded else None, debug=args.debug)
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process Ctrl-C ended
+
+
+def _run(args: argparse.Namespace, loaded: list) -> int:
+    from megappo.config import load_config, to_yaml
     from megappo.trainer.preflight import preflight
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"megappo train: {e}", file=sys.stderr)
-        return 1
+    cfg = load_config(args.config, args.overrides)
+    loaded.append(cfg)
     launched = not (args.print_config or args.dry_run)
     # first the launch against the config: the checks below plan for the config's world size
     mismatch = launched and launch_mismatch(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, os.environ)
@@ -68,17 +94,16 @@ def run(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank finds it; one says it
             print(f"megappo train: {mismatch}", file=sys.stderr)
         return 1
-    try:
-        # --print-config needs no model or data on this machine; its output is only ever a valid configuration
-        preflight(cfg, check_files=False if args.print_config else None)
-    except ConfigError as e:
-        print(f"megappo train: {e}", file=sys.stderr)
-        return 1
+    # --print-config needs no model or data on this machine; its output is only ever a valid configuration
+    preflight(cfg, check_files=False if args.print_config else None)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         sys.stdout.flush()
         return 0
     if args.dry_run:
+        from megappo.trainer.dry_run import check_inputs
+
+        check_inputs(cfg)
         t = cfg.trainer
         model = (f"synthetic task {cfg.data.synthetic.name}" if cfg.data.synthetic.name is not None
                  else f"model {cfg.actor_rollout_ref.model.path}")
@@ -86,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
               "--dry-run, not training")
         return 0
     from megappo import trainer
-    from megappo.models.checkpoint import CheckpointError
     from megappo.platform.child_reaper import die_with_launcher
     from megappo.trainer.guard import EXIT_STOPPED, RunStopped
 
@@ -94,12 +118,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = trainer.fit(cfg)
-    except ConfigError as e:  # what only the running ranks can check (the actual world, generated files)
-        print(f"megappo train: {e}", file=sys.stderr)
-        return 1
-    except CheckpointError as e:  # a failed save (disk full) or an unusable checkpoint to resume from
-        print(f"megappo train: {e}", file=sys.stderr)
-        return 1
     except RunStopped as e:  # the KL guard, the reward watch or dynamic sampling ended the run on purpose
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"megappo train: {e}", file=sys.stderr)

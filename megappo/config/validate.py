@@ -258,8 +258,10 @@ def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> Non
                   "set data.train_files=PATH.parquet or [a.parquet,b.parquet]")
         if check_files:
             for f in files:
-                _need(errors, Path(os.path.expanduser(f)).exists(), f"data.{key}", f"'{f}' does not exist",
-                      "make it with `megappo data gsm8k --input DIR --out DIR` or point the key at your Parquet")
+                if not Path(os.path.expanduser(f)).exists():
+                    from megappo.data.errors import converter_hint  # config imports nothing else of megappo
+
+                    errors.append(f"data.{key}: '{f}' does not exist; {converter_hint(f)}")
 
 
 def _check_synthetic(cfg: MegappoConfig, errors: list[str]) -> None:

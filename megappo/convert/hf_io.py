@@ -7,6 +7,7 @@ truncated file fails up front with the file's name instead of a SIGBUS or a shor
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -25,11 +26,15 @@ SINGLE_FILE = "model.safetensors"
 # (or megatron's megappo_checkpoint.json), never a directory someone else's files live in
 EXPORT_MARKER = "megappo_export.json"
 CHECKPOINT_MARKER = "megappo_checkpoint.json"  # = megappo.models.checkpoint.MARKER_FILE (no megatron import here)
-# Files copied next to a converted checkpoint so that a run (or transformers/SGLang) can start from it.
+# Files copied next to a converted checkpoint so that a run (or transformers/SGLang) can start from it, and load it
+# as the base was loaded: tokenizer, chat template, and a vision-language model's processor (AutoProcessor).
 SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
+SIDE_PATTERNS = ("*.tiktoken",)  # tokenizers stored under their own names (Qwen-1's qwen.tiktoken)
+SIDE_DIRS = ("additional_chat_templates",)  # transformers' named chat templates beside the default one
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -263,15 +268,31 @@ def write_error(e: BaseException, out: str) -> Optional[ConversionError]:
 
 def copy_side_files(src: str, dst: str, config: Optional[dict] = None) -> list[str]:
     """Copy config/tokenizer/generation-config files from `src` to `dst`; `config` replaces config.json."""
+    names = list(SIDE_FILES) + sorted({os.path.basename(p) for pattern in SIDE_PATTERNS
+                                        for p in glob.glob(os.path.join(src, pattern))})
+    if _remote_code(src):  # config.json's auto_map names classes in the model's own .py files
+        names += sorted(os.path.basename(p) for p in glob.glob(os.path.join(src, "*.py")))
     copied = []
-    for name in SIDE_FILES:
-        if os.path.exists(os.path.join(src, name)):
+    for name in names:
+        if os.path.isfile(os.path.join(src, name)):
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+            copied.append(name)
+    for name in SIDE_DIRS:
+        if os.path.isdir(os.path.join(src, name)):
+            shutil.copytree(os.path.join(src, name), os.path.join(dst, name), dirs_exist_ok=True)
             copied.append(name)
     if config is not None:
         with open(os.path.join(dst, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
     return copied
+
+
+def _remote_code(model_dir: str) -> bool:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return bool(json.load(f).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class StagingDir:

@@ -119,9 +119,12 @@ def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, ba
 def write_peft_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -> str:
     from safetensors.torch import save_file
 
+    from megappo.trainer.files import as_if_created
+
     os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.cpu() for k, v in tensors.items()}, os.path.join(out_dir, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "adapter_model.safetensors")
+    save_file({k: v.cpu() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+    as_if_created(weights)  # as adapter_config.json beside it
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return out_dir

@@ -111,10 +111,18 @@ def _maxwell_rows(path: str) -> list[dict]:
 
 def dapo_math_rows(path: str, keep_duplicates: bool = False) -> list[dict]:
     names = open_parquet(path).schema_arrow.names  # a clear error for an empty or non-Parquet file
+    if all(c in names for c in _MAXWELL_COLUMNS) or "aime" in os.path.basename(path).lower():
+        raise DataError(path, "this is AIME 2024, DAPO's validation set, not DAPO-Math-17k",
+                        f"convert it with `megappo data aime2024 --input {path}`, and pass this command the "
+                        "dapo-math-17k.parquet of BytedTsinghua-SIA/DAPO-Math-17k")
     if "prompt" not in names:
         raise DataError(path, f"not DAPO-Math-17k (columns: {', '.join(names)})",
                         "pass the dapo-math-17k.parquet of BytedTsinghua-SIA/DAPO-Math-17k")
     return _verl_rows(path, "train", keep_duplicates)
+
+
+# AIME has 15 problems per contest, two contests a year: a file with more distinct problems is another set
+_MOST_AIME_PROBLEMS = 60
 
 
 def aime_rows(path: str, keep_duplicates: bool = False) -> list[dict]:
@@ -122,7 +130,16 @@ def aime_rows(path: str, keep_duplicates: bool = False) -> list[dict]:
     if all(c in names for c in _MAXWELL_COLUMNS):
         return _maxwell_rows(path)
     if "prompt" in names:
-        return _verl_rows(path, "test", keep_duplicates)
+        dapo = "dapo" in os.path.basename(path).lower()
+        rows = [] if dapo else _verl_rows(path, "test", keep_duplicates)
+        problems = len({r["prompt"][0]["content"] for r in rows})
+        if dapo or problems > _MOST_AIME_PROBLEMS:
+            found = "its name says DAPO-Math" if dapo else f"it holds {problems} distinct problems; AIME 2024 has 30"
+            raise DataError(path, f"this looks like DAPO-Math-17k, DAPO's training set, not AIME 2024 ({found})",
+                            f"convert it with `megappo data dapo-math --input {path}`, and pass this command "
+                            "aime_2024_problems.parquet of Maxwell-Jia/AIME_2024 or aime-2024.parquet of "
+                            "BytedTsinghua-SIA/AIME-2024")
+        return rows
     raise DataError(path, f"neither Maxwell-Jia/AIME_2024 (ID, Problem, Answer) nor verl's AIME-2024 (prompt, "
                     f"reward_model) columns (columns: {', '.join(names)})", "pass aime_2024_problems.parquet of "
                     "Maxwell-Jia/AIME_2024 or aime-2024.parquet of BytedTsinghua-SIA/AIME-2024")

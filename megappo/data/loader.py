@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from megappo.data.dataset import PromptBatch, PromptDataset
+from megappo.data.errors import DataError
 
 
 class EpochSampler:
@@ -65,6 +66,11 @@ class PromptLoader:
     def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True, seed: int = 1,
                  drop_last: bool = True, pad_to: int | None = None):
         self.dataset = dataset
+        if drop_last and len(dataset) < batch_size:  # an input problem: said as one, naming the files
+            dropped = getattr(dataset, "num_filtered", 0)
+            filtered = f" ({dropped} more were filtered as overlong)" if dropped else ""
+            raise DataError(", ".join(getattr(dataset, "files", ["the dataset"])), f"{len(dataset)} prompts{filtered} do not fill one batch of "
+                            f"{batch_size}", "lower data.train_batch_size (or data.gen_batch_size) or add prompts")
         self.sampler = EpochSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.pad_to = pad_to
         self.epoch = 0

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megappo.data.errors import DataError
+from megappo.data.errors import DataError, converter_hint
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column
 OPTIONAL_COLUMNS = ("ability", "extra_info")
@@ -60,8 +60,8 @@ def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list
                                 "at Parquet files, e.g. the output of `megappo data gsm8k`")
             out.extend(found)
         elif not os.path.exists(path):
-            raise DataError(path, "file not found", "check data.train_files/val_files (one path or a list); "
-                            "`megappo data gsm8k --input DIR --out DIR` makes GSM8K files")
+            raise DataError(path, "file not found", "check data.train_files/val_files (one path or a list), or "
+                            + converter_hint(os.fspath(f)))
         else:
             out.append(path)
     if not out:

@@ -6,7 +6,7 @@ import copy
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,8 +18,9 @@ from megappo.models.losses import actor_loss_fn, critic_loss_fn
 from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
 from megappo.platform.layout import ParallelLayout
-from megappo.trainer import checkpointing, settings
+from megappo.trainer import checkpointing, run_config, settings
 from megappo.trainer.guard import KLGuard
+from megappo.trainer.inputs import load_data, load_tokenizer
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.preflight import preflight, require_output_dir
 from megappo.trainer.roles import build_roles, describe
@@ -59,38 +60,6 @@ def _synthetic(cfg: MegappoConfig, local_dir: str) -> None:
     cfg.data.train_files, cfg.data.val_files = task.train_files, task.val_files
 
 
-def _data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
-    from megappo.data import PromptDataset, PromptLoader
-
-    d = cfg.data
-    template_kwargs = {}
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    if mt.enable:  # the tools' schemas go to the chat template, as verl gives them
-        from megappo.multi_turn.tools import tool_schemas
-
-        template_kwargs["tools"] = tool_schemas(mt.tool_config_path)
-
-    from megappo.data.images import ImageProcessing
-
-    # a vision-language actor's image processor and image tokens (None for a text model)
-    images = ImageProcessing.from_model(cfg.actor_rollout_ref.model.path, tokenizer, min_pixels=d.image_min_pixels,
-                                        max_pixels=d.image_max_pixels)
-
-    def dataset(files):
-        return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,
-                             filter_overlong_prompts=d.filter_overlong_prompts, prompt_key=d.prompt_key,
-                             chat_template_kwargs=template_kwargs or None, image_processing=images,
-                             image_key=d.image_key)
-
-    # a loader batch is a generation batch: train_batch_size prompts unless algorithm.filter_groups generates more
-    train = PromptLoader(dataset(d.train_files), d.gen_batch_size, shuffle=d.shuffle, seed=d.seed)
-    val = None
-    if d.val_files:
-        val_set = dataset(d.val_files)
-        val = PromptLoader(val_set, d.val_batch_size or len(val_set), shuffle=False, drop_last=False)
-    return train, val
-
-
 def _scorer(cfg: MegappoConfig):
     if dist.get_rank() != 0:
         return None
@@ -115,21 +84,17 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
     require_output_dir(cfg)  # a clear error before the lock creates local_dir (`megappo train` checked it too)
     lock = _own_dir(local_dir, t.dir_lock_wait_s)  # before anything in local_dir is read, written or removed
     run = state = None
+    config_text = run_config.snapshot(cfg)  # before the run fills in paths of its own (a synthetic task's)
     try:
         if t.total_training_steps:  # the end is known before the synthetic task is (re)built: nothing is written
-            _stop_if_finished(cfg, local_dir, t.total_training_steps)
+            _stop_if_finished(cfg, local_dir, t.total_training_steps, config_text)
         _synthetic(cfg, local_dir)
         preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
-        from transformers import AutoTokenizer
-
-        tok_path = (cfg.data.tokenizer or cfg.actor_rollout_ref.model.tokenizer_path
-                    or cfg.actor_rollout_ref.model.path)
-        tokenizer = AutoTokenizer.from_pretrained(tok_path,
-                                                  trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-        loader, val_loader = _data(cfg, tokenizer)
+        tokenizer = load_tokenizer(cfg)
+        loader, val_loader = load_data(cfg, tokenizer)
         total = t.total_training_steps or t.total_epochs * len(loader)
         if not t.total_training_steps:
-            _stop_if_finished(cfg, local_dir, total)
+            _stop_if_finished(cfg, local_dir, total, config_text)
         roles = build_roles(cfg, ps, platform, total)
         kl = cfg.algorithm.kl_ctrl
         state = TrainState(0, total, loader, val_loader, local_dir=local_dir, lock=lock,
@@ -145,6 +110,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         apply_guard_scales(run)
         _resume(run, state)
         if dist.get_rank() == 0:
+            run_config.record(local_dir, config_text, resumed=state.resumed)
             print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
                   file=sys.stderr, flush=True)
         state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
@@ -182,7 +148,7 @@ def _own_dir(local_dir: str, wait_s: float) -> Optional[RunLock]:
     raise SystemExit(1)
 
 
-def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int) -> None:
+def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int, config_text: str) -> None:
     """A run started again over a finished one (trainer.resume_mode=auto, the same number of steps) says so and
     raises AlreadyFinished on every rank (`fit` returns 0), before it builds a model or writes a file: no summary,
     no step, no second export or empty TensorBoard file. Collective."""
@@ -193,6 +159,7 @@ def _stop_if_finished(cfg: MegappoConfig, local_dir: str, total: int) -> None:
     if message[0] is not None:
         if dist.get_rank() == 0:
             print(message[0], file=sys.stderr, flush=True)
+            run_config.warn_finished(local_dir, config_text)
         raise AlreadyFinished(message[0])
 
 
@@ -206,6 +173,9 @@ def _resume(run: Run, state: TrainState) -> None:
     if resume is not None:
         restore(run, state, resume)
         state.resumed = True
+        if dist.get_rank() == 0:
+            print(f"megappo train: resumed from {resume} (step {state.step}); continuing at step {state.step + 1} "
+                  f"of {state.total_steps}", file=sys.stderr, flush=True)
 
 
 def restore(run: Run, state: TrainState, directory: str, *, rollback: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Stopping in time: SIGTERM/SIGUSR1 (what Slurm sends before preemption or the time limit) and
+"""Stopping in time: SIGTERM/SIGUSR1 (what Slurm sends before preemption or the time limit), Ctrl-C (SIGINT) and
 `trainer.save_before_deadline`.
 
 The first signal asks the run to stop after the step in progress: fit then saves a checkpoint, stops its rollout
@@ -28,7 +28,13 @@ from megappo.trainer.files import write_atomic
 
 EXIT_REQUEUE = 75
 STATUS_FILE = "run_status.json"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# SIGINT is a person's Ctrl-C (passed on to every rank by launch/torchrun.sh or torchrun; srun sends it to every
+# process of the step): treated as SIGTERM, so the work since the last checkpoint is kept. A second Ctrl-C stops at
+# once, unless it comes within COPY_WINDOW_S: a relayed copy (srun's, then torchrun's) arrives within milliseconds,
+# a person's second press a good fraction of a second later.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+COPY_WINDOW_S = 0.3
 REPEAT_WINDOW_S = 5.0  # a relayed copy measured well under a second on a local Slurm; a person's second try is slower
 
 
@@ -59,6 +65,8 @@ class StopRequest:
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            return self._interrupt()
         if self.signal is not None:
             if time.monotonic() - self._first_at < self.repeat_window_s:
                 print(f"megappo train: {name} again within {self.repeat_window_s:.0f} s: taken as a copy of the "
@@ -68,6 +76,24 @@ class StopRequest:
         self.signal, self._first_at = name, time.monotonic()
         print(f"megappo train: {name} received: saving a checkpoint after this step and stopping (send it again "
               f"after {self.repeat_window_s:.0f} s to stop at once)", file=sys.stderr, flush=True)
+
+    def _interrupt(self) -> None:
+        says = int(os.environ.get("RANK", "0")) == 0  # every rank gets it (torchrun passes it on); one says it
+        if self.signal is not None:
+            if time.monotonic() - self._first_at < COPY_WINDOW_S:
+                return
+            if says:
+                print("megappo train: Ctrl-C again: stopping now, without saving this step (the last checkpoint "
+                      "stays)", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # not SystemExit: raised inside a callback (logging's fork hooks, a __del__) it is printed and dropped,
+            # and the run goes on. Nothing is lost by leaving now: saves are atomic, the helpers die with this
+            # process (parent-death signal, server watchdogs) and the kernel drops the directory lock.
+            os._exit(EXIT_INTERRUPTED)
+        self.signal, self._first_at = "SIGINT", time.monotonic()
+        if says:
+            print("megappo train: Ctrl-C: finishing this step, saving a checkpoint and exiting with 75 (run the same "
+                  "command to resume); Ctrl-C again stops at once, without saving", file=sys.stderr, flush=True)
 
     def timed(self, step_s: float = 0.0, save_s: float = 0.0) -> None:
         self._step_s, self._save_s = max(self._step_s, step_s), max(self._save_s, save_s)

@@ -113,8 +113,9 @@ class RunLock:
     def locked_message(self, waited_s: float) -> str:
         info = self.holder() or {}
         waited = f" (waited {waited_s:.0f} s for it)" if round(waited_s) > 0 else ""
-        stop = f"stop it (`kill {info['pid']}` on {info.get('host', 'its host')}" if info.get("pid") else "stop it ("
-        stop += f", or `scancel {info['slurm_job']}`)" if info.get("slurm_job") else ")"
+        ways = [f"`kill {info['pid']}` on {info.get('host', 'its host')}"] if info.get("pid") else []
+        ways += [f"`scancel {info['slurm_job']}`"] if info.get("slurm_job") else []
+        stop = "stop it" + (f" ({', or '.join(ways)})" if ways else "")
         return (f"{self.directory} is in use by another megappo run: {self.describe_holder()}{waited}; it holds "
                 f"{self.path}. Wait for it to finish or {stop} and start again, or point "
                 "trainer.default_local_dir at another directory. To wait for it instead, set "

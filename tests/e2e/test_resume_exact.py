@@ -165,6 +165,43 @@ def test_preemption_signal_saves_exits_75_and_the_same_command_resumes(reference
     _same_run(reference, out)
 
 
+def test_ctrl_c_saves_the_finished_step_exits_75_and_the_same_command_resumes(reference, tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole process group, helpers included) is taken as SIGTERM: one line
+    says so, the step in progress finishes and is saved, no helper prints a traceback, and the same command
+    continues exactly, saying where from."""
+    env, out, log = _env(tmp_path), tmp_path / "interrupted", tmp_path / "interrupted.log"
+    # reward workers and the engine in a process of its own: helpers that a Ctrl-C reaches too
+    cmd = _command(out) + ["reward_model.backend=process", "reward_model.num_workers=1",
+                           "actor_rollout_ref.hybrid_engine=false"]
+    with open(log, "a") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ready = _after_row(out, 1, 0.05)
+        deadline = time.monotonic() + 300
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(120) == 75, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
+    assert [line for line in text.splitlines() if "Ctrl-C" in line] == [
+        "megappo train: Ctrl-C: finishing this step, saving a checkpoint and exiting with 75 (run the same "
+        "command to resume); Ctrl-C again stops at once, without saving"]
+    status = json.loads((out / "run_status.json").read_text())
+    stopped_at = status["step"]
+    assert status["status"] == "preempted" and "SIGINT" in status["reason"] and 1 <= stopped_at < STEPS
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(stopped_at)
+    resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert (f"megappo train: resumed from {out / 'checkpoints' / f'global_step_{stopped_at}'} (step {stopped_at}); "
+            f"continuing at step {stopped_at + 1} of {STEPS}") in resumed.stderr
+    _same_run(reference, out)
+
+
 def test_save_before_deadline_stops_in_time(tmp_path):
     out = tmp_path / "deadline"
     # a deadline already close: the first step ends too near it to run another and save

@@ -64,6 +64,32 @@ def test_vlm_pipeline_runs(tmp_path):
     full = _hf_bytes(out / "hf" / "actor", vision=True)
     assert all(r["rollout/weight_sync_bytes"] == full for r in trained)  # the trained tower is synced too
     assert all(r["rollout/verify_sync_max_diff"] < 1e-4 for r in trained)
+    _loads_with_its_processor(out / "hf" / "actor", out / "synthetic" / "colour_square" / "model")
+
+
+def _loads_with_its_processor(exported, base):
+    """The export loads as the base did: its image processor and tokenizer give the base's inputs, and
+    AutoProcessor (which also builds Qwen2-VL's video processor, so needs torchvision) loads it where it can."""
+    import importlib.util
+
+    import numpy as np
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    for name in ("preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (exported / name).is_file(), name
+    image = np.random.default_rng(0).integers(0, 255, (56, 84, 3), dtype=np.uint8)
+    got, want = (AutoImageProcessor.from_pretrained(str(d))(images=[image], return_tensors="pt")
+                 for d in (exported, base))
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
+    text = "<|vision_start|><|image_pad|><|vision_end|> which colour?"
+    assert (AutoTokenizer.from_pretrained(str(exported))(text)["input_ids"]
+            == AutoTokenizer.from_pretrained(str(base))(text)["input_ids"])
+    if importlib.util.find_spec("torchvision") is not None:
+        from transformers import AutoProcessor
+
+        got, want = (AutoProcessor.from_pretrained(str(d))(text=[text], images=[image], return_tensors="pt")
+                     for d in (exported, base))
+        assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
 
 
 def test_vlm_guard_rolls_a_spiked_step_back_and_the_engine_follows(tmp_path, monkeypatch):

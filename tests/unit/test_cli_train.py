@@ -42,8 +42,8 @@ def test_print_config_prints_nothing_for_an_invalid_config(capsys):
 
 
 @pytest.fixture
-def runnable(tmp_path):
-    """Overrides pointing the tiny recipe at a model config.json and Parquet files in verl's schema."""
+def runnable(tmp_path, tokenizer_dir):
+    """Overrides pointing the tiny recipe at a model config.json, a tokenizer and Parquet files in verl's schema."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -51,12 +51,13 @@ def runnable(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2,
                                                    "num_hidden_layers": 4}))
-    rows = pa.table({"data_source": ["openai/gsm8k"], "prompt": [[{"role": "user", "content": "1+1?"}]],
-                     "reward_model": [{"style": "rule", "ground_truth": "2"}]})
+    rows = pa.table({"data_source": ["openai/gsm8k"] * 4, "prompt": [[{"role": "user", "content": "1+1?"}]] * 4,
+                     "reward_model": [{"style": "rule", "ground_truth": "2"}] * 4})
     for name in ("train.parquet", "test.parquet"):
         pq.write_table(rows, tmp_path / name)
     return ["--config", "gsm8k/tiny_cpu", f"actor_rollout_ref.model.path={model}",
-            f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'test.parquet'}"]
+            f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'test.parquet'}",
+            f"data.tokenizer={tokenizer_dir}"]
 
 
 def test_dry_run_validates_files(runnable, tmp_path, capsys):

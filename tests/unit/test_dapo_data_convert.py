@@ -70,3 +70,29 @@ def test_bad_inputs_name_the_fix(tmp_path):
     with pytest.raises(DataError, match="no aime-2024.parquet or aime_2024_problems.parquet here and 2 other"):
         convert_aime2024(str(two), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_each_converter_refuses_the_other_ones_file_naming_it(tmp_path):
+    with pytest.raises(DataError, match="looks like DAPO-Math-17k.*its name says DAPO-Math.*megappo data dapo-math"):
+        convert_aime2024(str(SAMPLES / "dapo_math"), str(tmp_path / "out"))
+    # a DAPO-Math file under another name: more distinct problems than AIME has
+    table = pq.read_table(SAMPLES / "dapo_math" / "dapo-math-17k.parquet").to_pylist()
+    many = [{**row, "prompt": [{**row["prompt"][0], "content": f"{i}: " + row["prompt"][0]["content"]}]}
+            for i, row in enumerate(table * 10)]
+    pq.write_table(pa.Table.from_pylist(many), tmp_path / "train.parquet")
+    with pytest.raises(DataError, match="it holds 80 distinct problems; AIME 2024 has 30.*megappo data dapo-math"):
+        convert_aime2024(str(tmp_path / "train.parquet"), str(tmp_path / "out"))
+    with pytest.raises(DataError, match="this is AIME 2024.*megappo data aime2024 --input"):
+        convert_dapo_math(str(SAMPLES / "aime2024"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_data_file_names_its_datasets_converter():
+    from megappo.data.errors import converter_hint
+
+    assert "`megappo data gsm8k --input DIR --out ~/data/gsm8k`" in converter_hint("~/data/gsm8k/train.parquet")
+    assert "`megappo data dapo-math --input DIR --out ~/data/dapo`" in converter_hint(
+        "~/data/dapo/dapo-math-17k.parquet")
+    assert "`megappo data aime2024 --input DIR --out ~/data/dapo`" in converter_hint("~/data/dapo/aime-2024.parquet")
+    assert "`megappo data geo3k --input DIR --out ~/data/geo3k`" in converter_hint("~/data/geo3k/test.parquet")
+    assert "gsm8k, geo3k, dapo-math, aime2024" in converter_hint("/data/mine.parquet")

@@ -105,7 +105,7 @@ def test_files_and_directories(tmp_path, tokenizer):
     write(d / "y.parquet", make_rows(3, start=2))
     assert len(PromptDataset(str(d), tokenizer)) == 5
     assert len(PromptDataset(os.path.join(str(d), "x.parquet"), tokenizer)) == 2
-    with pytest.raises(DataError, match="missing.parquet: file not found.*megappo data gsm8k"):
+    with pytest.raises(DataError, match="missing.parquet: file not found.*`megappo data` converter of its dataset"):
         PromptDataset([str(d / "x.parquet"), str(d / "missing.parquet")], tokenizer)
     empty_dir = tmp_path / "empty"
     empty_dir.mkdir()

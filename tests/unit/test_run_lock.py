@@ -155,3 +155,14 @@ def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, cap
     lock = RunLock(str(tmp_path)).acquire(wait_s=0)
     lock.release()
     assert "cannot be locked" in capfd.readouterr().err
+
+
+def test_the_message_names_no_empty_way_to_stop_an_unknown_holder(tmp_path, monkeypatch):
+    lock = RunLock(str(tmp_path))
+    monkeypatch.setattr(lock, "holder", lambda: None)  # locked, host and pid not written yet
+    message = lock.locked_message(0)
+    assert "()" not in message and "Wait for it to finish or stop it and start again" in message
+    monkeypatch.setattr(lock, "holder", lambda: {"slurm_job": "42"})
+    assert "or stop it (`scancel 42`) and start again" in lock.locked_message(0)
+    monkeypatch.setattr(lock, "holder", lambda: {"pid": 7, "host": "n1", "slurm_job": "42"})
+    assert "stop it (`kill 7` on n1, or `scancel 42`) and start" in lock.locked_message(0)

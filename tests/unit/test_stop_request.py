@@ -35,3 +35,27 @@ def test_a_second_request_after_the_window_stops_at_once(stop):
     with pytest.raises(SystemExit) as stopped:
         os.kill(os.getpid(), signal.SIGUSR1)
     assert stopped.value.code == 128 + signal.SIGUSR1
+
+
+def test_ctrl_c_asks_for_a_checkpoint_and_a_second_one_leaves_at_once():
+    """A person's Ctrl-C: the first is a stop request (no KeyboardInterrupt), a relayed copy of it changes nothing,
+    and a second press ends the process with 130 and no traceback (os._exit: a SystemExit raised inside a callback
+    would be dropped)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from megappo.trainer.preemption import StopRequest\n"
+            "stop = StopRequest(None); stop.install()\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "print('asked', stop.signal, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"  # a relayed copy: nothing
+            "time.sleep(0.5)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(5); print('still running', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and proc.stdout == "asked SIGINT\n", proc
+    assert proc.stderr.splitlines() == [
+        "megappo train: Ctrl-C: finishing this step, saving a checkpoint and exiting with 75 (run the same command "
+        "to resume); Ctrl-C again stops at once, without saving",
+        "megappo train: Ctrl-C again: stopping now, without saving this step (the last checkpoint stays)"]
