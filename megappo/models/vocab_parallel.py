@@ -3,12 +3,13 @@
 Each TP rank holds logits [..., V/tp] for its contiguous slice of the (padded) vocabulary, as megatron's
 ColumnParallelLinear output layer leaves them (`parallel_output=True`). Like megatron's
 `vocab_parallel_cross_entropy`, only per-token scalars cross ranks (the max, the sum of exponentials, the target
-logit and the entropy term), so no rank ever materialises full-vocabulary logits.
+logit, the entropy term and, when asked, sum_v p_v^2), so no rank ever materialises full-vocabulary logits.
 
     log p(y)  = x_y - logsumexp(x)
     entropy   = -sum_v p_v log p_v             (each rank sums over its shard, then one all-reduce)
     d logp/dx = onehot(y) - p
     d H/dx    = -p * (log p + H)
+    sum_v p_v^2                                (forward only, when asked: the optimal token baselines' input)
 
 The softmax of the shard is the only [..., V/tp] tensor kept for backward, and the backward writes the gradient
 into its storage; other temporaries are taken a row chunk at a time. Besides the logits shard itself the path
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_log_probs", "vocab_parallel_log_probs_and_entropy"]
+__all__ = ["vocab_parallel_log_probs", "vocab_parallel_log_probs_and_entropy", "vocab_parallel_token_stats"]
 
 
 def _tp_rank_size(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -32,7 +33,7 @@ def _tp_rank_size(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, tp_group, with_entropy, vocab_size):  # noqa: D401 - autograd signature
+    def forward(ctx, logits, target, tp_group, with_entropy, vocab_size, with_sum_p2=False):  # noqa: D401
         in_dtype = logits.dtype
         rank, size = _tp_rank_size(tp_group)
         shard = logits.shape[-1]
@@ -61,26 +62,25 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         log_probs = tgt - sum_exp.log()  # [...]
         p.div_(sum_exp.unsqueeze(-1))
 
-        entropy = None
-        if with_entropy:
-            # this shard's part of -sum p log p (xlogy: 0 log 0 = 0 for underflowed p), in row chunks so the
-            # temporary is a slice, not another [..., V/tp] tensor
-            p2, ent = p.view(-1, shard), torch.empty(p.shape[:-1]).view(-1)
-            for rows in _row_chunks(p2.shape[0], shard):
-                ent[rows] = -torch.xlogy(p2[rows], p2[rows]).sum(-1)
-            entropy = ent.view(p.shape[:-1])
-            if size > 1:
-                dist.all_reduce(entropy, group=tp_group)
+        entropy, sum_p2 = _shard_sums(p, with_entropy, with_sum_p2)
+        if size > 1 and (with_entropy or with_sum_p2):  # one collective for both
+            both = torch.stack([t for t in (entropy, sum_p2) if t is not None])
+            dist.all_reduce(both, group=tp_group)
+            entropy = both[0] if with_entropy else None
+            sum_p2 = both[-1] if with_sum_p2 else None
 
         ctx.in_dtype = in_dtype
         ctx.with_entropy = with_entropy
         ctx.save_for_backward(p, in_shard, local_t, entropy if with_entropy else torch.empty(0))
         if entropy is None:
             entropy = torch.zeros_like(log_probs)
-        return log_probs, entropy
+        if sum_p2 is None:
+            sum_p2 = torch.zeros_like(log_probs)
+        ctx.mark_non_differentiable(sum_p2)  # an advantage-estimator input, never trained through
+        return log_probs, entropy, sum_p2
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_p2):
         p, in_shard, local_t, entropy = ctx.saved_tensors
         shard = p.shape[-1]
         # The gradient is written into p's storage (p is not needed afterwards), a row chunk at a time:
@@ -98,7 +98,28 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             pc.mul_(-g_logp[rows]).scatter_add_(-1, onehot[rows], hit[rows])
             if ent_term is not None:
                 pc.add_(ent_term)
-        return p.to(ctx.in_dtype), None, None, None, None
+        return p.to(ctx.in_dtype), None, None, None, None, None
+
+
+def _shard_sums(p: torch.Tensor, with_entropy: bool, with_sum_p2: bool):
+    """This shard's parts of -sum p log p and of sum p^2, each [...] fp32 or None, from its softmax [..., V/tp].
+
+    In row chunks, so the temporaries are slices, not another [..., V/tp] tensor; xlogy: 0 log 0 = 0 for
+    underflowed p."""
+    if not (with_entropy or with_sum_p2):
+        return None, None
+    shard = p.shape[-1]
+    p2 = p.view(-1, shard)
+    ent = torch.empty(p2.shape[0], device=p.device) if with_entropy else None
+    sq = torch.empty(p2.shape[0], device=p.device) if with_sum_p2 else None
+    for rows in _row_chunks(p2.shape[0], shard):
+        pc = p2[rows]
+        if ent is not None:
+            ent[rows] = -torch.xlogy(pc, pc).sum(-1)
+        if sq is not None:
+            sq[rows] = (pc * pc).sum(-1)
+    shape = p.shape[:-1]
+    return (None if ent is None else ent.view(shape)), (None if sq is None else sq.view(shape))
 
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes per row chunk of the temporaries
@@ -126,16 +147,28 @@ def vocab_parallel_log_probs_and_entropy(
     Returns (log_probs [...] fp32, entropy [...] fp32 or None), identical on every TP rank; both differentiable
     with respect to `logits`.
     """
+    return vocab_parallel_token_stats(logits, target, tp_group, calculate_entropy=calculate_entropy,
+                                      vocab_size=vocab_size)[:2]
+
+
+def vocab_parallel_token_stats(
+    logits: torch.Tensor, target: torch.Tensor, tp_group: Optional[dist.ProcessGroup], *,
+    calculate_entropy: bool = True, calculate_sum_pi_squared: bool = False, vocab_size: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`vocab_parallel_log_probs_and_entropy`, and with calculate_sum_pi_squared sum_v p_v^2 [...] fp32 too (verl's
+    calculate_sum_pi_squared: the optimal token baselines' input), summed over the shards in the entropy's
+    all-reduce. The sum carries no gradient. Returns (log_probs, entropy or None, sum_pi_squared or None)."""
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be target's shape {tuple(target.shape)} + [V/tp]")
-    logp, ent = _VocabParallelLogProbs.apply(logits, target, tp_group, calculate_entropy, vocab_size)
-    return logp, (ent if calculate_entropy else None)
+    logp, ent, sq = _VocabParallelLogProbs.apply(logits, target, tp_group, calculate_entropy, vocab_size,
+                                                 calculate_sum_pi_squared)
+    return logp, (ent if calculate_entropy else None), (sq if calculate_sum_pi_squared else None)
 
 
 def vocab_parallel_log_probs(
     logits: torch.Tensor, target: torch.Tensor, tp_group: Optional[dist.ProcessGroup],
     vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Per-token log p(target) [...] from vocabulary-sharded logits [..., V/tp]; see the function above."""
+    """Per-token log p(target) [...] from vocabulary-sharded logits [..., V/tp]; see `vocab_parallel_log_probs_and_entropy`."""
     return vocab_parallel_log_probs_and_entropy(logits, target, tp_group, calculate_entropy=False,
                                                 vocab_size=vocab_size)[0]
