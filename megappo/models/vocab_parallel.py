@@ -9,7 +9,8 @@ logit, the entropy term and, when asked, sum_v p_v^2), so no rank ever materiali
     entropy   = -sum_v p_v log p_v             (each rank sums over its shard, then one all-reduce)
     d logp/dx = onehot(y) - p
     d H/dx    = -p * (log p + H)
-    sum_v p_v^2                                (forward only, when asked: the optimal token baselines' input)
+    sum_v p_v^2 = sum_v e_v^2 / (sum_v e_v)^2  (e = exp(x - max); forward only, when asked: the optimal token
+                                               baselines' input; in the sum of exponentials' all-reduce)
 
 The softmax of the shard is the only [..., V/tp] tensor kept for backward, and the backward writes the gradient
 into its storage; other temporaries are taken a row chunk at a time. Besides the logits shard itself the path
@@ -55,27 +56,33 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         tgt = torch.where(in_shard, tgt, torch.zeros((), dtype=tgt.dtype))  # [...] shifted target logit or 0
 
         p = x.exp_()  # x is no longer needed: reuse its storage for exp, then for the softmax
-        stats = torch.stack([p.sum(-1), tgt])  # [2, ...] one collective for both
+        # sum_v p_v^2 = sum_v e_v^2 / (sum_v e_v)^2: the shard's sum of squares joins the same collective
+        # (e_v <= 1 after the global max, and the max's own term is 1: no overflow, no underflow to 0)
+        parts = [p.sum(-1), tgt] + ([torch.linalg.vector_norm(p, dim=-1).square()] if with_sum_p2 else [])
+        stats = torch.stack(parts)  # [2 or 3, ...] one collective for all
         if size > 1:
             dist.all_reduce(stats, group=tp_group)
         sum_exp, tgt = stats[0], stats[1]
         log_probs = tgt - sum_exp.log()  # [...]
+        sum_p2 = stats[2] / sum_exp.square() if with_sum_p2 else torch.zeros_like(log_probs)
         p.div_(sum_exp.unsqueeze(-1))
 
-        entropy, sum_p2 = _shard_sums(p, with_entropy, with_sum_p2)
-        if size > 1 and (with_entropy or with_sum_p2):  # one collective for both
-            both = torch.stack([t for t in (entropy, sum_p2) if t is not None])
-            dist.all_reduce(both, group=tp_group)
-            entropy = both[0] if with_entropy else None
-            sum_p2 = both[-1] if with_sum_p2 else None
+        entropy = None
+        if with_entropy:
+            # this shard's part of -sum p log p (xlogy: 0 log 0 = 0 for underflowed p), in row chunks so the
+            # temporary is a slice, not another [..., V/tp] tensor
+            p2, ent = p.view(-1, shard), torch.empty(p.shape[:-1]).view(-1)
+            for rows in _row_chunks(p2.shape[0], shard):
+                ent[rows] = -torch.xlogy(p2[rows], p2[rows]).sum(-1)
+            entropy = ent.view(p.shape[:-1])
+            if size > 1:
+                dist.all_reduce(entropy, group=tp_group)
 
         ctx.in_dtype = in_dtype
         ctx.with_entropy = with_entropy
         ctx.save_for_backward(p, in_shard, local_t, entropy if with_entropy else torch.empty(0))
         if entropy is None:
             entropy = torch.zeros_like(log_probs)
-        if sum_p2 is None:
-            sum_p2 = torch.zeros_like(log_probs)
         ctx.mark_non_differentiable(sum_p2)  # an advantage-estimator input, never trained through
         return log_probs, entropy, sum_p2
 
@@ -99,27 +106,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             if ent_term is not None:
                 pc.add_(ent_term)
         return p.to(ctx.in_dtype), None, None, None, None, None
-
-
-def _shard_sums(p: torch.Tensor, with_entropy: bool, with_sum_p2: bool):
-    """This shard's parts of -sum p log p and of sum p^2, each [...] fp32 or None, from its softmax [..., V/tp].
-
-    In row chunks, so the temporaries are slices, not another [..., V/tp] tensor; xlogy: 0 log 0 = 0 for
-    underflowed p."""
-    if not (with_entropy or with_sum_p2):
-        return None, None
-    shard = p.shape[-1]
-    p2 = p.view(-1, shard)
-    ent = torch.empty(p2.shape[0], device=p.device) if with_entropy else None
-    sq = torch.empty(p2.shape[0], device=p.device) if with_sum_p2 else None
-    for rows in _row_chunks(p2.shape[0], shard):
-        pc = p2[rows]
-        if ent is not None:
-            ent[rows] = -torch.xlogy(pc, pc).sum(-1)
-        if sq is not None:
-            sq[rows] = (pc * pc).sum(-1)
-    shape = p.shape[:-1]
-    return (None if ent is None else ent.view(shape)), (None if sq is None else sq.view(shape))
 
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes per row chunk of the temporaries
@@ -156,8 +142,9 @@ def vocab_parallel_token_stats(
     calculate_entropy: bool = True, calculate_sum_pi_squared: bool = False, vocab_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """`vocab_parallel_log_probs_and_entropy`, and with calculate_sum_pi_squared sum_v p_v^2 [...] fp32 too (verl's
-    calculate_sum_pi_squared: the optimal token baselines' input), summed over the shards in the entropy's
-    all-reduce. The sum carries no gradient. Returns (log_probs, entropy or None, sum_pi_squared or None)."""
+    calculate_sum_pi_squared: the optimal token baselines' input), the shards' sums of squared exponentials
+    riding in the softmax's one all-reduce. The sum carries no gradient.
+    Returns (log_probs, entropy or None, sum_pi_squared or None)."""
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be target's shape {tuple(target.shape)} + [V/tp]")
     logp, ent, sq = _VocabParallelLogProbs.apply(logits, target, tp_group, calculate_entropy, vocab_size,
@@ -169,6 +156,7 @@ def vocab_parallel_log_probs(
     logits: torch.Tensor, target: torch.Tensor, tp_group: Optional[dist.ProcessGroup],
     vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Per-token log p(target) [...] from vocabulary-sharded logits [..., V/tp]; see `vocab_parallel_log_probs_and_entropy`."""
+    """Per-token log p(target) [...] from vocabulary-sharded logits [..., V/tp] (as
+    `vocab_parallel_log_probs_and_entropy`)."""
     return vocab_parallel_log_probs_and_entropy(logits, target, tp_group, calculate_entropy=False,
                                                 vocab_size=vocab_size)[0]

@@ -1,4 +1,5 @@
-"""Log-probs (and entropy, sum_v p_v^2), values, losses, gradients and one optimizer step agree across parallel layouts (gloo, fp32).
+"""Log-probs (entropy, sum_v p_v^2), values, losses, gradients and one optimizer step agree across parallel layouts
+(gloo, fp32).
 
 One spawned job per world size runs every layout of that size in turn (a process start costs ~10 s):
 world 1 is the reference (fixed micro-batches, plus a dynamic-micro-batch step whose gradient must equal the fixed

@@ -1,4 +1,4 @@
-"""The megatron actor's log-probs, entropy and sum_v p_v^2 on a padded batch equal `transformers` on each row without padding.
+"""The megatron actor's log-probs, entropy, sum p^2 on a padded batch equal `transformers` on each row without padding.
 
 Rows have different prompt (left-padded) and response (right-padded) lengths, so this pins the left-alignment in
 `megappo.models.compute` (the model sees every row rolled to column 0 under the plain causal mask) and the read-back
@@ -49,7 +49,8 @@ def _job(rank, world_size, hf_dir):
     alone = [compute_values(critic, ModelBatch.from_token_lists([p], [r], pad_token_id=0), parallel_state=ps,
                             micro=MicroBatching(micro_batch_size=1))[0] for p, r in zip(prompts, responses)]
     destroy_parallel()
-    return {"log_probs": logp, "entropy": ent, "sum_pi_squared": sq, "mask": batch.response_mask, "values": values, "alone": alone}
+    return {"log_probs": logp, "entropy": ent, "sum_pi_squared": sq, "mask": batch.response_mask, "values": values,
+            "alone": alone}
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

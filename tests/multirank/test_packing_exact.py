@@ -1,7 +1,7 @@
 """Sequence packing (`MicroBatching(packed=True)`, verl's use_remove_padding) equals the padded path.
 
 Each layout runs, on the same weights and the same batch (rows whose lengths differ by more than 10x), the padded
-and the packed path: log-probs, entropy, sum_v p_v^2, values, the actor's and the critic's step loss and metrics, and every
+and the packed path: log-probs, entropy, sum p^2, values, the actor's and the critic's step loss and metrics, and every
 gradient (megatron DDP's main_grad, this rank's shard) must agree to 1e-5 (max |a - b| / max |b|, fp32).
 World 1 (TP1, fixed and dynamic micro-batches) runs in the default test run; DP2, TP2 x PP2, PP2 x VPP2 and EP2
 (MoE) are `long` (a spawned gloo job each, ~1 min).

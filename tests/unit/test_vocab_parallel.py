@@ -1,4 +1,5 @@
-"""Vocab-parallel log-probs, entropy and sum_v p_v^2 against a full-vocabulary reference, in one process and at TP=2 (gloo)."""
+"""Vocab-parallel log-probs, entropy and sum_v p_v^2 against a full-vocabulary reference, in one process and at TP=2
+(gloo)."""
 from __future__ import annotations
 
 import pytest
@@ -93,7 +94,8 @@ def test_sum_pi_squared_single_rank(monkeypatch, chunk_bytes, entropy, vocab_siz
         torch.testing.assert_close(got[1], ref_ent, rtol=1e-5, atol=1e-6)
     # asking for the sum changes neither the log-probs' gradient nor the bf16 path
     x = logits.clone().requires_grad_(True)
-    vocab_parallel_token_stats(x, target, None, calculate_sum_pi_squared=True, vocab_size=vocab_size)[0].sum().backward()
+    logp = vocab_parallel_token_stats(x, target, None, calculate_sum_pi_squared=True, vocab_size=vocab_size)[0]
+    logp.sum().backward()
     y = logits.clone().requires_grad_(True)
     vocab_parallel_log_probs(y, target, None, vocab_size=vocab_size).sum().backward()
     torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
