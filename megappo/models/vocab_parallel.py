@@ -1,9 +1,9 @@
-"""Log-probs of target tokens, and entropy, from logits sharded over the vocabulary by tensor parallelism.
+"""Log-probs of target tokens, entropy and sum_v p_v^2 from logits sharded over the vocabulary by tensor parallelism.
 
 Each TP rank holds logits [..., V/tp] for its contiguous slice of the (padded) vocabulary, as megatron's
 ColumnParallelLinear output layer leaves them (`parallel_output=True`). Like megatron's
 `vocab_parallel_cross_entropy`, only per-token scalars cross ranks (the max, the sum of exponentials, the target
-logit, the entropy term and, when asked, sum_v p_v^2), so no rank ever materialises full-vocabulary logits.
+logit, the entropy term and, when asked, the sum of squared exponentials), so no rank ever materialises full-vocabulary logits.
 
     log p(y)  = x_y - logsumexp(x)
     entropy   = -sum_v p_v log p_v             (each rank sums over its shard, then one all-reduce)

@@ -128,7 +128,7 @@ def _tp2_worker(rank, world_size):
     mine = logits[..., rank * shard:(rank + 1) * shard]
     full = _vp(mine, target, g_logp, g_ent, group)
     padded = _vp(mine, target % PADDED_VOCAB, g_logp, g_ent, group, vocab_size=PADDED_VOCAB)
-    # sum_v p^2 with the entropy (one all-reduce for both) and alone, on the full and the padded vocabulary
+    # sum_v p^2 with and without the entropy, on the full and the padded vocabulary
     squares = [_vp_sq(mine, t, group, ent, vocab)[-1] for ent in (True, False)
                for t, vocab in ((target, None), (target % PADDED_VOCAB, PADDED_VOCAB))]
     # lists, not tensors: torch.multiprocessing hands tensors over as shared-memory handles that die with the rank
