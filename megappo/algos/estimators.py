@@ -58,8 +58,9 @@ class Estimator:
     # gdpo: the outcome function gets [K, N] scores, one row per algorithm.gdpo_reward_keys component of the reward
     # function's result, instead of the summed [N] score
     needs_reward_components: bool = False
-    # optimal_token_baseline: the old policy's sum over the vocabulary of pi^2 per token, which the trainer's
-    # log-prob forward does not compute yet (megappo/algos/token_baselines.py); the config refuses these
+    # the optimal token baselines: the old policy's sum over the vocabulary of pi^2 per token [B, T], which the
+    # trainer's old log-prob forward then computes too; fn(token_rewards, mask, group_ids, old_log_probs,
+    # sum_pi_squared, *, is_weights) on the whole step's rows (megappo/algos/token_baselines.py)
     needs_sum_pi_squared: bool = False
 
 

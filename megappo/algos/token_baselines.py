@@ -12,10 +12,9 @@ so tool-answer holes in the mask do not shift one response against another, and 
 their group. handle_zero_tail: the part of a group's single longest response beyond the second longest gets no
 baseline (nothing to compare it with). A response alone in its group gets none either.
 
-Inputs the trainer does not produce yet: sum_v pi_v^2 needs the old policy's full distribution at every response
-token (verl's ``actor.calculate_sum_pi_squared``), which megappo's log-prob forward does not return, and the
-baseline compares tokens across a prompt's group, which data parallelism may split over ranks. The config
-therefore refuses these names for a training run; the functions are complete and checked against verl.
+The trainer's old log-prob forward returns sum_v pi_v^2 for these estimators (verl's
+``actor.calculate_sum_pi_squared``; ``megappo.models.vocab_parallel``), and its advantage phase gathers the [B, T]
+inputs of every data-parallel rank first, since a prompt's group may be split over them.
 """
 from __future__ import annotations
 

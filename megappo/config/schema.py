@@ -84,8 +84,8 @@ class AlgorithmConfig:
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
     # a name of megappo.algos.estimators (README's table): gae (needs a critic), grpo, rloo, reinforce_plus_plus,
     # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, gdpo (with
-    # gdpo_reward_keys); or custom_adv_estimator.name (optimal_token_baseline, tir_optimal_token_baseline:
-    # registered, refused until the log-prob forward computes their sum of pi^2)
+    # gdpo_reward_keys), optimal_token_baseline, tir_optimal_token_baseline (not with rollout_correction's
+    # bypass_mode); or custom_adv_estimator.name
     adv_estimator: str = "gae"
     # grpo / grpo_passk: divide by the group std (false + loss_agg_mode=seq-mean-token-sum-norm: Dr. GRPO)
     norm_adv_by_std_in_grpo: bool = True

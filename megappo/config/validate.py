@@ -197,10 +197,11 @@ def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
         _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
               f"{name} reads the reward components of the rule reward function", "use a rule reward")
     if spec.needs_sum_pi_squared:
-        _need(errors, False, key, f"is {name}, which needs the old policy's sum over the vocabulary of pi^2 at every "
-              "response token (verl's actor.calculate_sum_pi_squared); megappo's log-prob forward does not compute "
-              "it yet, and the baseline compares tokens across a group that data parallelism may split",
-              "use algorithm.adv_estimator=grpo or opo until then (the math is in megappo/algos/token_baselines.py)")
+        _need(errors, not alg.rollout_correction.bypass_mode, "algorithm.rollout_correction.bypass_mode",
+              f"is true but algorithm.adv_estimator={name} needs the old policy's sum over the vocabulary of pi^2 "
+              "at every response token, which comes from the old log-prob forward that bypass_mode skips (it takes "
+              "the rollout's log-probs as old)", "use a decoupled_* preset or bypass_mode=false, or "
+              "algorithm.adv_estimator=grpo")
     if spec.needs_greedy_baseline:
         _need(errors, cfg.async_training.mode == "sync", "async_training.mode",
               f"is {cfg.async_training.mode} but algorithm.adv_estimator={name} scores a greedy response of the "

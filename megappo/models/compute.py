@@ -44,7 +44,7 @@ from megappo.models.context_parallel import CPSplit, cp_pad_multiple, split_micr
 from megappo.models.microbatch import MicroBatchPlan, split_batch
 from megappo.models.packing import Pack, pack_lengths, pack_micro_batch, unpack_window
 from megappo.models.vlm.inputs import is_vlm, vlm_inputs
-from megappo.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
 __all__ = [
@@ -60,6 +60,7 @@ class ModelOutputs:
     log_probs: Optional[torch.Tensor] = None  # [b, r] log p(response token | prefix), actor/ref
     entropy: Optional[torch.Tensor] = None  # [b, r] entropy of the next-token distribution, when asked
     values: Optional[torch.Tensor] = None  # [b, r] critic value of the state before each response token
+    sum_pi_squared: Optional[torch.Tensor] = None  # [b, r] sum over the vocabulary of p^2, forward-only, when asked
 
 
 @dataclass
@@ -151,14 +152,16 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
 
 def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool, calculate_entropy: bool,
                       temperature: float, tp_group: Any, vocab_size: Optional[int],
-                      pack: Optional[Pack] = None, cp: Optional[CPSplit] = None) -> ModelOutputs:
+                      pack: Optional[Pack] = None, cp: Optional[CPSplit] = None,
+                      sum_pi_squared: bool = False) -> ModelOutputs:
     """The last stage's output [b, s, V/tp] (logits) or [b, s] (values) -> per-response-token outputs [b, r].
 
     Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
     (the value of the state before token j) are read from columns P-1 .. P+R-2: in the left-aligned rows the model
     ran on, each row's last prompt token and the R - 1 columns after it. With a `pack` the output is the packed
     [1, T, ...] and those columns are read at each row's place in the pack. With context parallelism (`cp`) the
-    output is this CP rank's [b, s / cp, ...]: see `_cp_response_outputs`.
+    output is this CP rank's [b, s / cp, ...]: see `_cp_response_outputs`. sum_pi_squared: also sum_v p_v^2 (no
+    gradient).
     """
     if mb.prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
@@ -166,7 +169,7 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
     if cp is not None:
         return _cp_response_outputs(output, mb, window, cp, value_model=value_model,
                                     calculate_entropy=calculate_entropy, temperature=temperature, tp_group=tp_group,
-                                    vocab_size=vocab_size)
+                                    vocab_size=vocab_size, sum_pi_squared=sum_pi_squared)
     if pack is not None:
         picked = unpack_window(output, pack, window)  # [b, R] values or [b, R, V/tp] logits
         if value_model:
@@ -181,15 +184,15 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool
                          "log-probs are under temperature 1 (use SamplingParams.logprob_temperature)")
     if temperature != 1.0:
         logits = logits / temperature
-    logp, ent = vocab_parallel_log_probs_and_entropy(
-        logits, mb.input_ids[:, mb.prompt_len:], tp_group, calculate_entropy=calculate_entropy, vocab_size=vocab_size
-    )
-    return ModelOutputs(log_probs=logp, entropy=ent)
+    logp, ent, sq = vocab_parallel_token_stats(
+        logits, mb.input_ids[:, mb.prompt_len:], tp_group, calculate_entropy=calculate_entropy,
+        calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
+    return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq)
 
 
 def _cp_response_outputs(output: torch.Tensor, mb: ModelBatch, window: torch.Tensor, cp: CPSplit, *,
                          value_model: bool, calculate_entropy: bool, temperature: float, tp_group: Any,
-                         vocab_size: Optional[int]) -> ModelOutputs:
+                         vocab_size: Optional[int], sum_pi_squared: bool = False) -> ModelOutputs:
     """A CP rank's output -> the micro-batch's [b, r] outputs (megappo.models.context_parallel): per-position
     results of the local tokens first (the logits stay local), all-gathered to [b, s], then the response window."""
     if value_model:
@@ -197,10 +200,11 @@ def _cp_response_outputs(output: torch.Tensor, mb: ModelBatch, window: torch.Ten
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature")
     logits = output / temperature if temperature != 1.0 else output
-    logp, ent = vocab_parallel_log_probs_and_entropy(logits, cp.targets, tp_group,
-                                                     calculate_entropy=calculate_entropy, vocab_size=vocab_size)
+    logp, ent, sq = vocab_parallel_token_stats(logits, cp.targets, tp_group, calculate_entropy=calculate_entropy,
+                                               calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
     return ModelOutputs(log_probs=cp.gather(logp).gather(1, window),
-                        entropy=cp.gather(ent).gather(1, window) if calculate_entropy else None)
+                        entropy=cp.gather(ent).gather(1, window) if calculate_entropy else None,
+                        sum_pi_squared=cp.gather(sq).gather(1, window) if sum_pi_squared else None)
 
 
 def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable,
@@ -396,7 +400,8 @@ def _mode(model_chunks: Sequence[nn.Module], train: bool):
             m.train(t)
 
 
-def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, calculate_entropy, temperature):
+def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, calculate_entropy, temperature,
+                  sum_pi_squared=False):
     _prepare(model_chunks, parallel_state)
     vocab_size = _real_vocab_size(model_chunks)
     plan = _plan(model_chunks, batch, micro, parallel_state)
@@ -404,12 +409,13 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None, cp: Optional[CPSplit] = None):
         out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
-                                pack=pack, cp=cp)
+                                pack=pack, cp=cp, sum_pi_squared=sum_pi_squared)
         return torch.zeros((), device=output.device), out
 
     with torch.no_grad(), _mode(model_chunks, train=False):
         results = _run_schedule(model_chunks, plan, loss_func, parallel_state=parallel_state, forward_only=True)
-    keys = ["values"] if value_model else ["log_probs"] + (["entropy"] if calculate_entropy else [])
+    keys = ["values"] if value_model else (["log_probs"] + (["entropy"] if calculate_entropy else [])
+                                           + (["sum_pi_squared"] if sum_pi_squared else []))
     restored: list[Optional[torch.Tensor]] = [None] * len(keys)
     if parallel_state.is_pipeline_last_stage:
         restored = [plan.restore([getattr(o, k).float() for o in results]) for k in keys]
@@ -426,16 +432,21 @@ def compute_log_probs(
     micro: MicroBatching = MicroBatching(),
     calculate_entropy: bool = False,
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[Optional[torch.Tensor], ...]:
     """Forward-only log p(response token) [B, R] (and entropy [B, R]) of an LM-head model; zero on padding.
 
     The logits stay vocab-parallel (each TP rank holds [b, s, V/tp]); results are identical on every rank of the
     model-parallel group. `temperature` divides the logits first (match the sampler's temperature).
+    Returns (log_probs, entropy or None); with calculate_sum_pi_squared (verl's name: the optimal token
+    baselines' input) (log_probs, entropy or None, sum_pi_squared [B, R]), sum_v p_v^2 of the same distribution.
     """
     out = _forward_only(model_chunks, batch, parallel_state, micro, value_model=False,
-                        calculate_entropy=calculate_entropy, temperature=temperature)
+                        calculate_entropy=calculate_entropy, temperature=temperature,
+                        sum_pi_squared=calculate_sum_pi_squared)
     mask = batch.response_mask.to(out[0].dtype)
-    return out[0] * mask, (out[1] * mask if calculate_entropy else None)
+    logp, ent = out[0] * mask, (out[1] * mask if calculate_entropy else None)
+    return (logp, ent, out[-1] * mask) if calculate_sum_pi_squared else (logp, ent)
 
 
 def compute_values(

@@ -1,14 +1,16 @@
-"""Log-probs of target tokens, and entropy, from logits sharded over the vocabulary by tensor parallelism.
+"""Log-probs of target tokens, entropy and sum_v p_v^2 from logits sharded over the vocabulary by tensor parallelism.
 
 Each TP rank holds logits [..., V/tp] for its contiguous slice of the (padded) vocabulary, as megatron's
 ColumnParallelLinear output layer leaves them (`parallel_output=True`). Like megatron's
 `vocab_parallel_cross_entropy`, only per-token scalars cross ranks (the max, the sum of exponentials, the target
-logit and the entropy term), so no rank ever materialises full-vocabulary logits.
+logit, the entropy term and, when asked, the sum of squared exponentials), so no rank ever materialises full-vocabulary logits.
 
     log p(y)  = x_y - logsumexp(x)
     entropy   = -sum_v p_v log p_v             (each rank sums over its shard, then one all-reduce)
     d logp/dx = onehot(y) - p
     d H/dx    = -p * (log p + H)
+    sum_v p_v^2 = sum_v e_v^2 / (sum_v e_v)^2  (e = exp(x - max); forward only, when asked: the optimal token
+                                               baselines' input; in the sum of exponentials' all-reduce)
 
 The softmax of the shard is the only [..., V/tp] tensor kept for backward, and the backward writes the gradient
 into its storage; other temporaries are taken a row chunk at a time. Besides the logits shard itself the path
@@ -21,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_log_probs", "vocab_parallel_log_probs_and_entropy"]
+__all__ = ["vocab_parallel_log_probs", "vocab_parallel_log_probs_and_entropy", "vocab_parallel_token_stats"]
 
 
 def _tp_rank_size(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -32,7 +34,7 @@ def _tp_rank_size(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, tp_group, with_entropy, vocab_size):  # noqa: D401 - autograd signature
+    def forward(ctx, logits, target, tp_group, with_entropy, vocab_size, with_sum_p2=False):  # noqa: D401
         in_dtype = logits.dtype
         rank, size = _tp_rank_size(tp_group)
         shard = logits.shape[-1]
@@ -54,11 +56,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         tgt = torch.where(in_shard, tgt, torch.zeros((), dtype=tgt.dtype))  # [...] shifted target logit or 0
 
         p = x.exp_()  # x is no longer needed: reuse its storage for exp, then for the softmax
-        stats = torch.stack([p.sum(-1), tgt])  # [2, ...] one collective for both
+        # sum_v p_v^2 = sum_v e_v^2 / (sum_v e_v)^2: the shard's sum of squares joins the same collective
+        # (e_v <= 1 after the global max, and the max's own term is 1: no overflow, no underflow to 0)
+        parts = [p.sum(-1), tgt] + ([torch.linalg.vector_norm(p, dim=-1).square()] if with_sum_p2 else [])
+        stats = torch.stack(parts)  # [2 or 3, ...] one collective for all
         if size > 1:
             dist.all_reduce(stats, group=tp_group)
         sum_exp, tgt = stats[0], stats[1]
         log_probs = tgt - sum_exp.log()  # [...]
+        sum_p2 = stats[2] / sum_exp.square() if with_sum_p2 else torch.zeros_like(log_probs)
         p.div_(sum_exp.unsqueeze(-1))
 
         entropy = None
@@ -77,10 +83,11 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ctx.save_for_backward(p, in_shard, local_t, entropy if with_entropy else torch.empty(0))
         if entropy is None:
             entropy = torch.zeros_like(log_probs)
-        return log_probs, entropy
+        ctx.mark_non_differentiable(sum_p2)  # an advantage-estimator input, never trained through
+        return log_probs, entropy, sum_p2
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_sum_p2):
         p, in_shard, local_t, entropy = ctx.saved_tensors
         shard = p.shape[-1]
         # The gradient is written into p's storage (p is not needed afterwards), a row chunk at a time:
@@ -98,7 +105,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             pc.mul_(-g_logp[rows]).scatter_add_(-1, onehot[rows], hit[rows])
             if ent_term is not None:
                 pc.add_(ent_term)
-        return p.to(ctx.in_dtype), None, None, None, None
+        return p.to(ctx.in_dtype), None, None, None, None, None
 
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes per row chunk of the temporaries
@@ -126,16 +133,30 @@ def vocab_parallel_log_probs_and_entropy(
     Returns (log_probs [...] fp32, entropy [...] fp32 or None), identical on every TP rank; both differentiable
     with respect to `logits`.
     """
+    return vocab_parallel_token_stats(logits, target, tp_group, calculate_entropy=calculate_entropy,
+                                      vocab_size=vocab_size)[:2]
+
+
+def vocab_parallel_token_stats(
+    logits: torch.Tensor, target: torch.Tensor, tp_group: Optional[dist.ProcessGroup], *,
+    calculate_entropy: bool = True, calculate_sum_pi_squared: bool = False, vocab_size: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`vocab_parallel_log_probs_and_entropy`, and with calculate_sum_pi_squared sum_v p_v^2 [...] fp32 too (verl's
+    calculate_sum_pi_squared: the optimal token baselines' input), the shards' sums of squared exponentials
+    riding in the softmax's one all-reduce. The sum carries no gradient.
+    Returns (log_probs, entropy or None, sum_pi_squared or None)."""
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} must be target's shape {tuple(target.shape)} + [V/tp]")
-    logp, ent = _VocabParallelLogProbs.apply(logits, target, tp_group, calculate_entropy, vocab_size)
-    return logp, (ent if calculate_entropy else None)
+    logp, ent, sq = _VocabParallelLogProbs.apply(logits, target, tp_group, calculate_entropy, vocab_size,
+                                                 calculate_sum_pi_squared)
+    return logp, (ent if calculate_entropy else None), (sq if calculate_sum_pi_squared else None)
 
 
 def vocab_parallel_log_probs(
     logits: torch.Tensor, target: torch.Tensor, tp_group: Optional[dist.ProcessGroup],
     vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Per-token log p(target) [...] from vocabulary-sharded logits [..., V/tp]; see the function above."""
+    """Per-token log p(target) [...] from vocabulary-sharded logits [..., V/tp] (as
+    `vocab_parallel_log_probs_and_entropy`)."""
     return vocab_parallel_log_probs_and_entropy(logits, target, tp_group, calculate_entropy=False,
                                                 vocab_size=vocab_size)[0]

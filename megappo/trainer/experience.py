@@ -115,6 +115,9 @@ class Experience:
     token_rewards: Optional[torch.Tensor] = None  # [B, R] score at the last token, minus the KL penalty if any
     baselines: Optional[torch.Tensor] = None  # [B] the score of the prompt's greedy response (ReMax)
     reward_components: Optional[torch.Tensor] = None  # [K, B] the reward function's algorithm.gdpo_reward_keys
+    # [B, R] the old policy's sum over the vocabulary of pi^2 at each response token (estimators with
+    # needs_sum_pi_squared: the optimal token baselines)
+    sum_pi_squared: Optional[torch.Tensor] = None
 
     @property
     def train(self) -> TrainInputs:

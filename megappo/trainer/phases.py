@@ -192,13 +192,18 @@ def ref_log_probs(run: Run, exp: Experience) -> None:
 
 def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
     """The actor's log-probs of the samples before this step's update (the PPO ratio's denominator); with
-    algorithm.rollout_correction.bypass_mode, the engine's, not recomputed."""
-    if run.correction.bypass_mode:
+    algorithm.rollout_correction.bypass_mode, the engine's, not recomputed. For an estimator with
+    needs_sum_pi_squared the same forward gives `exp.sum_pi_squared` [B, R]."""
+    if run.correction.bypass_mode:  # the config refuses it with an estimator that needs sum_pi_squared
         exp.train.old_log_probs = exp.rollout_log_probs.clone()
         return {}
-    exp.train.old_log_probs, _ = compute_log_probs(
+    with_sq = estimator(run.cfg).needs_sum_pi_squared
+    out = compute_log_probs(
         run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
-        temperature=run.sampling.logprob_temperature)
+        temperature=run.sampling.logprob_temperature, calculate_sum_pi_squared=with_sq)
+    exp.train.old_log_probs = out[0]
+    if with_sq:
+        exp.sum_pi_squared = out[2]
     diff = (exp.rollout_log_probs - exp.train.old_log_probs).abs() * exp.mask
     return {"rollout/logprob_diff_mean": masked_mean_dp(diff, exp.mask, run.ps),
             "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps)}
@@ -312,9 +317,13 @@ def _prompt_batch(samples: Samples, rows: list[int], pad_token_id: int):
 def advantages(run: Run, exp: Experience) -> None:
     """algorithm.adv_estimator's advantages and returns (megappo/algos/estimators.py). An outcome estimator sees the
     sequence scores of every data-parallel rank (a prompt's group may be spread over them); a token estimator runs
-    on this rank's rows with the step's statistics summed over the ranks."""
+    on this rank's rows with the step's statistics summed over the ranks, but the optimal token baselines
+    (needs_sum_pi_squared), which compare a group's tokens, see every rank's rows."""
     spec, p, mask, t = estimator(run.cfg), settings.estimator_params(run.cfg), exp.mask, exp.train
     sum_across = dp_sum_tensor(run.ps)
+    if spec.needs_sum_pi_squared:
+        t.advantages, t.returns = _token_baseline_advantages(run, exp, spec, p)
+        return
     if spec.kind == "token":
         adv, returns = spec.fn(exp.token_rewards, mask, t.values, exp.baselines, p, sum_across)
         t.advantages, t.returns = adv * mask, returns * mask
@@ -328,6 +337,24 @@ def advantages(run: Run, exp: Experience) -> None:
     adv = spec.fn(all_seq, all_uid, all_len, p)
     mine = adv.view(run.ps.dp_size, -1)[run.ps.dp_rank]
     t.advantages, t.returns = estimators.outcome_to_tokens(spec, mine, mask, sum_across)
+
+
+def _token_baseline_advantages(run: Run, exp: Experience, spec, p) -> tuple[torch.Tensor, torch.Tensor]:
+    """An estimator with needs_sum_pi_squared on every data-parallel rank's rows, its (advantages, returns) [B, R]
+    for this rank's: each rank's [B, R] inputs (rollout IS weights too, when there are any), zero-padded to the
+    step's longest response, gathered in rank order in one collective, as the outcome estimators' scores."""
+    ps, mask, t = run.ps, exp.mask, exp.train
+    b, r = mask.shape
+    weights = t.rollout_is_weights
+    inputs = [exp.token_rewards, mask, t.old_log_probs, exp.sum_pi_squared] + ([] if weights is None else [weights])
+    width = int(dp_max(r, ps))
+    rows = dp_gather(torch.nn.functional.pad(torch.stack([x.float() for x in inputs], 1), (0, width - r)), ps)
+    rewards, m, old, sq = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]  # [N, width] each
+    adv, ret = estimators.compute_advantages(spec, rewards, m, p, group_ids=dp_gather(exp.uids, ps),
+                                             old_log_probs=old, sum_pi_squared=sq,
+                                             is_weights=None if weights is None else rows[:, 4])
+    mine = slice(ps.dp_rank * b, (ps.dp_rank + 1) * b)
+    return adv[mine, :r] * mask, ret[mine, :r] * mask
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -14,10 +14,9 @@ from megappo.trainer import fit
 
 pytestmark = pytest.mark.e2e
 BUILTIN_ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-                      "gpg", "grpo_passk", "grpo_vectorized", "rloo_vectorized"]
-# registered, refused by the config until the trainer carries their inputs (tests/unit/test_config.py); gdpo
-# needs reward components: test_gdpo_trains_on_the_reward_functions_components
-UNWIRED_ESTIMATORS = ["optimal_token_baseline", "tir_optimal_token_baseline"]
+                      "gpg", "grpo_passk", "grpo_vectorized", "rloo_vectorized", "optimal_token_baseline",
+                      "tir_optimal_token_baseline"]
+# gdpo needs reward components: test_gdpo_trains_on_the_reward_functions_components
 BUILTIN_LOSSES = ["vanilla", "gspo", "cispo", "sapo", "clip_cov", "kl_cov", "geo_mean", "gpg", "dppo_tv", "dppo_kl",
                   "dro"]
 SMALL = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
@@ -31,17 +30,18 @@ def data(tmp_path_factory, hf_model_dir):
     return {"model": hf_model_dir("qwen2"), "train": write_prompt_parquet(str(d / "train.parquet"), 8)}
 
 
-def _run(data, out, *extra) -> dict:
-    cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(str(out), data["model"], data["train"], steps=1,
+def _run(data, out, *extra, steps: int = 1) -> dict:
+    cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(str(out), data["model"], data["train"], steps=steps,
                                                            extra=[*SMALL, *extra]))
     assert fit(cfg) == 0
-    row = read_metrics(str(out))[-1]
-    assert row["step"] == 1 and all(math.isfinite(v) for v in row.values() if isinstance(v, float))
-    return row
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    return rows[-1]
 
 
 def test_every_name_is_tested():
-    assert set(BUILTIN_ESTIMATORS) | set(UNWIRED_ESTIMATORS) <= set(ADV_ESTIMATORS)
+    assert set(BUILTIN_ESTIMATORS) <= set(ADV_ESTIMATORS)
     assert set(BUILTIN_LOSSES) <= set(POLICY_LOSSES)
 
 
@@ -80,3 +80,44 @@ def test_gdpo_trains_on_the_reward_functions_components(data, tmp_path):
     row = _run(data, tmp_path / "gdpo", "algorithm.adv_estimator=gdpo", f"custom_reward_function.path={reward}",
                "algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]", "algorithm.gdpo_reward_weights=[1,2]")
     assert "actor/pg_loss" in row and "critic/vf_loss" not in row
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_gets_the_old_policys_sum_pi_squared(data, tmp_path, monkeypatch, name):
+    """Two steps; the first step's sum_v pi^2, fed to the estimator, equals transformers' softmax(logits / T)^2
+    summed over the vocabulary at each response token (the old policy of step 1 is the initial model), and the
+    step's advantages are the estimator's on those numbers."""
+    import torch
+    import transformers
+
+    from megappo.algos import estimators
+    from megappo.trainer import phases
+
+    seen = []
+    original = phases._token_baseline_advantages
+
+    def spy(run, exp, spec, p):
+        adv, ret = original(run, exp, spec, p)
+        seen.append((exp, run.sampling.logprob_temperature, adv))
+        return adv, ret
+
+    monkeypatch.setattr(phases, "_token_baseline_advantages", spy)
+    _run(data, tmp_path / name, f"algorithm.adv_estimator={name}", steps=2)
+    assert len(seen) == 2
+    exp, temperature, adv = seen[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(data["model"], torch_dtype=torch.float32).eval()
+    b, big_p = exp.batch, exp.batch.prompt_len
+    want = torch.zeros_like(exp.sum_pi_squared)
+    for i, (pl, rl) in enumerate(zip(b.prompt_lengths().tolist(), exp.response_lengths().tolist())):
+        ids = b.input_ids[i, big_p - pl: big_p + rl].unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, pl - 1: pl + rl - 1].float() / temperature
+        want[i, :rl] = torch.softmax(logits, -1).pow(2).sum(-1)
+    want *= exp.mask
+    assert exp.mask.sum() > 0 and (want[exp.mask.bool()] > 0).all()
+    torch.testing.assert_close(exp.sum_pi_squared, want, rtol=1e-4, atol=1e-6)
+    t = exp.train
+    ref, _ = estimators.compute_advantages(
+        estimators.get_adv_estimator(name), exp.token_rewards, exp.mask, estimators.EstimatorParams(),
+        group_ids=exp.uids, old_log_probs=t.old_log_probs, sum_pi_squared=want, is_weights=t.rollout_is_weights)
+    torch.testing.assert_close(adv, ref, rtol=1e-4, atol=1e-5)

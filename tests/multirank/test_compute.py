@@ -1,4 +1,5 @@
-"""Log-probs, values, losses, gradients and one optimizer step agree across parallel layouts (gloo, fp32).
+"""Log-probs (entropy, sum_v p_v^2), values, losses, gradients and one optimizer step agree across parallel layouts
+(gloo, fp32).
 
 One spawned job per world size runs every layout of that size in turn (a process start costs ~10 s):
 world 1 is the reference (fixed micro-batches, plus a dynamic-micro-batch step whose gradient must equal the fixed
@@ -101,8 +102,8 @@ def _run_layout(layout_kw, hf_dir, micro_kw, dist_opt, check_dynamic):
         chunks = build_model(hf_dir, role, ps, plat, seed=3)
         load_hf_weights(chunks, hf_dir, ps)
         if role == "actor":
-            out["log_probs"], out["entropy"] = compute_log_probs(chunks, batch, parallel_state=ps, micro=micro,
-                                                                 calculate_entropy=True)
+            out["log_probs"], out["entropy"], out["sum_pi_squared"] = compute_log_probs(
+                chunks, batch, parallel_state=ps, micro=micro, calculate_entropy=True, calculate_sum_pi_squared=True)
         else:
             out["values"] = compute_values(chunks, batch, parallel_state=ps, micro=micro)
         ddp = wrap_ddp(chunks, settings, plat)
@@ -175,7 +176,7 @@ def reference(hf_model_dir):
 def _compare(results, ref, dist_opt=False):
     """results: one layout's per-rank outputs. Assemble DP shards and check everything against the reference."""
     reporters = [r for r in results if r["reporter"]]
-    for key in ("log_probs", "entropy", "values"):
+    for key in ("log_probs", "entropy", "sum_pi_squared", "values"):
         got = torch.zeros_like(ref[key])
         for r in reporters:
             got[r["rows"]] = r[key]
@@ -260,7 +261,7 @@ def _compare_cp(results, ref, dist_opt=False):
     _compare(results, ref, dist_opt=dist_opt)
     for r in results:  # the ranks of one data-parallel replica (the same rows) return the same tensors
         same = next(o for o in results if torch.equal(o["rows"], r["rows"]))
-        for key in ("log_probs", "entropy", "values"):
+        for key in ("log_probs", "entropy", "sum_pi_squared", "values"):
             assert torch.equal(r[key], same[key]), f"{key} differs between CP ranks"
 
 

@@ -1,4 +1,4 @@
-"""The megatron actor's log-probs and entropy on a padded batch equal `transformers` on each row without padding.
+"""The megatron actor's log-probs, entropy, sum p^2 on a padded batch equal `transformers` on each row without padding.
 
 Rows have different prompt (left-padded) and response (right-padded) lengths, so this pins the left-alignment in
 `megappo.models.compute` (the model sees every row rolled to column 0 under the plain causal mask) and the read-back
@@ -40,8 +40,8 @@ def _job(rank, world_size, hf_dir):
     batch = batch.pad_to(batch.batch_size, batch.prompt_len + 1, batch.response_len + 2)
     chunks = build_model(hf_dir, "actor", ps, plat, seed=0)
     load_hf_weights(chunks, hf_dir, ps)
-    logp, ent = compute_log_probs(chunks, batch, parallel_state=ps, micro=MicroBatching(micro_batch_size=3),
-                                  calculate_entropy=True)
+    logp, ent, sq = compute_log_probs(chunks, batch, parallel_state=ps, micro=MicroBatching(micro_batch_size=3),
+                                      calculate_entropy=True, calculate_sum_pi_squared=True)
     critic = build_model(hf_dir, "critic", ps, plat, seed=0)
     load_hf_weights(critic, hf_dir, ps)
     values = compute_values(critic, batch, parallel_state=ps, micro=MicroBatching(micro_batch_size=2))
@@ -49,7 +49,8 @@ def _job(rank, world_size, hf_dir):
     alone = [compute_values(critic, ModelBatch.from_token_lists([p], [r], pad_token_id=0), parallel_state=ps,
                             micro=MicroBatching(micro_batch_size=1))[0] for p, r in zip(prompts, responses)]
     destroy_parallel()
-    return {"log_probs": logp, "entropy": ent, "mask": batch.response_mask, "values": values, "alone": alone}
+    return {"log_probs": logp, "entropy": ent, "sum_pi_squared": sq, "mask": batch.response_mask, "values": values,
+            "alone": alone}
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -69,4 +70,7 @@ def test_padded_batch_matches_transformers_per_row(hf_model_dir, family):
         assert out["mask"][i, : len(r)].all() and not out["mask"][i, len(r):].any()
         torch.testing.assert_close(out["log_probs"][i, : len(r)], ref_logp, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out["entropy"][i, : len(r)], ref_ent, rtol=1e-4, atol=1e-4)
+        ref_sq = torch.softmax(logits, -1).pow(2).sum(-1)  # the optimal token baselines' input
+        torch.testing.assert_close(out["sum_pi_squared"][i, : len(r)], ref_sq, rtol=1e-4, atol=1e-6)
+        assert not out["sum_pi_squared"][i, len(r):].any()
         torch.testing.assert_close(out["values"][i, : len(r)], out["alone"][i], rtol=1e-5, atol=1e-5)

@@ -1,7 +1,7 @@
 """Sequence packing (`MicroBatching(packed=True)`, verl's use_remove_padding) equals the padded path.
 
 Each layout runs, on the same weights and the same batch (rows whose lengths differ by more than 10x), the padded
-and the packed path: log-probs, entropy, values, the actor's and the critic's step loss and metrics, and every
+and the packed path: log-probs, entropy, sum p^2, values, the actor's and the critic's step loss and metrics, and every
 gradient (megatron DDP's main_grad, this rank's shard) must agree to 1e-5 (max |a - b| / max |b|, fp32).
 World 1 (TP1, fixed and dynamic micro-batches) runs in the default test run; DP2, TP2 x PP2, PP2 x VPP2 and EP2
 (MoE) are `long` (a spawned gloo job each, ~1 min).
@@ -69,8 +69,8 @@ def _run_layout(layout_kw, hf_dir, micro_kw):
             micro = MicroBatching(**micro_kw, packed=packed)
             key = f"{role}_{'packed' if packed else 'padded'}"
             if role == "actor":
-                res[key + "_logp"], res[key + "_ent"] = compute_log_probs(
-                    ddp, batch, parallel_state=ps, micro=micro, calculate_entropy=True)
+                res[key + "_logp"], res[key + "_ent"], res[key + "_sq"] = compute_log_probs(
+                    ddp, batch, parallel_state=ps, micro=micro, calculate_entropy=True, calculate_sum_pi_squared=True)
             else:
                 res[key + "_values"] = compute_values(ddp, batch, parallel_state=ps, micro=micro)
             m = train_step(ddp, opt, None, batch, loss_fn, parallel_state=ps, micro=micro,
@@ -89,7 +89,7 @@ def _close(a, b, what):
 def _check(res, name, padded=None):
     """res's packed results against its padded ones (or `padded`'s, a layout with the same shards)."""
     padded = padded or res
-    for role, outs in (("actor", ("logp", "ent")), ("critic", ("values",))):
+    for role, outs in (("actor", ("logp", "ent", "sq")), ("critic", ("values",))):
         for o in outs:
             _close(res[f"{role}_packed_{o}"], padded[f"{role}_padded_{o}"], f"{name} {role} {o}")
         mp, mq = padded[f"{role}_padded_metrics"], res[f"{role}_packed_metrics"]

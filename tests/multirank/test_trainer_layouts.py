@@ -198,3 +198,25 @@ def test_cp2_matches_one_rank_with_a_sequence_level_loss(tmp_path):
     """GSPO's sequence-level ratio at CP2: every CP rank computes the loss on whole rows (the per-token results are
     gathered over the CP group), so each sequence's ratio is the one-rank run's."""
     _gspo_matches_one_rank(tmp_path, [], ["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_dp2_optimal_token_baseline_matches_one_rank(tmp_path, name):
+    """The optimal token baselines on recipes/cpu/tiny_grpo.yaml (groups of 4 sampled responses of different
+    lengths, balanced over the ranks by workload, so a group's responses land on both): the advantage phase gathers
+    every rank's [B, R] inputs, so two data-parallel ranks log the one-rank run's advantages."""
+    common = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+              "trainer.save_freq=-1", "trainer.logger=[]", "data.synthetic.num_train_prompts=64",
+              f"algorithm.adv_estimator={name}",
+              # a warm start short enough that responses still differ in length, long enough for some rewards
+              "data.synthetic.warm_start_steps=60", "data.seed=60"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert fit(load_config("cpu/tiny_grpo", [*common, f"trainer.default_local_dir={one}"])) == 0
+    _torchrun(2, [*common, f"trainer.default_local_dir={two}", "trainer.n_gpus_per_node=2"],
+              recipe="recipes/cpu/tiny_grpo.yaml")
+    (ra,), (rb,) = read_metrics(str(one)), read_metrics(str(two))
+    assert ra["response/length_max"] != ra["response/length_mean"] and ra["advantages/mean"] != 0
+    for k in ("reward/mean", "response/length_mean"):
+        assert rb[k] == ra[k], k
+    for k in ("advantages/mean", "returns/mean", "rollout/logprob_diff_mean"):
+        assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), k

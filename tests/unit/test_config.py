@@ -613,7 +613,7 @@ def test_custom_loss_without_a_name_says_to_set_the_name(tmp_path):
     assert "=None" not in msg
 
 
-def test_dro_needs_its_beta_and_unwired_estimators_say_why():
+def test_dro_needs_its_beta_and_estimators_say_what_they_need():
     assert "policy_loss.dro_beta: is None" in _rule_messages("actor_rollout_ref.actor.policy_loss.loss_mode=dro")
     validate(load_config(None, [*MODEL, "actor_rollout_ref.actor.policy_loss.loss_mode=dro",
                                 "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"]), world_size=8)
@@ -625,7 +625,12 @@ def test_dro_needs_its_beta_and_unwired_estimators_say_why():
     validate(load_config(None, [*MODEL, "algorithm.adv_estimator=gdpo", *group,
                                 "algorithm.gdpo_reward_keys=[acc,format]"]), world_size=8)
     for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        assert "calculate_sum_pi_squared" in _rule_messages(f"algorithm.adv_estimator={name}", *group)
+        validate(load_config(None, [*MODEL, f"algorithm.adv_estimator={name}", *group]), world_size=8)
+        validate(load_config(None, [*MODEL, f"algorithm.adv_estimator={name}", *group,
+                                    "algorithm.rollout_correction.preset=decoupled_token_is"]), world_size=8)
+        assert "bypass_mode: is true" in _rule_messages(f"algorithm.adv_estimator={name}", *group,
+                                                        "algorithm.rollout_correction.preset=bypass_pg_is")
+        assert "compares responses within a prompt's group" in _rule_messages(f"algorithm.adv_estimator={name}")
     for name in ("grpo_vectorized", "rloo_vectorized"):
         validate(load_config(None, [*MODEL, f"algorithm.adv_estimator={name}", *group]), world_size=8)
 
