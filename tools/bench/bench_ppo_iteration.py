@@ -420,9 +420,11 @@ def bench_size(name: str, args) -> None:
               "per run: step seconds, /proc/loadavg (1, 5, 15 min) before -> after (other processes slow both "
               "sides; compare runs on a quiet machine):")
         for i in range(n):
+            got = {side: runs[side][i] for side in sides if runs[side]}
+            ratio = [r["step"] for r, _, _ in got.values() if isinstance(r, dict)]
             print(f"    run {i + 1}: " + "; ".join(
-                f"{side} {_fmt_step(runs[side][i][0])}, load {runs[side][i][1]} -> {runs[side][i][2]}"
-                for side in sides if runs[side]), flush=True)
+                f"{side} {_fmt_step(r)}, load {before} -> {after}" for side, (r, before, after) in got.items())
+                + (f"; megappo/TRL {ratio[1] / ratio[0]:.2f}x" if len(ratio) == 2 else ""), flush=True)
 
 
 def _loaded(fn) -> tuple:
