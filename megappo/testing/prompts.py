@@ -28,17 +28,21 @@ def write_prompt_parquet(path: str, n: int, *, seed: int = 0, data_source: str =
 
 def tiny_run_overrides(out_dir: str, model_dir: str, train_file: str, *, val_file: str | None = None,
                        steps: int = 1, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """Overrides of recipes/gsm8k/tiny_cpu.yaml for a fast trainer run on a tiny model (tests, benchmarks)."""
+    """Overrides of recipes/gsm8k/tiny_cpu.yaml for a fast trainer run on a tiny model (tests, benchmarks). No
+    checkpoints unless `extra` sets trainer.save_freq: a few steps at the recipe's lr 1e-5 do not spike, and a
+    test that trips the KL guard without one fails loudly (RunStopped)."""
     return [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={train_file}",
         f"data.val_files={val_file or 'null'}", f"trainer.default_local_dir={out_dir}",
         "data.max_prompt_length=64", "data.max_response_length=8", f"trainer.total_training_steps={steps}",
-        "trainer.logger=[]", "reward_model.backend=serial", *extra,
+        "trainer.logger=[]", "reward_model.backend=serial", "trainer.save_freq=-1", *extra,
     ]
 
 
 def read_metrics(out_dir: str) -> list[dict]:
-    """The rows of `<out_dir>/metrics.jsonl` (one per logged step; validation before training is step 0)."""
+    """Every row of `<out_dir>/metrics.jsonl` in the order logged (validation before training is step 0): a step the
+    KL guard rolled back has two, its undone attempt (`guard/rolled_back`) and its retry. One row per step, what a
+    curve is made of: `megappo.trainer.metrics.read_steps`."""
     import json
 
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:

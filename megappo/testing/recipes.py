@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megappo.testing.prompts import read_metrics
+from megappo.trainer.metrics import one_per_step, read_steps
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_recipe(recipe: str, out: Path, *overrides: str, nproc: int = 1, timeout: float = 600) -> list[dict]:
-    """Train `recipe` into `out` (one process, or torchrun with `nproc` ranks); its metrics rows. Asserts exit 0."""
+    """Train `recipe` into `out` (one process, or torchrun with `nproc` ranks); its metrics, one row per step (a
+    rolled-back attempt's row aside: `megappo.trainer.metrics.read_rows` has those). Asserts exit 0."""
     home = out.parent / "empty_home"
     home.mkdir(exist_ok=True)
     env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
@@ -27,11 +28,12 @@ def run_recipe(recipe: str, out: Path, *overrides: str, nproc: int = 1, timeout:
                f"--master-port={free_port()}", "-m", "megappo.cli", *train]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return read_metrics(str(out))
+    return read_steps(str(out))
 
 
 def learned(rows: list[dict], key: str = "reward/mean") -> float:
-    """The mean of `key` over the last five steps minus that over the first five (step 0, validation, aside)."""
-    values = [r[key] for r in rows if r["step"] > 0]
+    """The mean of `key` over the last five steps minus that over the first five (step 0, validation, aside), each
+    step counted once: by its last row, so a rolled-back attempt neither stands for its step nor adds one."""
+    values = [r[key] for r in one_per_step(rows) if r["step"] > 0]
     assert len(values) >= 10
     return sum(values[-5:]) / 5 - sum(values[:5]) / 5

@@ -38,9 +38,10 @@ def fit(cfg: MegappoConfig) -> int:
             step = state.step + 1
             metrics = train_step(run, source, step, stop if step < state.total_steps else None)
             if reason := phases.guard_verdict(run, metrics, step):
-                state.logger.log(step, {**metrics, "guard/rolled_back": 1.0})
+                state.logger.log(step, metrics, rolled_back=True)
                 source.close()  # the batch in flight is the undone policy's
                 rollback(run, state, step, reason)
+                state.logger.rolled_back_to(state.step)
                 source = rollout_source(run, state)
                 continue
             last = step == state.total_steps

@@ -16,6 +16,7 @@ from megappo.testing.prompts import read_metrics, tiny_run_overrides, write_prom
 from megappo.testing.faults import inject_fault
 from megappo.trainer import fit
 from megappo.trainer.guard import RunStopped
+from megappo.trainer.metrics import read_steps
 
 pytestmark = pytest.mark.e2e
 
@@ -31,17 +32,18 @@ def _cfg(data, out, steps, extra=()):
                                                             extra=["trainer.save_freq=2", *extra]))
 
 
-@pytest.mark.parametrize("fault", ["nan", "kl_spike"])
-def test_a_bad_step_is_rolled_back_and_the_run_recovers(data, tmp_path, monkeypatch, fault):
-    seen = inject_fault(monkeypatch, fault, at_step=3)
+# kl_spike trips at step 4, two steps past the step-2 checkpoint: the rollback undoes the good step 3 as well
+@pytest.mark.parametrize("fault,at", [("nan", 3), ("kl_spike", 4)])
+def test_a_bad_step_is_rolled_back_and_the_run_recovers(data, tmp_path, monkeypatch, fault, at):
+    seen = inject_fault(monkeypatch, fault, at_step=at)
     out = tmp_path / fault
-    assert fit(_cfg(data, out, steps=4)) == 0
+    assert fit(_cfg(data, out, steps=4, extra=["trainer.logger=[tensorboard]"])) == 0
     rows = read_metrics(str(out))
-    # step 3 tripped and was undone: back to the step-2 checkpoint, steps 3 and 4 then ran with the scaled settings
-    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]
-    assert seen == [1, 2, 3, 3, 4]
-    tripped, retried = rows[2], rows[3]
-    assert tripped["guard/rolled_back"] == 1.0 and "guard/rolled_back" not in retried
+    # step `at` tripped: back to the step-2 checkpoint, steps 3 and 4 then ran again with the scaled settings
+    assert [r["step"] for r in rows] == seen == [1, 2, *range(3, at + 1), 3, 4]
+    undone, tripped, retried = rows[2:at], rows[at - 1], rows[at]
+    assert all(r["guard/rolled_back"] == 1.0 for r in undone)
+    assert read_steps(str(out)) == rows[:2] + rows[at:] and not any("guard/rolled_back" in r for r in rows[at:])
     if fault == "nan":
         assert tripped["actor/update_skipped"] > 0  # the NaN gradient never reached the weights
     else:
@@ -49,9 +51,23 @@ def test_a_bad_step_is_rolled_back_and_the_run_recovers(data, tmp_path, monkeypa
     assert retried["guard/rollbacks"] == 1.0 and retried["guard/lr_scale"] == 0.5
     assert retried["actor/lr"] == pytest.approx(0.5 * rows[1]["actor/lr"])
     assert retried["guard/kl_coef_scale"] == 5.0 and retried["kl/coef"] == pytest.approx(5 * rows[1]["kl/coef"])
-    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows[3:])
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in rows[at:])
     state = json.loads((out / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())
     assert state["guard"]["rollbacks"] == 1 and state["guard"]["clip_scale"] == 0.5  # survives a resume
+    # TensorBoard: one point per step in the run's curves, the undone attempts in a run of their own
+    kept = read_steps(str(out))
+    assert _tb_points(out / "tensorboard", "reward/mean") == [(r["step"], r["reward/mean"]) for r in kept]
+    assert _tb_points(out / "tensorboard" / "rolled_back", "reward/mean") == [(r["step"], r["reward/mean"])
+                                                                              for r in undone]
+
+
+def _tb_points(logdir, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of `tag` in the event files of `logdir`, as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return [(e.step, pytest.approx(e.value, rel=1e-6)) for e in acc.Scalars(tag)]
 
 
 def test_a_spike_that_keeps_coming_stops_the_run_at_its_last_good_checkpoint(data, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megappo.testing.prompts import read_metrics
+from megappo.trainer.metrics import read_steps
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ def test_tiny_ppo_learns_on_cuda_in_bf16(tmp_path):
            f"trainer.default_local_dir={out}", "trainer.device=cuda", "actor_rollout_ref.model.dtype=bfloat16"]
     proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = [r for r in read_metrics(str(out)) if r["step"] > 0]
+    rows = [r for r in read_steps(str(out)) if r["step"] > 0]  # a step the KL guard retried counts once
     rewards = [r["reward/mean"] for r in rows]
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.2, rewards  # bf16: a looser margin than fp32's 0.3
     # bf16 engine and bf16 trainer round differently; the gap stays far below a policy change

@@ -26,18 +26,21 @@ TRL pads every batch to its longest response; the target is megappo <= 0.6x TRL'
 
     pip install -e ".[bench]"        # trl==1.12.0 (check that torch stays at your version)
     python tools/bench/bench_ppo_iteration.py [--sizes tiny,compute] [--steps 3] [--threads 1] [--skip-trl]
+        [--repeats 5]
 
-Timings on a shared machine swing with its load; each table ends with the 1-minute load average around each side.
+Timings on a shared machine swing with its load. --repeats N runs each side N times, interleaved (the side that
+goes first alternates) so that a change of load hits both, and prints the median of each phase over the N runs;
+every run's step time is printed beside the machine's load (/proc/loadavg) before and after it.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import importlib.util
-import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -324,13 +327,12 @@ def run_megappo(models: dict, size: dict, steps: int, work: str, extra: list[str
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    metrics_path = f"{work}/megappo_run/metrics.jsonl"
-    if proc.returncode != 0 or not os.path.exists(metrics_path):
+    if proc.returncode != 0 or not os.path.exists(f"{work}/megappo_run/metrics.jsonl"):
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
         return f"megappo train failed (exit {proc.returncode}):\n{tail}"
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return summarize_megappo(rows, wall)
+    from megappo.trainer.metrics import read_steps
+
+    return summarize_megappo(read_steps(f"{work}/megappo_run"), wall)
 
 
 def summarize_megappo(rows: list[dict], wall: float) -> dict | str:
@@ -370,7 +372,7 @@ def print_table(name: str, size: dict, models: dict, prompt_len: int, mega, trl)
     m = mega if isinstance(mega, dict) else {}
     t = trl if isinstance(trl, dict) else {}
     print(f"  {'phase (s / iteration)':<24}{'megappo':>10}{'TRL':>10}  megappo/TRL")
-    extra = sorted(set(m) - set(MEGAPPO_PHASES) - {"step", "tokens_per_s", "steps", "wall"})
+    extra = sorted(set(m) - set(MEGAPPO_PHASES) - {"step", "tokens_per_s", "steps", "wall", "runs"})
     for ph in (*MEGAPPO_PHASES, *extra):
         print(_row(ph, m.get(ph), t.get(ph)))
     upd = m["update_actor"] + m.get("update_critic", 0.0) if "update_actor" in m else None
@@ -379,10 +381,10 @@ def print_table(name: str, size: dict, models: dict, prompt_len: int, mega, trl)
     print(_row("step (total)", m.get("step"), t.get("step")))
     print(_row("step, TRL minus gc", m.get("step"), t["step"] - t["gc.collect"] if t else None))
     if m:
-        print(f"  megappo: perf/tokens_per_s {m['tokens_per_s']:.1f}; {m['steps']} measured step(s); "
+        print(f"  megappo: perf/tokens_per_s {m['tokens_per_s']:.1f}; {m['steps']:g} measured step(s); "
               f"subprocess wall {m['wall']:.1f} s (startup and warm-up step included)")
     if t:
-        print(f"  TRL: {t['steps']} measured step(s); 'update' = step - rollout - ref - values - reward - gc "
+        print(f"  TRL: {t['steps']:g} measured step(s); 'update' = step - rollout - ref - values - reward - gc "
               f"(GAE, one fused actor+critic forward/backward/step, logging)")
 
 
@@ -398,22 +400,58 @@ def bench_size(name: str, args) -> None:
             shaped = shape_eos(models["paths"]["policy"], make_prompts(tok, size["batch"] * (args.steps + 1))[1],
                                size["eos"]["median"], size["eos"]["sigma"], size["response"])
             print(f"  {name}: EOS shaped for lognormal response lengths: {shaped}", flush=True)
-        loads = {}
-        trl = "skipped (--skip-trl)" if args.skip_trl else _loaded(
-            loads, "TRL", lambda: trl_or_reason(models, size, args.steps, work, args.threads))
-        mega = "skipped (--skip-megappo)" if args.skip_megappo else _loaded(
-            loads, "megappo", lambda: run_megappo(models, size, args.steps, work, args.megappo_override,
-                                                  args.megappo_reward_model, args.threads))
+        sides = {
+            "TRL": None if args.skip_trl else lambda d: trl_or_reason(models, size, args.steps, d, args.threads),
+            "megappo": None if args.skip_megappo else lambda d: run_megappo(
+                models, size, args.steps, d, args.megappo_override, args.megappo_reward_model, args.threads),
+        }
+        runs: dict[str, list] = {side: [] for side in sides}
+        for i in range(args.repeats):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                if sides[side] is not None:
+                    os.makedirs(f"{work}/run{i}", exist_ok=True)
+                    runs[side].append(_loaded(lambda: sides[side](f"{work}/run{i}")))
+        mega = _median(runs["megappo"]) if sides["megappo"] else "skipped (--skip-megappo)"
+        trl = _median(runs["TRL"]) if sides["TRL"] else "skipped (--skip-trl)"
         print_table(name, size, models, prompt_len, mega, trl)
-        print("  1-min load average (other processes slow both sides; compare runs on an idle machine): "
-              + ", ".join(f"{k} {a:.1f} -> {b:.1f}" for k, (a, b) in loads.items()), flush=True)
+        n = args.repeats
+        print(f"  {'median of ' + str(n) + ' interleaved runs per side' if n > 1 else 'one run per side'}; "
+              "per run: step seconds, /proc/loadavg (1, 5, 15 min) before -> after (other processes slow both "
+              "sides; compare runs on a quiet machine):")
+        for i in range(n):
+            got = {side: runs[side][i] for side in sides if runs[side]}
+            ratio = [r["step"] for r, _, _ in got.values() if isinstance(r, dict)]
+            print(f"    run {i + 1}: " + "; ".join(
+                f"{side} {_fmt_step(r)}, load {before} -> {after}" for side, (r, before, after) in got.items())
+                + (f"; megappo/TRL {ratio[1] / ratio[0]:.2f}x" if len(ratio) == 2 else ""), flush=True)
 
 
-def _loaded(loads: dict, side: str, fn):
-    """Run `fn`, noting the machine's 1-minute load average before and after it in `loads[side]`."""
-    before = os.getloadavg()[0]
-    out = fn()
-    loads[side] = (before, os.getloadavg()[0])
+def _loaded(fn) -> tuple:
+    """`fn()`'s result with /proc/loadavg's load averages before and after it."""
+    before = _loadavg()
+    return fn(), before, _loadavg()
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:  # not Linux
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _fmt_step(result) -> str:
+    return f"{result['step']:.2f} s" if isinstance(result, dict) else "failed"
+
+
+def _median(runs: list) -> dict | str:
+    """The median of each number over the runs that succeeded (the first failure's reason when none did)."""
+    good = [r for r, _, _ in runs if isinstance(r, dict)]
+    if not good:
+        return runs[0][0]
+    out = {k: statistics.median(r[k] for r in good) for k in good[0] if all(k in r for r in good)}
+    out["runs"] = len(good)
     return out
 
 
@@ -429,6 +467,8 @@ def main() -> None:
     p.add_argument("--sizes", default="tiny,compute", help="comma-separated, of: " + ", ".join(SIZES))
     p.add_argument("--steps", type=int, default=3, help="measured iterations per side (after 1 warm-up)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each side (default 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per side, interleaved; the table shows each phase's median over them (default 1)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--skip-megappo", action="store_true")
     p.add_argument("--megappo-reward-model", action="store_true",
@@ -440,8 +480,8 @@ def main() -> None:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         p.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
+    if args.steps < 1 or args.repeats < 1:
+        p.error("--steps and --repeats must be at least 1")
     for name in sizes:
         bench_size(name, args)
 
