@@ -234,7 +234,7 @@ def main() -> None:
     if why_no_filter:
         state["why"].append(why_no_filter)
     state["memory"] = _memory_bound(_slots, cfg)
-    under_tmp = [p for p in root.tops(root.interpreter_paths()) if p.startswith("/tmp/")] if state["fs"] else []
+    under_tmp = [p for p in state["binds"] if p.startswith("/tmp/")]  # each call's /tmp covers them
     ctx = {"mode": state["mode"], "fs": state["fs"], "filter": state["filter"], "cgroup": _slots.active,
            "last_cap": last_cap, "under_tmp": under_tmp}
     print(json.dumps(state), flush=True)
