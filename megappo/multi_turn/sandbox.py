@@ -134,7 +134,7 @@ class Sandbox:
                                          "with limits only")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cfg = {"net": True, "fs": True, "uid_space": self.uid_base, "uid_count": self.uid_count,
-               "readable": self.readable_paths}
+               "readable": self.readable_paths, "disk_mb": max(1, int(self.limits.disk_mb))}
         cmd = [self.python, "-I", _ZYGOTE, str(theirs.fileno()), json.dumps(cfg)]
         # A clean environment: a process's first environment stays readable in /proc/self/environ after
         # os.environ is cleared, and the trainer's may hold secrets (API keys).

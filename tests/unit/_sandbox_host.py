@@ -25,6 +25,37 @@ def sandbox_processes() -> list[psutil.Process]:
     return found
 
 
+def busy_children(zygote_pid: int) -> list[psutil.Process]:
+    """The zygote's live descendants but its spare: the next call's supervisor and runner, set up before the call
+    comes (the newest child, with at most its runner under it, both still running as the zygote's user)."""
+    try:
+        z = psutil.Process(zygote_pid)
+        kids = [c for c in z.children() if c.status() != psutil.STATUS_ZOMBIE]
+    except psutil.Error:
+        return []
+    out = []
+    spare = max(kids, key=lambda c: (c.create_time(), c.pid), default=None)
+    for c in kids:
+        try:
+            sub = [g for g in c.children(recursive=True) if g.status() != psutil.STATUS_ZOMBIE]
+            if c is spare and len(sub) <= 1 and all(g.uids().real == z.uids().real for g in sub):
+                continue
+            out += [c] + sub
+        except psutil.Error:
+            continue
+    return out
+
+
+def spare_runner(zygote_pid: int) -> set[int]:
+    """The pid of the spare's runner (it waits in its call's cgroup before the call comes), if any."""
+    try:
+        kids = psutil.Process(zygote_pid).children()
+        spare = max(kids, key=lambda c: (c.create_time(), c.pid))
+        return {g.pid for g in spare.children()}
+    except (psutil.Error, ValueError):
+        return set()
+
+
 def _read(path: str) -> str:
     try:
         with open(path) as f:
@@ -95,9 +126,13 @@ class HostState:
         left = sandbox_processes()
         if left:
             out.append(f"processes left: {[(p.pid, p.info['uids'].real) for p in left]}")
+        busy = busy_children(sb.zygote_pid) if sb.zygote_pid else []
+        if busy:
+            out.append(f"the zygote has calls still running: {busy}")
+        spare = {str(p) for p in spare_runner(sb.zygote_pid)} if sb.zygote_pid else set()
         for d in HostState.slot_dirs(sb):
             tasks = _read(os.path.join(d, "cgroup.procs")).split()
-            if tasks:
+            if set(tasks) - spare:
                 out.append(f"cgroup {d} holds {tasks}")
         return out
 

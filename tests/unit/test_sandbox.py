@@ -15,6 +15,8 @@ import pytest
 from megappo.multi_turn.python_tool import PythonTool
 from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, SandboxUnavailable, truncate
 
+from _sandbox_host import busy_children
+
 pytestmark = pytest.mark.timeout(120)
 
 SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
@@ -37,17 +39,11 @@ def sandbox_processes() -> list[psutil.Process]:
 
 
 def assert_nothing_left(tool: PythonTool) -> None:
-    """No sandbox-uid process, and the zygote has no child (its supervisors answered and exited)."""
+    """No sandbox-uid process, and the zygote has no child but its spare (its supervisors answered and exited)."""
     deadline = time.monotonic() + 3.0
     while True:
         left = sandbox_processes()
-        children = []
-        for c in psutil.Process(tool.sandbox.zygote_pid).children(recursive=True):
-            try:
-                if c.status() != psutil.STATUS_ZOMBIE:
-                    children.append(c)
-            except psutil.NoSuchProcess:
-                continue
+        children = busy_children(tool.sandbox.zygote_pid)
         if not left and not children:
             return
         if time.monotonic() > deadline:
@@ -414,7 +410,7 @@ def test_unprivileged_user_namespace_mode(tmp_path, outside):
             assert f.read() == "untouched"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            left = [c for c in psutil.Process(sb.zygote_pid).children(recursive=True)]
+            left = busy_children(sb.zygote_pid)
             if not left:
                 break
             time.sleep(0.05)

@@ -108,9 +108,12 @@ class Slots:
                 pass
             self.made.add(slot)
 
-    def prepare(self, slot: int, limit_bytes: int) -> tuple[int, int]:
-        """Set the slot's limit (in the supervisor); returns (an fd on its cgroup.procs, which the runner joins by
-        writing "0" to it, the slot's OOM kills so far)."""
+    def procs_fd(self, slot: int) -> int:
+        """An fd on the slot's cgroup.procs: the runner joins by writing "0" to it."""
+        return os.open(f"{self.name(slot)}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+
+    def limit(self, slot: int, limit_bytes: int) -> int:
+        """Set the slot's limit; returns its OOM kills so far."""
         name = self.name(slot)
         if self.version == "v1":
             # memsw >= limit at every step: raise memsw first when growing, lower the limit first when shrinking
@@ -130,8 +133,7 @@ class Slots:
                 write(f"{name}/memory.swap.max", "0", dir_fd=self.dir_fd)
             except FileNotFoundError:
                 pass
-        procs = os.open(f"{name}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        return procs, self.oom_kills(slot)
+        return self.oom_kills(slot)
 
     def oom_kills(self, slot: int) -> int:
         """How many processes the slot's OOM killer has killed, ever."""

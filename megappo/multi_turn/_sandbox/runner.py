@@ -3,6 +3,7 @@ of its own, drops every privilege, installs the seccomp filter and runs the code
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import resource
 import signal
@@ -62,18 +63,23 @@ def _set_limits(lim: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"]))
 
 
-def _isolate(req: dict, ctx: dict) -> None:
-    """Everything between the fork and the code, in this order (each step needs the privilege the next drops)."""
-    lim, mode = req["limits"], ctx["mode"]
+def _prepare(ctx: dict) -> None:
+    """What needs no request: namespaces of its own and /proc (before the call, off its round trip)."""
     try:
         write("/proc/self/oom_score_adj", "1000")  # the host's OOM killer takes a call first, never the trainer
     except OSError:
         pass
-    if mode is not None:
+    if ctx["mode"] is not None:
         unshare(CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS, "CLONE_NEWNET|CLONE_NEWIPC|CLONE_NEWUTS")
         check(libc.sethostname(b"sandbox", 7), "sethostname")
-        _ipc_limits(lim["memory_mb"])
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # the call's PID namespace's own
+
+
+def _drop(req: dict, ctx: dict) -> None:
+    """The request's limits, then every privilege, in this order (each step needs what the next drops)."""
+    lim, mode = req["limits"], ctx["mode"]
+    if mode is not None:
+        _ipc_limits(lim["memory_mb"])
     if mode == "root":  # an unprivileged uid of the call's own: RLIMIT_NPROC counts this call's processes alone
         os.setgroups([])
         os.setresgid(ctx["uid"], ctx["uid"], ctx["uid"])
@@ -89,22 +95,38 @@ def _isolate(req: dict, ctx: dict) -> None:
     nr = _KEYCTL.get(os.uname().machine)
     if nr is not None and libc.syscall(nr, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:  # not the trainer's keyring
         check(-1, "keyctl(KEYCTL_JOIN_SESSION_KEYRING)")
-    if ctx["filter"]:
-        seccomp.install(block_memfd=not ctx["cgroup"])
+    if ctx["filter"] is not None:
+        seccomp.install(ctx["filter"])
 
 
-def run(req: dict, ctx: dict, out_w: int, err_w: int, procs_fd: int | None) -> None:
-    """In the forked child: set up, run `req["code"]`, exit with its status."""
+def _read_request(fd: int) -> dict:
+    chunks = []
+    while True:
+        data = os.read(fd, 1 << 16)
+        if not data:
+            break
+        chunks.append(data)
+    os.close(fd)
+    if not chunks:  # the supervisor ended without a call (the sandbox stopped)
+        os._exit(0)
+    return json.loads(b"".join(chunks))
+
+
+def run(ctx: dict, req_r: int, out_w: int, err_w: int, procs_fd: int | None) -> None:
+    """In the forked child: set up, wait for the request on `req_r`, run its code, exit with its status."""
     try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, what="PR_SET_PDEATHSIG")  # the supervisor gone: so is this
         os.setsid()
         null = os.open("/dev/null", os.O_RDONLY)
-        for src, dst in ((null, 0), (out_w, 1), (err_w, 2)):
+        for src, dst in ((null, 0), (out_w, 1), (err_w, 2), (req_r, 3)):
             os.dup2(src, dst)
         if procs_fd is not None:  # the call's memory cgroup, before anything of the call is allocated
             os.write(procs_fd, b"0")
-        os.closerange(3, 1 << 16)  # nothing of the zygote's (its cgroup directory, sockets) stays open
+        os.closerange(4, 1 << 16)  # nothing of the zygote's (its cgroup directory, sockets) stays open
         os.chdir(ctx["workdir"])
-        _isolate(req, ctx)
+        _prepare(ctx)
+        req = _read_request(3)
+        _drop(req, ctx)
     except BaseException as e:  # set-up failed: say so on the call's stderr
         try:
             os.write(2, f"sandbox: runner set-up failed: {type(e).__name__}: {e}\n".encode())

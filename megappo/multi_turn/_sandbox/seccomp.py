@@ -87,12 +87,16 @@ def program(block_memfd: bool, machine: str | None = None) -> list[tuple[int, in
     return prog
 
 
-def install(block_memfd: bool) -> None:
-    """no_new_privs, then the filter on this thread (the runner is single-threaded here); irreversible."""
-    prctl(PR_SET_NO_NEW_PRIVS, 1, what="PR_SET_NO_NEW_PRIVS")
+def compile_filter(block_memfd: bool) -> tuple:
+    """The filter for this machine, ready for `install` (built once in the zygote: each call only installs it)."""
     ins = program(block_memfd)
     arr = (_Filter * len(ins))(*[_Filter(*i) for i in ins])
-    prog = _Prog(len(ins), arr)
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+    return _Prog(len(ins), arr), arr
+
+
+def install(compiled: tuple) -> None:
+    """no_new_privs, then the filter on this thread (the runner is single-threaded here); irreversible."""
+    prctl(PR_SET_NO_NEW_PRIVS, 1, what="PR_SET_NO_NEW_PRIVS")
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(compiled[0]), 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp filter: {os.strerror(err)}")

@@ -11,7 +11,8 @@ import socket
 import struct
 import time
 
-from _megappo_sandbox_kernel import CLONE_NEWNS, CLONE_NEWPID, PR_SET_CHILD_SUBREAPER, load, prctl, unshare  # noqa
+from _megappo_sandbox_kernel import (CLONE_NEWNS, CLONE_NEWPID, MS_NODEV, MS_NOSUID, MS_REMOUNT,  # noqa: E402
+                                     PR_SET_CHILD_SUBREAPER, load, mount, prctl, unshare)
 
 root, runner = load("root"), load("runner")
 MAX_REQUEST_BYTES = 1 << 20
@@ -171,51 +172,83 @@ def _watch(runner_pid: int, out_r: int, err_r: int, lim: dict) -> dict:
             "cpu_s": cpu.ru_utime + cpu.ru_stime, "run_s": run_s}
 
 
-def _supervise(req: dict, ctx: dict, slots) -> tuple[dict, str]:
-    lim = req["limits"]
-    t0 = time.monotonic()
+def _set_up(ctx: dict, slots) -> dict:
+    """Everything of a call that needs no request, done before one comes: its mount and PID namespaces, its tmpfs
+    (the sandbox's disk_mb; resized to the request's), its cgroup, and the runner, forked and waiting for the
+    request with its other namespaces made."""
     if ctx["fs"]:
         # The runner is the first process of a PID namespace: when it ends (exit or kill) the kernel kills every
         # other process of the call, and the runner's exit waits for them.
         unshare(CLONE_NEWNS | CLONE_NEWPID, "CLONE_NEWNS|CLONE_NEWPID")
-        workdir = root.cover_tmp(lim["disk_mb"], ctx["uid"], ctx["under_tmp"])
+        workdir = root.cover_tmp(ctx["disk_mb"], ctx["uid"], ctx["under_tmp"])
     else:
         import tempfile
 
         workdir = tempfile.mkdtemp(prefix="megappo-sandbox-")
-    procs_fd, ooms = None, 0
-    if ctx["cgroup"]:
-        procs_fd, ooms = slots.prepare(ctx["slot"], lim["memory_mb"] << 20)
+    procs_fd = slots.procs_fd(ctx["slot"]) if ctx["cgroup"] else None
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code come here, to be reaped
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    setup_s = time.monotonic() - t0
+    req_r, req_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(out_r)
-        os.close(err_r)
-        runner.run(req, dict(ctx, workdir=workdir), out_w, err_w, procs_fd)
-    for fd in (out_w, err_w) + ((procs_fd,) if procs_fd is not None else ()):
+        for fd in (out_r, err_r, req_w):
+            os.close(fd)
+        runner.run(dict(ctx, workdir=workdir), req_r, out_w, err_w, procs_fd)
+    for fd in (out_w, err_w, req_r) + ((procs_fd,) if procs_fd is not None else ()):
         os.close(fd)
-    res = _watch(pid, out_r, err_r, lim)
+    return {"pid": pid, "out_r": out_r, "err_r": err_r, "req_w": req_w, "workdir": workdir}
+
+
+def _start(req: dict, call: dict, ctx: dict, slots) -> dict:
+    """The request's share of the set-up, then the request to the waiting runner; returns the answer."""
+    lim = req["limits"]
+    t0 = time.monotonic()
+    if ctx["fs"] and lim["disk_mb"] != ctx["disk_mb"]:
+        mount("tmpfs", "/tmp", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, f"size={lim['disk_mb']}m")
+    ooms = slots.limit(ctx["slot"], lim["memory_mb"] << 20) if ctx["cgroup"] else 0
+    data = json.dumps(req).encode()
+    _write_all(call["req_w"], data)
+    os.close(call["req_w"])
+    setup_s = time.monotonic() - t0
+    res = _watch(call["pid"], call["out_r"], call["err_r"], lim)
     res["setup_s"] = setup_s
     res["memory_limited"] = bool(ctx["cgroup"]) and slots.oom_kills(ctx["slot"]) > ooms
-    return res, workdir
+    return res
 
 
-def main(sock_fd: int, ctx: dict, slots, wake: list[int]) -> None:
-    """The supervisor process: never returns."""
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def main(chan_fd: int, ctx: dict, slots, wake: list[int]) -> None:
+    """The supervisor process: sets a call up, waits on `chan_fd` for the call's socket, serves it; never
+    returns."""
     os.setsid()  # away from the zygote's group: the trainer's Ctrl-C is the zygote's business
     signal.set_wakeup_fd(-1)
     for fd in wake:
         os.close(fd)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
-    sock = socket.socket(fileno=sock_fd)
-    workdir = None
+    call, failed = None, None
+    try:
+        call = _set_up(ctx, slots)
+    except BaseException as e:
+        failed = f"sandbox supervisor: {type(e).__name__}: {e}"
+    chan = socket.socket(fileno=chan_fd)
+    try:
+        _, fds, _, _ = socket.recv_fds(chan, 16, 1)
+    except OSError:
+        fds = []
+    chan.close()
+    if not fds:  # the zygote stopped before a call came
+        os._exit(0)
+    sock = socket.socket(fileno=fds[0])
     try:
         req = read_request(sock)
-        res, workdir = _supervise(req, ctx, slots)
+        res = _start(req, call, ctx, slots) if failed is None else {"error": failed}
     except BaseException as e:
         res = {"error": f"sandbox supervisor: {type(e).__name__}: {e}"}
     try:
@@ -224,9 +257,9 @@ def main(sock_fd: int, ctx: dict, slots, wake: list[int]) -> None:
         sock.close()
     except OSError:
         pass  # the caller gave up on this call
-    if workdir and not ctx["fs"]:
+    if call is not None and not ctx["fs"]:
         import shutil
 
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(call["workdir"], ignore_errors=True)
     _reap_all()
     os._exit(0)

@@ -95,7 +95,7 @@ def _probe_seccomp() -> str:
     pid = os.fork()
     if pid == 0:
         try:
-            seccomp.install(block_memfd=True)
+            seccomp.install(seccomp.compile_filter(block_memfd=True))
             os._exit(0 if kernel.libc.unshare(kernel.CLONE_NEWNS) != 0 else 3)  # refused: it holds
         except BaseException:
             os._exit(2)
@@ -172,8 +172,62 @@ def _raise_oom_score() -> None:
         pass
 
 
-def _serve(ctrl: socket.socket, parent: int, state: dict, ctx: dict, uid_base: int, uid_count: int) -> None:
+class _Spares:
+    """The next call's supervisor, forked (and set up) before the call comes; the zygote hands it the call's
+    socket, which is all it ever sees of a call."""
+
+    def __init__(self, ctrl: socket.socket, state: dict, ctx: dict, uid_base: int, uid_count: int):
+        self.ctrl, self.state, self.ctx, self.uid_base, self.uid_count = ctrl, state, ctx, uid_base, uid_count
+        self.spare: tuple[int, socket.socket] | None = None
+
+    def _fork(self) -> tuple[int, socket.socket]:
+        uid, slot = _take(self.uid_base, self.uid_count)
+        uid = uid if self.state["mode"] == "root" else -1
+        if _slots.active:
+            try:
+                _slots.ensure(slot)
+            except OSError:
+                pass  # the supervisor answers with the error
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            self.ctrl.close()
+            ours.close()
+            supervise.main(theirs.detach(), dict(self.ctx, uid=uid, slot=slot), _slots, _wake)
+        theirs.close()
+        _live[pid] = (uid, slot)
+        return pid, ours
+
+    def refill(self) -> None:
+        if self.spare is not None and self.spare[0] not in _live:  # it died (killed from outside)
+            self.spare[1].close()
+            self.spare = None
+        if self.spare is None:
+            self.spare = self._fork()
+
+    def hand(self, fd: int) -> None:
+        """The call's socket to the spare (closed here before the next fork: the caller's EOF must come from its
+        supervisor alone), then a new spare for the next call."""
+        try:
+            for _ in range(2):
+                self.refill()
+                pid, chan = self.spare
+                self.spare = None
+                try:
+                    socket.send_fds(chan, [b"c"], [fd])
+                    break
+                except OSError:
+                    pass
+                finally:
+                    chan.close()
+        finally:
+            os.close(fd)
+        self.refill()
+
+
+def _serve(ctrl: socket.socket, parent: int, spares: _Spares) -> None:
     wake_r = _wake[0]
+    spares.refill()
     while True:
         _reap_supervisors()
         if os.getppid() != parent:  # the trainer died (SIGKILL too): end every call
@@ -192,21 +246,10 @@ def _serve(ctrl: socket.socket, parent: int, state: dict, ctx: dict, uid_base: i
             msg, fds = b"", []
         if not msg:  # the Sandbox closed (or its process died)
             _stop()
-        if not fds:
-            continue
-        uid, slot = _take(uid_base, uid_count)
-        if _slots.active:
-            try:
-                _slots.ensure(slot)
-            except OSError:
-                pass  # the supervisor answers with the error
-        pid = os.fork()
-        if pid == 0:
-            ctrl.close()
-            supervise.main(fds[0], dict(ctx, uid=uid if state["mode"] == "root" else -1, slot=slot), _slots, _wake)
-        _live[pid] = (uid if state["mode"] == "root" else -1, slot)
-        for fd in fds:
+        for fd in fds[1:]:
             os.close(fd)
+        if fds:
+            spares.hand(fds[0])
 
 
 def main() -> None:
@@ -235,8 +278,9 @@ def main() -> None:
         state["why"].append(why_no_filter)
     state["memory"] = _memory_bound(_slots, cfg)
     under_tmp = [p for p in state["binds"] if p.startswith("/tmp/")]  # each call's /tmp covers them
-    ctx = {"mode": state["mode"], "fs": state["fs"], "filter": state["filter"], "cgroup": _slots.active,
-           "last_cap": last_cap, "under_tmp": under_tmp}
+    ctx = {"mode": state["mode"], "fs": state["fs"], "cgroup": _slots.active, "last_cap": last_cap,
+           "under_tmp": under_tmp, "disk_mb": cfg["disk_mb"],
+           "filter": seccomp.compile_filter(block_memfd=not _slots.active) if state["filter"] else None}
     print(json.dumps(state), flush=True)
     # Each fork copies what it touches (copy-on-write): the collector walking every object of the zygote in each
     # child would touch it all. Frozen objects are never walked; what the runner needs is imported once here.
@@ -252,7 +296,7 @@ def main() -> None:
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake_w)  # a supervisor's exit wakes the loop: reaped at once, not at the next poll
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    _serve(ctrl, parent, state, ctx, uid_base, cfg["uid_count"])
+    _serve(ctrl, parent, _Spares(ctrl, state, ctx, uid_base, cfg["uid_count"]))
 
 
 if __name__ == "__main__":
