@@ -151,3 +151,28 @@ def _meminfo(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+# for the attacking code: whether the bytes a then b, contiguous, are anywhere in its own memory
+SCAN = """
+def find(a, b):
+    '''Whether a then b, contiguous, is anywhere in this process's readable memory.'''
+    n = 0
+    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split('-'))
+            if 'r' not in line.split()[1] or line.rstrip().endswith(('[vvar]', '[vsyscall]', '[vvar_vclock]')):
+                continue
+            for start in range(lo, hi, 1 << 22):
+                try:
+                    mem.seek(start)
+                    chunk = mem.read(min(1 << 22, hi - start) + len(a) + len(b))
+                except (OSError, OverflowError, ValueError):
+                    continue
+                i = chunk.find(a)
+                while i >= 0:
+                    if chunk[i + len(a):i + len(a) + len(b)] == b:
+                        n += 1
+                    i = chunk.find(a, i + 1)
+    return n
+"""

@@ -15,27 +15,14 @@ import pytest
 from megappo.multi_turn.python_tool import PythonTool
 from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, SandboxUnavailable, truncate
 
-from _sandbox_host import busy_children
+from _sandbox_host import busy_children, sandbox_processes
 
 pytestmark = pytest.mark.timeout(120)
 
 SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
-UID_BASE, UID_COUNT = UID_SPACE, (1 << 22) * UID_SLICE  # every sandbox's call uids (root mode)
 CONFIG = {"timeout_s": 3, "cpu_s": 1, "memory_mb": 512, "max_processes": 16, "max_file_mb": 8, "disk_mb": 32,
           "max_output_chars": 2000, "max_output_bytes": 1 << 20}
-
-
-def sandbox_processes() -> list[psutil.Process]:
-    """Live processes running as a sandbox uid (the per-call uids)."""
-    found = []
-    for p in psutil.process_iter(["uids", "status"]):
-        try:
-            if UID_BASE <= p.info["uids"].real < UID_BASE + UID_COUNT and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, TypeError):
-            continue
-    return found
 
 
 def assert_nothing_left(tool: PythonTool) -> None:
@@ -392,6 +379,11 @@ def test_unprivileged_user_namespace_mode(tmp_path, outside):
                      "print(libc.unshare(0x00020000), libc.mount(None, b'/', None, 32 | 4096, None))\n"
                      "open('/usr/x', 'w')")  # no mount namespace of its own: the read-only mounts stay
         assert res.stdout == "-1 -1\n" and "Read-only file system" in res.stderr, res
+        # no memory cgroup for an unprivileged user here: the bound is shmmax and no memfd (and RLIMIT_AS)
+        assert sb.state["memory"]["cgroup"] is None and "memfd_create refused" in sb.state["memory"]["bound"]
+        res = sb.run("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.shmget(0, 512 << 20, 0o1600), ctypes.get_errno())\nos.memfd_create('x')")
+        assert res.stdout == "-1 22\n" and "Operation not permitted" in res.stderr, res
         res = sb.run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)")
         assert "Network is unreachable" in res.stderr
         fork = ("import os, time\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
@@ -417,6 +409,55 @@ def test_unprivileged_user_namespace_mode(tmp_path, outside):
         assert not left, left
     finally:
         sb.close()
+
+
+def test_venv_under_tmp(tmp_path):
+    """An interpreter whose venv lives under /tmp: each call's own /tmp still holds it (bound back in), and its
+    packages import."""
+    import subprocess
+    import venv  # noqa: F401  (the module `python -m venv` runs)
+
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip(f"pytest's tmp_path {tmp_path} is not under /tmp")
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    site = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "megappo_venv_probe.py"), "w") as f:
+        f.write("VALUE = 42\n")
+    for p in [tmp_path, *[q for q in env_dir.rglob("*") if q.is_dir()], env_dir]:
+        os.chmod(p, 0o755)
+    with Sandbox(Limits(timeout_s=10), python=str(env_dir / "bin" / "python")) as sb:
+        res = sb.run("import sys, megappo_venv_probe\nprint(megappo_venv_probe.VALUE, sys.prefix)")
+    assert res.stdout == f"42 {env_dir}\n", res
+
+
+def test_refuses_without_a_seccomp_filter():
+    """No filter (another machine, or no CONFIG_SECCOMP_FILTER): refused unless allow_syscalls_unfiltered."""
+    from megappo.multi_turn._sandbox import __file__ as pkg
+
+    state = {"net": True, "fs": True, "filter": False}
+    assert Sandbox()._problems(state) == ["no seccomp filter, so the code could make namespaces, mounts and keyrings "
+                                          "of its own (set allow_syscalls_unfiltered: true to accept that)"]
+    assert Sandbox(allow_syscalls_unfiltered=True)._problems(state) == []
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_megappo_sandbox_kernel",
+                                                  os.path.join(os.path.dirname(pkg), "kernel.py"))
+    kernel = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kernel
+    spec.loader.exec_module(kernel)
+    seccomp = kernel.load("seccomp")
+    assert not seccomp.supported("riscv64") and seccomp.supported("aarch64") and seccomp.supported("x86_64")
+    for machine in ("x86_64", "aarch64"):
+        prog = seccomp.program(block_memfd=True, machine=machine)
+        assert prog[1][3] == seccomp.AUDIT_ARCH[machine] and prog[2][3] == seccomp.RET_KILL_PROCESS
+        assert all(0 <= jt < 256 and 0 <= jf < 256 for _, jt, jf, _ in prog) and len(prog) < 4096
+        denied = {k for c, _, _, k in prog if c == seccomp.JEQ}
+        assert {seccomp.SYSCALLS[machine][n] for n in ("unshare", "mount", "keyctl", "memfd_create")} <= denied
+        assert seccomp.SYSCALLS[machine]["memfd_create"] not in \
+            {k for c, _, _, k in seccomp.program(block_memfd=False, machine=machine) if c == seccomp.JEQ}
 
 
 def test_verl_sandbox_fusion_config_ports():

@@ -14,7 +14,7 @@ import pytest
 from megappo.multi_turn.python_tool import PythonTool
 from megappo.multi_turn.sandbox import Limits, Sandbox, SandboxUnavailable
 
-from _sandbox_host import HostState, libc_prelude, sandbox_processes
+from _sandbox_host import SCAN, HostState, libc_prelude, sandbox_processes
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = f"megappo-secret-{uuid.uuid4().hex}"
@@ -168,16 +168,21 @@ for path in ('/dev/shm/fill', '/tmp/work/fill', '/tmp/fill'):
 
 
 # --- files ----------------------------------------------------------------------------------------------------
-def test_reads_nothing_of_the_run(sb, host, tmp_path):
+def test_reads_nothing_of_the_run(sb, host, tmp_path, request):
     """The repository, a run's output directory, a dataset with the answers: none is in the call's root."""
-    dataset = tmp_path / "data" / "answers.jsonl"
-    dataset.parent.mkdir()
-    dataset.write_text(f'{{"answer": "{SECRET}"}}\n')
-    dataset.chmod(0o644)
-    for p in (tmp_path, dataset.parent):
-        p.chmod(0o755)
-    run_dir = os.path.join(REPO, "outputs")
-    paths = [str(dataset), os.path.join(REPO, "README.md"), os.path.join(REPO, "megappo", "__init__.py"), REPO,
+    import shutil
+
+    run_dir = os.path.join(REPO, f"outputs-sbx-{uuid.uuid4().hex[:8]}")  # a run's output dir in the repository
+    var_dir = f"/var/tmp/megappo-sbx-data-{uuid.uuid4().hex[:8]}"  # a dataset outside /tmp
+    datasets = [str(tmp_path / "answers.jsonl"), os.path.join(run_dir, "metrics.jsonl"), f"{var_dir}/answers.jsonl"]
+    for path in datasets:
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f'{{"answer": "{SECRET}"}}\n')
+        os.chmod(path, 0o644)
+    tmp_path.chmod(0o755)
+    request.addfinalizer(lambda: (shutil.rmtree(run_dir, True), shutil.rmtree(var_dir, True)))
+    paths = [*datasets, os.path.join(REPO, "README.md"), os.path.join(REPO, "megappo", "__init__.py"), REPO,
              run_dir, "/root/.ssh", "/home", "/etc/shadow", "/etc/hostname", "/sys/kernel", "/var", "/run",
              "/sys/fs/cgroup", "/work/main/megappo", "/work/main/.git", "/sys"]
     binds = sb.state["binds"]  # a path on the way to one of them exists, as an empty directory but for it
@@ -199,8 +204,8 @@ except ImportError as e:
         assert out[p] == expected, (p, res)
     assert eval(out["dev"]) == ["fd", "full", "null", "random", "shm", "stderr", "stdin", "stdout", "urandom",
                                 "zero"], res
-    assert eval(out["etc"]) == sorted(["group", "hostname", "hosts", "ld.so.cache", "localtime", "nsswitch.conf",
-                                       "passwd"])[:len(eval(out["etc"]))] or "shadow" not in out["etc"], res
+    assert set(eval(out["etc"])) <= {"group", "hostname", "hosts", "ld.so.cache", "localtime", "nsswitch.conf",
+                                     "passwd"}, res
     assert out["megappo"] == "ImportError", res
     assert SECRET not in res.stdout
 
@@ -475,34 +480,10 @@ while time.monotonic() - t < 1.5:
     except OSError:
         pass
 """, Limits(timeout_s=3, cpu_s=3, memory_mb=192, max_processes=16, disk_mb=16))
-    assert res.timed_out or res.exit_code is not None or res.signal is not None, res
+    assert res.exit_code == 0 and res.latency_s < 5, res  # the parent's loop ends; the PID namespace takes the rest
 
 
 # --- no state from earlier calls ------------------------------------------------------------------------------
-_SCAN = """
-def find(a, b):
-    '''Whether a then b, contiguous, is anywhere in this process's readable memory.'''
-    n = 0
-    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split('-'))
-            if 'r' not in line.split()[1] or line.rstrip().endswith(('[vvar]', '[vsyscall]', '[vvar_vclock]')):
-                continue
-            for start in range(lo, hi, 1 << 22):
-                try:
-                    mem.seek(start)
-                    chunk = mem.read(min(1 << 22, hi - start) + len(a) + len(b))
-                except (OSError, OverflowError, ValueError):
-                    continue
-                i = chunk.find(a)
-                while i >= 0:
-                    if chunk[i + len(a):i + len(a) + len(b)] == b:
-                        n += 1
-                    i = chunk.find(a, i + 1)
-    return n
-"""
-
-
 def test_no_earlier_call_in_memory(sb, host):
     """An earlier call's code (and output) is nowhere in a later call's memory; the scan finds the call's own."""
     earlier = uuid.uuid4().hex + uuid.uuid4().hex
@@ -510,7 +491,7 @@ def test_no_earlier_call_in_memory(sb, host):
     assert res.exit_code == 0
     own = uuid.uuid4().hex + uuid.uuid4().hex
     res = go(sb, f"""own = '{own}'
-{_SCAN}
+{SCAN}
 print('own:', find(b'{own[:32]}', b'{own[32:]}') > 0)
 print('earlier:', find(b'{earlier[:32]}', b'{earlier[32:]}'), find(b'{earlier[::-1][:32]}', b'{earlier[::-1][32:]}'))
 """)

@@ -2,11 +2,12 @@
 
     python tools/bench/bench_tool_sandbox.py [--calls 200] [--threads 4] [--repeat 1]
 
-Every call runs `print(1)`, so its time is the sandbox's overhead: the call's socket to the zygote, the
-supervisor's fork and request, its mount and PID namespaces and tmpfs, the memory cgroup's limit, the runner's
-fork, its IPC/network/UTS/user namespaces, /proc, capabilities, limits, keyring and seccomp filter, the code, its
-exit (its PID namespace's end) and the answer. Reported: median, p90 and p99 of the round trip (and the
-supervisor's set-up and the runner's fork-to-exit within it), calls/s from N threads, and, for scale, a fresh
+Every call runs `print(1)`, so its time is the sandbox's overhead: the call's socket to the zygote and on to the
+spare supervisor set up before the call (its mount and PID namespaces and tmpfs, its runner forked into the call's
+memory cgroup with its IPC/network/UTS namespaces and /proc; the zygote then forks the next spare), the request,
+the cgroup's limit, the runner's uid, user namespace, capabilities, limits, keyring and seccomp filter, the code,
+its exit (its PID namespace's end) and the answer. Reported: median, p90 and p99 of the round trip (and the
+request's share of the set-up, and request-to-exit), calls/s from N threads, and, for scale, a fresh
 `python -I -c pass`. The machine's load average is printed beside each run (other jobs share the CPU).
 """
 from __future__ import annotations
@@ -48,8 +49,8 @@ def sequential(sb: Sandbox, n: int) -> None:
         setup.append(r.setup_s)
         run.append(r.run_s)
     print(f"  one at a time      {ms(rt)}")
-    print(f"    supervisor set-up  {ms(setup)}")
-    print(f"    runner fork..exit  {ms(run)}")
+    print(f"    request's set-up   {ms(setup)}   (tmpfs size, cgroup limit: the rest is done before the call)")
+    print(f"    request..exit      {ms(run)}   (privilege drop, seccomp, the code, its PID namespace's end)")
 
 
 def concurrent(sb: Sandbox, n: int, threads: int) -> None:

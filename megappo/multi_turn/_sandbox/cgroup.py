@@ -147,12 +147,15 @@ class Slots:
         return 0
 
     def remove_all(self) -> None:
+        """rmdir every slot made; those still busy (a killed call's processes not yet gone) stay in `made`."""
         for slot in sorted(self.made):
             try:
                 os.rmdir(self.name(slot), dir_fd=self.dir_fd)
-            except OSError:
+            except FileNotFoundError:
                 pass
-        self.made.clear()
+            except OSError:
+                continue
+            self.made.discard(slot)
 
     def close(self) -> None:
         if self.dir_fd is not None:

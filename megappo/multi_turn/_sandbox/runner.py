@@ -9,11 +9,10 @@ import resource
 import signal
 import sys
 
-from _megappo_sandbox_kernel import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWUTS, KEYCTL_JOIN_SESSION_KEYRING,  # noqa
-                                     MS_NODEV, MS_NOEXEC, MS_NOSUID, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL,
-                                     PR_CAPBSET_DROP, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS,
-                                     PR_SET_PDEATHSIG, check, libc, load, mount, prctl, unshare,
-                                     write)
+from _megappo_sandbox_kernel import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWUTS,  # noqa: E402
+                                     KEYCTL_JOIN_SESSION_KEYRING, MS_NODEV, MS_NOEXEC, MS_NOSUID, PR_CAP_AMBIENT,
+                                     PR_CAP_AMBIENT_CLEAR_ALL, PR_CAPBSET_DROP, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS,
+                                     PR_SET_PDEATHSIG, check, libc, load, mount, prctl, unshare, write)
 
 seccomp = load("seccomp")
 CALL_UID = load("root").CALL_UID

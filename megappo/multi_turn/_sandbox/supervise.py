@@ -218,9 +218,13 @@ def _start(req: dict, call: dict, ctx: dict, slots) -> dict:
 
 
 def _write_all(fd: int, data: bytes) -> None:
+    """All of `data` to the runner; a runner whose set-up failed has left: its stderr says why."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass
 
 
 def main(chan_fd: int, ctx: dict, slots, wake: list[int]) -> None:
