@@ -12,14 +12,17 @@ prints one JSON line saying what held and serves CONTROL_FD (SOCK_SEQPACKET): ea
 socket (SCM_RIGHTS) and nothing else. The zygote never sees a call's code or output, so no call can find an
 earlier one in the memory it inherits.
 
-Per call, a supervisor (forked): reads the request (code and limits) from the call's socket, enters a mount and a
-PID namespace of its own with a fresh tmpfs on /tmp, sets the call's memory cgroup, forks the runner
-(`runner.py`: the PID namespace's first process), reads stdout and stderr as they come (head and tail kept), and at
-the code's exit, the wall deadline or the output cap kills the session; with its first process the PID namespace
-goes (every process of the call, setsid() or not). It answers on the call's socket, then exits: its mount and IPC
-namespaces, the call's tmpfs and SysV objects go with it. When the zygote stops (its trainer gone, or close()), it
-kills its supervisors (their runners die with them: PR_SET_PDEATHSIG), in root mode sweeps every process left with
-a call's uid, and removes its cgroups.
+Per call, a supervisor (`supervise.py`), forked before the call comes (the spare; the zygote forks the next one
+as it hands a call over): enters a mount and a PID namespace of its own with a fresh tmpfs on /tmp, forks the
+runner (`runner.py`: the PID namespace's first process, in the call's memory cgroup, with its own IPC, network and
+UTS namespaces and /proc), and waits. Handed the call's socket, it reads the request (code and limits), sets the
+tmpfs size and the cgroup's limit, passes the request to the runner (which drops every privilege and runs the
+code), reads stdout and stderr as they come (head and tail kept), and at the code's exit, the wall deadline or the
+output cap kills the session; with its first process the PID namespace goes (every process of the call, setsid()
+or not). It answers on the call's socket, then exits: its mount namespace and the call's tmpfs go with it, and the
+call's IPC namespace with its SysV objects went with the runner. When the zygote stops (its trainer gone, or
+close()), it kills its supervisors (their runners die with them: PR_SET_PDEATHSIG), in root mode sweeps every
+process left with a call's uid, and removes its cgroups.
 """
 from __future__ import annotations
 
