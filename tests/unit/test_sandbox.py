@@ -343,7 +343,8 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
     msg = str(e.value)
     assert "refusing to start the Python sandbox" in msg and "allow_network_unsandboxed" in msg
     assert "allow_filesystem_unsandboxed" in msg and "unshare" in msg and "user namespaces" in msg, msg
-    # accepted: limits and a temporary directory only, removed afterwards
+    # accepted: limits and a temporary directory only, removed afterwards (none made before a call comes)
+    before = {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")}
     with Sandbox(Limits(timeout_s=2, max_processes=64), python=python, allow_network_unsandboxed=True,
                  allow_filesystem_unsandboxed=True) as sb:
         assert sb.state["net"] is False and sb.state["fs"] is False
@@ -355,6 +356,10 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
         assert not os.path.exists(workdir)
         res = sb.run("import time\ntime.sleep(100)")
         assert res.timed_out
+    deadline = time.monotonic() + 3
+    while {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")} - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")} - before
 
 
 def test_unprivileged_user_namespace_mode(tmp_path, outside):
@@ -415,7 +420,6 @@ def test_venv_under_tmp(tmp_path):
     """An interpreter whose venv lives under /tmp: each call's own /tmp still holds it (bound back in), and its
     packages import."""
     import subprocess
-    import venv  # noqa: F401  (the module `python -m venv` runs)
 
     if not str(tmp_path).startswith("/tmp/"):
         pytest.skip(f"pytest's tmp_path {tmp_path} is not under /tmp")

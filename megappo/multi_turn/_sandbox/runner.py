@@ -122,16 +122,19 @@ def run(ctx: dict, req_r: int, out_w: int, err_w: int, procs_fd: int | None) -> 
         if procs_fd is not None:  # the call's memory cgroup, before anything of the call is allocated
             os.write(procs_fd, b"0")
         os.closerange(4, 1 << 16)  # nothing of the zygote's (its cgroup directory, sockets) stays open
-        os.chdir(ctx["workdir"])
+        if ctx["workdir"]:
+            os.chdir(ctx["workdir"])
         _prepare(ctx)
         req = _read_request(3)
+        workdir = req.get("workdir") or ctx["workdir"]
+        os.chdir(workdir)
         _drop(req, ctx)
     except BaseException as e:  # set-up failed: say so on the call's stderr
         try:
             os.write(2, f"sandbox: runner set-up failed: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(126)
-    _execute(req, ctx["workdir"])
+    _execute(req, workdir)
 
 
 def _execute(req: dict, workdir: str) -> None:

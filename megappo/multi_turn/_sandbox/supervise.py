@@ -176,15 +176,12 @@ def _set_up(ctx: dict, slots) -> dict:
     """Everything of a call that needs no request, done before one comes: its mount and PID namespaces, its tmpfs
     (the sandbox's disk_mb; resized to the request's), its cgroup, and the runner, forked and waiting for the
     request with its other namespaces made."""
+    workdir = None  # unsandboxed: a directory of the machine's /tmp, made when the call comes
     if ctx["fs"]:
         # The runner is the first process of a PID namespace: when it ends (exit or kill) the kernel kills every
         # other process of the call, and the runner's exit waits for them.
         unshare(CLONE_NEWNS | CLONE_NEWPID, "CLONE_NEWNS|CLONE_NEWPID")
         workdir = root.cover_tmp(ctx["disk_mb"], ctx["uid"], ctx["under_tmp"])
-    else:
-        import tempfile
-
-        workdir = tempfile.mkdtemp(prefix="megappo-sandbox-")
     procs_fd = slots.procs_fd(ctx["slot"]) if ctx["cgroup"] else None
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the code come here, to be reaped
     out_r, out_w = os.pipe()
@@ -207,6 +204,10 @@ def _start(req: dict, call: dict, ctx: dict, slots) -> dict:
     if ctx["fs"] and lim["disk_mb"] != ctx["disk_mb"]:
         mount("tmpfs", "/tmp", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, f"size={lim['disk_mb']}m")
     ooms = slots.limit(ctx["slot"], lim["memory_mb"] << 20) if ctx["cgroup"] else 0
+    if call["workdir"] is None:
+        import tempfile
+
+        call["workdir"] = req["workdir"] = tempfile.mkdtemp(prefix="megappo-sandbox-")
     data = json.dumps(req).encode()
     _write_all(call["req_w"], data)
     os.close(call["req_w"])
@@ -261,7 +262,7 @@ def main(chan_fd: int, ctx: dict, slots, wake: list[int]) -> None:
         sock.close()
     except OSError:
         pass  # the caller gave up on this call
-    if call is not None and not ctx["fs"]:
+    if call is not None and not ctx["fs"] and call["workdir"]:
         import shutil
 
         shutil.rmtree(call["workdir"], ignore_errors=True)
