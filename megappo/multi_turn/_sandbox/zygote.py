@@ -52,6 +52,7 @@ _live: dict[int, tuple[int, int]] = {}  # supervisor pid -> (its call's uid, its
 _wake: list[int] = []  # the zygote's SIGCHLD wake-up pipe (read end, write end)
 _next = 0
 _slots = None
+_MODE = None  # "root", "userns" or None: what held at start
 
 
 def _isolate(cfg: dict) -> dict:
@@ -118,16 +119,17 @@ def _memory_bound(slots, cfg: dict) -> dict:
 
 
 def _take(uid_base: int, uid_count: int) -> tuple[int, int]:
-    """A (uid, cgroup slot) no call in flight holds (a slot is reused only once its call has ended). With every
-    one taken, wait for a call to end."""
+    """A uid and a cgroup slot no call in flight holds: the uids in turn (a fresh one per call), the lowest free
+    slot (few cgroups made, each reused once its call has ended). With every one taken, wait for a call to end."""
     global _next
     while True:
-        held = {s for _, s in _live.values()}
+        uids = {u for u, _ in _live.values()}
+        slots = {s for _, s in _live.values()}
         for _ in range(uid_count):
             k = _next % uid_count
             _next += 1
-            if k not in held:
-                return uid_base + k, k
+            if uid_base + k not in uids:
+                return uid_base + k, min(set(range(len(slots) + 1)) - slots)
         _reap_supervisors(block=True, one=True)
 
 
@@ -152,7 +154,7 @@ def _stop(*_args) -> None:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if uid >= 0:
+        if _MODE == "root":
             supervise.sweep(uid)
     _reap_supervisors(block=True)
     if _slots is not None and _slots.active:
@@ -185,7 +187,6 @@ class _Spares:
 
     def _fork(self) -> tuple[int, socket.socket]:
         uid, slot = _take(self.uid_base, self.uid_count)
-        uid = uid if self.state["mode"] == "root" else -1
         if _slots.active:
             try:
                 _slots.ensure(slot)
@@ -196,7 +197,8 @@ class _Spares:
         if pid == 0:
             self.ctrl.close()
             ours.close()
-            supervise.main(theirs.detach(), dict(self.ctx, uid=uid, slot=slot), _slots, _wake)
+            supervise.main(theirs.detach(), dict(self.ctx, uid=uid if self.state["mode"] == "root" else -1,
+                                                 slot=slot), _slots, _wake)
         theirs.close()
         _live[pid] = (uid, slot)
         return pid, ours
@@ -256,7 +258,7 @@ def _serve(ctrl: socket.socket, parent: int, spares: _Spares) -> None:
 
 
 def main() -> None:
-    global _slots
+    global _slots, _MODE
     ctrl_fd, cfg = int(sys.argv[1]), json.loads(sys.argv[2])
     # This zygote's uids: a slice of its own, by its pid (no two live zygotes share one: other sandboxes, Ray
     # actors, other runs on the machine), since a call's uid must be its alone (the sweep kills all of its uid).
@@ -280,6 +282,7 @@ def main() -> None:
     if why_no_filter:
         state["why"].append(why_no_filter)
     state["memory"] = _memory_bound(_slots, cfg)
+    _MODE = state["mode"]
     under_tmp = [p for p in state["binds"] if p.startswith("/tmp/")]  # each call's /tmp covers them
     ctx = {"mode": state["mode"], "fs": state["fs"], "cgroup": _slots.active, "last_cap": last_cap,
            "under_tmp": under_tmp, "disk_mb": cfg["disk_mb"],
