@@ -96,7 +96,7 @@ def test_memory_is_bounded_in_all(sb, host, what):
         "tmpfs": "for i in range(8):\n    with open(f'/tmp/work/f{i}', 'wb') as f:\n        for _ in range(40):\n"
                  "            f.write(b'x' * (1 << 20))\nprint('survived: 1')",
         "children": "kids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
-                    "        x = bytearray(100 << 20)\n        time.sleep(3)\n        os._exit(0)\n"
+                    "        x = bytearray(100 << 20)\n        time.sleep(1.5)\n        os._exit(0)\n"
                     "    kids.append(pid)\nfor k in kids:\n    print('child:', os.waitpid(k, 0)[1])\n",
     }[what]
     res = go(sb, "import time\n" + code, Limits(**dict(LIMITS.__dict__, disk_mb=512)))
@@ -282,6 +282,16 @@ print('host:', os.uname().nodename, libc.sethostname(b'x', 1), ctypes.get_errno(
     assert out["NoNewPrivs"] == "1" and out["Seccomp"] == "2" and out["nosuid"] == "True", res
     assert out["setuid"] in ("-1 1", "-1 22") and out["oom"] == "1000" and out["oom lowered"] != "-1000", res
     assert out["host"] == "sandbox -1 1", res
+
+
+def test_oom_scores_put_the_sandbox_first(sb):
+    """The host's OOM killer takes a call (1000, checked inside by the test above), then the sandbox's own
+    processes, before the trainer."""
+    def score(pid) -> int:
+        with open(f"/proc/{pid}/oom_score_adj") as f:
+            return int(f.read())
+
+    assert score(sb.zygote_pid) > score("self") or score(sb.zygote_pid) == 1000
 
 
 def test_proc_sys_and_kernel_interfaces(sb, host):
