@@ -12,12 +12,14 @@ In a tool config file (recipes/tools/python_tool.yaml):
             description: Runs Python code and returns what it prints.
             parameters: {type: object, properties: {code: {type: string}}, required: [code]}
 
-Config keys (all optional): timeout_s (wall time per call), cpu_s, memory_mb (address space per process),
-max_processes, max_file_mb, disk_mb (the call's tmpfs), max_open_files, max_output_chars (the answer's length;
-the middle is cut, verl's "middle" side), truncate_side (left/right/middle), max_output_bytes (output past which the
-code is stopped), allow_network_unsandboxed, allow_filesystem_unsandboxed (run where the machine cannot isolate
-the code: see sandbox.py's docstring), hidden_paths (directories replaced by an empty one inside the sandbox;
-default /root, /home and /run, the interpreter's own directories bound back in). verl's SandboxFusion keys port:
+Config keys (all optional): timeout_s (wall time per call), cpu_s, memory_mb (the call's memory in all: its
+memory cgroup; also each process's address space), max_processes, max_file_mb, disk_mb (the call's tmpfs),
+max_open_files, max_output_chars (the answer's length; the middle is cut, verl's "middle" side), truncate_side
+(left/right/middle), max_output_bytes (output past which the code is stopped), readable_paths (files or
+directories of the machine the code may read, bound read-only at their paths; none by default),
+allow_network_unsandboxed, allow_filesystem_unsandboxed, allow_syscalls_unfiltered (run where the machine cannot
+isolate the code: see the README). hidden_paths is accepted and ignored (the sandbox shows an allow-list, so
+nothing needs hiding). verl's SandboxFusion keys port:
 default_timeout and memory_limit_mb are timeout_s and memory_mb; default_language must be python; the service's
 own (sandbox_fusion_url, num_workers, rate_limit, enable_global_rate_limit, type) are ignored with a warning.
 
@@ -35,14 +37,14 @@ import logging
 import signal
 from typing import Optional
 
-from megappo.multi_turn.sandbox import DEFAULT_HIDDEN_PATHS, Limits, RunResult, Sandbox, truncate
+from megappo.multi_turn.sandbox import Limits, RunResult, Sandbox, truncate
 from megappo.multi_turn.tools import BaseTool, ToolResult
 
 logger = logging.getLogger(__name__)
 _LIMIT_KEYS = ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_file_mb", "disk_mb", "max_open_files",
                "max_output_bytes")
 _OTHER_KEYS = ("max_output_chars", "truncate_side", "allow_network_unsandboxed", "allow_filesystem_unsandboxed",
-               "hidden_paths")
+               "allow_syscalls_unfiltered", "readable_paths", "hidden_paths")
 
 
 # verl's SandboxFusion tool config (recipe/retool/sandbox_fusion_tool_config.yaml), so its configs port as they are
@@ -64,6 +66,9 @@ class PythonTool(BaseTool):
                            "sandbox; ToolPool's max_workers bounds the calls at once)", ignored)
             for k in ignored:
                 self.config.pop(k)
+        if self.config.pop("hidden_paths", None) is not None:
+            logger.warning("PythonTool: hidden_paths is ignored: the sandbox shows the code only the interpreter's "
+                           "files and readable_paths")
         language = self.config.pop("default_language", "python")
         if language != "python":
             raise ValueError(f"PythonTool config: default_language {language!r}: this tool runs Python only")
@@ -84,7 +89,8 @@ class PythonTool(BaseTool):
                                allow_network_unsandboxed=bool(self.config.get("allow_network_unsandboxed", False)),
                                allow_filesystem_unsandboxed=bool(self.config.get("allow_filesystem_unsandboxed",
                                                                                  False)),
-                               hidden_paths=self.config.get("hidden_paths", DEFAULT_HIDDEN_PATHS))
+                               allow_syscalls_unfiltered=bool(self.config.get("allow_syscalls_unfiltered", False)),
+                               readable_paths=list(self.config.get("readable_paths") or []))
 
     def start(self) -> "PythonTool":
         """Start the sandbox now (else at the first call): a machine that cannot isolate fails here, saying why."""
@@ -123,6 +129,9 @@ class PythonTool(BaseTool):
             total = res.stdout_bytes + res.stderr_bytes
             return (f"Error: output limit exceeded ({total} bytes written, limit {lim.max_output_bytes}); "
                     "the program was killed.")
+        if res.memory_limited:
+            return (f"Error: out of memory (limit {lim.memory_mb} MB for the whole program, its processes, files and "
+                    "shared memory included); the program was killed.")
         if res.signal in (signal.SIGXCPU, signal.SIGKILL) and res.cpu_s >= lim.cpu_s - 0.05:
             return f"Error: CPU time limit exceeded ({lim.cpu_s} s); the program was killed."
         if res.signal is not None:
@@ -139,6 +148,7 @@ class PythonTool(BaseTool):
         return {"latency_s": res.latency_s, "timeout": float(res.timed_out), "error": float(failed),
                 "sandbox_error": float(bool(res.error)),
                 "exit_code": float(res.exit_code if res.exit_code is not None else -(res.signal or 1)),
+                "memory_limited": float(res.memory_limited),
                 "output_truncated": float(cut or res.output_limited
                                           or res.stdout_bytes + res.stderr_bytes > len(res.stdout) + len(res.stderr))}
 

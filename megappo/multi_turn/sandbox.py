@@ -1,62 +1,36 @@
 """Run untrusted Python code under limits: the sandbox behind the built-in Python tool.
 
 `Sandbox(limits).run(code)` runs `code` in a process of its own and returns a `RunResult` (output, exit, what
-limit it hit). Thread-safe: calls from several threads run at once, each in its own process.
+limit it hit). Thread-safe: calls from several threads run at once, each in its own process. The work is done by a
+zygote (`_sandbox/zygote.py`, standard library only, started with `python -I`); the README's "The sandboxed Python
+tool" says what each call gets. In short, per call:
 
-What holds, per call (the zygote `_zygote.py` does the work; its docstring says how). Two modes, picked by the
-zygote's euid; `Sandbox.state["mode"]` says which held:
+- file system: an allow-list root (`_sandbox/root.py`): the interpreter's own directories, the system's /usr, /lib*,
+  /bin, /sbin, generated /etc files, /dev's null, zero, full, random, urandom, the call's /proc, its own tmpfs
+  /tmp (`disk_mb`; working directory /tmp/work, HOME, TMPDIR, /dev/shm), and the `readable_paths` the config
+  names, all read-only but /tmp; nothing else of the machine;
+- namespaces of its own: mount, PID, IPC, network (no interface up), UTS, and a nested user namespace in which the
+  code is uid 1000, without capabilities (bounding set empty), under no_new_privs; as root the call also runs as
+  an unprivileged uid of its own (from the zygote's slice of `UID_SPACE`), so RLIMIT_NPROC counts its processes;
+- a seccomp filter (`_sandbox/seccomp.py`) refusing new namespaces, mounts, keyrings, bpf, ptrace, io_uring, ...;
+- a fresh session keyring; oom_score_adj 1000;
+- memory: one memory cgroup per call slot (`_sandbox/cgroup.py`), `memory_mb` in all, where the host allows one
+  (`state["memory"]` says which bound held); RLIMIT_AS per process as well;
+- CPU time, file size, open files, processes per call (rlimits), wall time and output caps (the supervisor);
+- the zygote never holds a call's code or output: each call's supervisor reads its request after the fork.
 
-- "root" (euid 0): the namespaces are made directly, and each call runs as an unprivileged uid of its own
-  (from the zygote's slice of `UID_SPACE`, at most `UID_SLICE` calls at once per sandbox), without capabilities;
-- "userns" (any other user, where unprivileged user namespaces are allowed): the namespaces are made inside a user
-  namespace in which the zygote is root (the user's uid mapped to 0); each call's runner enters a nested user
-  namespace (it owns none of the mounts, so it can remount nothing: the read-only flags are locked).
-
-The limits and isolation:
-
-- CPU time per process (RLIMIT_CPU: SIGKILL at the limit), address space per process (RLIMIT_AS: Python's
-  MemoryError), file size (RLIMIT_FSIZE: EFBIG), open files (RLIMIT_NOFILE), no core files;
-- processes (`max_processes`, threads included): RLIMIT_NPROC counts the processes of a uid, and root (with
-  CAP_SYS_RESOURCE) ignores it. Measured here: as root, 100 forks all succeed under RLIMIT_NPROC 16. So in "root"
-  mode each call has a uid of its own and the limit counts exactly that call's processes; in "userns" mode the
-  kernel (5.14+) counts a uid's processes per user namespace, and the runner sets the limit after entering its
-  nested one, so it counts that call's processes alone, concurrent calls apart (the test checks both);
-- wall time: the code leads a session of its own and is the first process of a PID namespace of its own; at
-  the deadline (or at its exit, or past the output cap) the session is SIGKILLed, and with the namespace's first
-  process the kernel kills every other process of the call (none can leave the namespace, setsid() or not)
-  before that exit completes. When the sandbox stops, root mode also sweeps every process of a call's uid;
-- no network: a network namespace with no usable interface (its loopback is down, and the code has no
-  capability to raise it);
-- file system: a mount namespace in which every mount is read-only (checked: the sandbox refuses to start if a
-  reachable mount stayed writable); a fresh tmpfs on /tmp per call (`disk_mb`) holds the working directory
-  /tmp/work (also HOME and TMPDIR) and /dev/shm, and vanishes with the call; the machine's /tmp is not visible, nor
-  are `hidden_paths` (default /root, /home and /run: empty read-only directories, the interpreter's own
-  directories bound back in); /proc is the call's own (its PID namespace's processes only); The rest of the file system stays readable, as the call's user may read it;
-- output: stdout and stderr are read as they come; the head and tail (`keep_bytes` each) are kept, the rest is
-  counted and dropped, and past `max_output_bytes` in total the code is stopped (`output_limited`).
-
-Not limited: the memory of a call in all (RLIMIT_AS is per process, so `max_processes` x `memory_mb` at most), and
-what the code reads (a cgroup per call would bound the first; see the README).
-
-Probed on the project's CI machine (a Firecracker VM, Linux 6.18, cgroup v1): we run as root with every
-capability; `unshare(CLONE_NEWNET)`, `CLONE_NEWNS`, `CLONE_NEWPID` and user namespaces (also for an unprivileged
-user: `setpriv --reuid=65534 unshare -U -r -n -m` works) all work; a network namespace costs ~1.5 ms and a mount
-namespace with a tmpfs ~1 ms. The cgroup v1 pids controller is mounted, but only its root cgroup exists
-(`pids.max` absent there); the per-call uid makes RLIMIT_NPROC hold instead, with no cgroup to create and remove
-per call.
-
-Where it cannot isolate (a container without CAP_SYS_ADMIN, a non-root user without user namespaces, not
-Linux), starting the sandbox raises `SandboxUnavailable` saying why, unless the config accepts it:
-`allow_network_unsandboxed` (the code may use the network) and `allow_filesystem_unsandboxed` (the code runs as
-this process's user in a temporary directory under the machine's /tmp, removed afterwards; it can write wherever
-that user can, RLIMIT_NPROC counts all of that user's processes (as root: none), and a setsid()-escaped process
-survives the call).
+Where it cannot isolate, starting raises `SandboxUnavailable` saying why, unless the config accepts it:
+`allow_network_unsandboxed`, `allow_filesystem_unsandboxed` (the code runs as this process's user in a temporary
+directory under the machine's /tmp, removed afterwards) and `allow_syscalls_unfiltered` (no seccomp filter: a
+machine other than x86_64 and aarch64, or a kernel without seccomp filters).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -64,17 +38,16 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
+logger = logging.getLogger(__name__)
+_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox", "zygote.py")
 _START_TIMEOUT_S = 30.0
 _ANSWER_GRACE_S = 5.0
 _ZYGOTE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH")  # what an interpreter may need to start
-# root's home, the users' homes, and /run (the user's D-Bus and systemd sockets: connect() to a socket file is not
-# stopped by a read-only mount, and a user's systemd can start processes outside the sandbox)
-DEFAULT_HIDDEN_PATHS = ("/root", "/home", "/run")
-MAX_REQUEST_BYTES = 100 * 1024  # code + limits, sent as one SOCK_SEQPACKET datagram (under the ~200 KB buffer)
+MAX_REQUEST_BYTES = 100 * 1024  # code + limits: a model's code past this is a runaway generation, not a program
 # root mode: the calls' uids. Each zygote takes a slice of UID_SLICE uids at UID_SPACE + (its pid mod 2^22) x
 # UID_SLICE (below 2^31: some tools read uids as signed), so no two live zygotes share a uid.
-UID_SPACE, UID_SLICE = 1_000_000_000, 256  # past the call's timeout: the supervisor's kill, sweep and answer
+UID_SPACE, UID_SLICE = 1_000_000_000, 256
+_warned_memory = False
 
 
 class SandboxUnavailable(RuntimeError):
@@ -85,7 +58,7 @@ class SandboxUnavailable(RuntimeError):
 class Limits:
     timeout_s: float = 10.0  # wall time of one call
     cpu_s: int = 10  # CPU seconds (all the call's threads; each process has its own count)
-    memory_mb: int = 1024  # address space of each process
+    memory_mb: int = 1024  # the call's memory in all (its memory cgroup); also each process's address space
     max_processes: int = 16  # processes (and threads) of the call at once, the first one included
     max_file_mb: int = 64  # largest file the code may write
     disk_mb: int = 128  # the call's tmpfs (working directory and /dev/shm) in all
@@ -108,27 +81,34 @@ class RunResult:
     signal: Optional[int] = None
     timed_out: bool = False  # past timeout_s
     output_limited: bool = False  # stopped past max_output_bytes
+    memory_limited: bool = False  # the call's memory cgroup killed a process of it (past memory_mb in all)
     stdout_bytes: int = 0  # all it wrote, kept or not
     stderr_bytes: int = 0
     cpu_s: float = 0.0
     run_s: float = 0.0  # from the runner's fork to its end
-    setup_s: float = 0.0  # supervisor's share before the code runs (mount namespace, tmpfs, pipes)
+    setup_s: float = 0.0  # supervisor's share before the code runs (namespaces, tmpfs, cgroup, pipes)
     latency_s: float = 0.0  # the caller's round trip
     error: Optional[str] = None  # the sandbox itself failed (not the code)
 
 
 class Sandbox:
     """A zygote process isolated once; `run` asks it for one call. `close()` (or the trainer's death) ends it and
-    every call in flight."""
+    every call in flight. `readable_paths`: files or directories of the machine the code may read (bound read-only
+    at their paths; none by default)."""
 
     def __init__(self, limits: Optional[Limits] = None, allow_network_unsandboxed: bool = False,
                  allow_filesystem_unsandboxed: bool = False, uid_base: int = UID_SPACE, uid_count: int = UID_SLICE,
-                 python: Optional[str] = None, hidden_paths: Sequence[str] = DEFAULT_HIDDEN_PATHS):
+                 python: Optional[str] = None, readable_paths: Sequence[str] = (),
+                 allow_syscalls_unfiltered: bool = False):
         self.limits = limits or Limits()
         self.allow_network_unsandboxed = allow_network_unsandboxed
         self.allow_filesystem_unsandboxed = allow_filesystem_unsandboxed
+        self.allow_syscalls_unfiltered = allow_syscalls_unfiltered
         self.uid_base, self.uid_count = uid_base, uid_count
-        self.hidden_paths = [str(p) for p in hidden_paths]
+        self.readable_paths = [os.path.abspath(str(p)) for p in readable_paths]
+        missing = [p for p in self.readable_paths if not os.path.exists(p)]
+        if missing:
+            raise ValueError(f"readable_paths that do not exist: {missing}")
         self.python = python or sys.executable  # the code's interpreter: the venv's, with its packages
         self._lock = threading.Lock()
         self._proc: Optional[subprocess.Popen] = None
@@ -153,8 +133,9 @@ class Sandbox:
                                          "allow_network_unsandboxed and allow_filesystem_unsandboxed to run code "
                                          "with limits only")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cmd = [self.python, "-I", _ZYGOTE, str(theirs.fileno()), "1", "1", str(self.uid_base), str(self.uid_count),
-               ":".join(self.hidden_paths)]
+        cfg = {"net": True, "fs": True, "uid_space": self.uid_base, "uid_count": self.uid_count,
+               "readable": self.readable_paths, "disk_mb": max(1, int(self.limits.disk_mb))}
+        cmd = [self.python, "-I", _ZYGOTE, str(theirs.fileno()), json.dumps(cfg)]
         # A clean environment: a process's first environment stays readable in /proc/self/environ after
         # os.environ is cleared, and the trainer's may hold secrets (API keys).
         env = {k: v for k, v in os.environ.items() if k in _ZYGOTE_ENV}
@@ -168,20 +149,28 @@ class Sandbox:
             _kill(proc)
             ours.close()
             raise SandboxUnavailable(f"the sandbox's zygote did not start: {e}") from None
-        why = "; ".join(state.get("why") or [])
+        problems = self._problems(state)
+        if problems:
+            ours.close()
+            _kill(proc)
+            why = "; ".join(state.get("why") or [])
+            raise SandboxUnavailable(f"refusing to start the Python sandbox: {'; '.join(problems)}. "
+                                     f"Why: {why or 'unknown'}")
+        self._proc, self._ctrl, self.state = proc, ours, state
+        _warn_memory(state)
+
+    def _problems(self, state: dict) -> list[str]:
         problems = []
         if not state["net"] and not self.allow_network_unsandboxed:
             problems.append("no network namespace, so the code could reach the network (set "
                             "allow_network_unsandboxed: true to accept that)")
         if not state["fs"] and not self.allow_filesystem_unsandboxed:
-            problems.append("no read-only mount namespace, so the code could write wherever this process's user "
-                            "can (set allow_filesystem_unsandboxed: true to accept that)")
-        if problems:
-            ours.close()
-            _kill(proc)
-            raise SandboxUnavailable(f"refusing to start the Python sandbox: {'; '.join(problems)}. "
-                                     f"Why: {why or 'unknown'}")
-        self._proc, self._ctrl, self.state = proc, ours, state
+            problems.append("no allow-list root in a mount namespace of its own, so the code could read and write "
+                            "what this process's user can (set allow_filesystem_unsandboxed: true to accept that)")
+        if not state.get("filter") and not self.allow_syscalls_unfiltered:
+            problems.append("no seccomp filter, so the code could make namespaces, mounts and keyrings of its own "
+                            "(set allow_syscalls_unfiltered: true to accept that)")
+        return problems
 
     def close(self) -> None:
         """End the zygote; it kills every call in flight (and their processes) before it exits."""
@@ -223,15 +212,15 @@ class Sandbox:
         limits = limits or self.limits
         t0 = time.monotonic()
         msg = json.dumps({"code": code, "limits": limits.as_request()}).encode()
-        if len(msg) > MAX_REQUEST_BYTES:  # one datagram to the zygote: a socket buffer's worth at most
+        if len(msg) > MAX_REQUEST_BYTES:
             return RunResult(error=f"the code is {len(code.encode())} bytes; the limit is {MAX_REQUEST_BYTES - 1024}")
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             for attempt in range(2):  # a zygote that died (killed from outside) is started again once
                 with self._lock:
                     self._start_locked()
-                    try:
-                        socket.send_fds(self._ctrl, [msg], [theirs.fileno()])
+                    try:  # the zygote gets the call's socket only; its supervisor reads the request from it
+                        socket.send_fds(self._ctrl, [b"c"], [theirs.fileno()])
                         break
                     except OSError as e:
                         _kill(self._proc)
@@ -239,7 +228,13 @@ class Sandbox:
                         if attempt:
                             return RunResult(error=f"sandbox unreachable: {e}", latency_s=time.monotonic() - t0)
             theirs.close()
-            data = _read_all(mine, limits.timeout_s + _ANSWER_GRACE_S)
+            deadline = time.monotonic() + limits.timeout_s + _ANSWER_GRACE_S
+            try:
+                mine.settimeout(_ANSWER_GRACE_S)
+                mine.sendall(struct.pack("<Q", len(msg)) + msg)
+            except OSError as e:
+                return RunResult(error=f"the sandbox did not take the request: {e}", latency_s=time.monotonic() - t0)
+            data = _read_all(mine, deadline - time.monotonic())
         finally:
             mine.close()
             if theirs.fileno() >= 0:
@@ -254,6 +249,15 @@ class Sandbox:
         if "error" in res:
             return RunResult(error=res["error"], latency_s=latency)
         return RunResult(latency_s=latency, **res)
+
+
+def _warn_memory(state: dict) -> None:
+    """Once per process: where no memory cgroup could be made, say what bounds a call's memory instead."""
+    global _warned_memory
+    mem = state.get("memory") or {}
+    if mem.get("cgroup") is None and state.get("fs") and not _warned_memory:
+        _warned_memory = True
+        logger.warning("Python sandbox: %s (why: %s)", mem.get("bound"), mem.get("why"))
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

@@ -15,39 +15,22 @@ import pytest
 from megappo.multi_turn.python_tool import PythonTool
 from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, SandboxUnavailable, truncate
 
+from _sandbox_host import busy_children, sandbox_processes
+
 pytestmark = pytest.mark.timeout(120)
 
 SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
-UID_BASE, UID_COUNT = UID_SPACE, (1 << 22) * UID_SLICE  # every sandbox's call uids (root mode)
 CONFIG = {"timeout_s": 3, "cpu_s": 1, "memory_mb": 512, "max_processes": 16, "max_file_mb": 8, "disk_mb": 32,
           "max_output_chars": 2000, "max_output_bytes": 1 << 20}
 
 
-def sandbox_processes() -> list[psutil.Process]:
-    """Live processes running as a sandbox uid (the per-call uids)."""
-    found = []
-    for p in psutil.process_iter(["uids", "status"]):
-        try:
-            if UID_BASE <= p.info["uids"].real < UID_BASE + UID_COUNT and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, TypeError):
-            continue
-    return found
-
-
 def assert_nothing_left(tool: PythonTool) -> None:
-    """No sandbox-uid process, and the zygote has no child (its supervisors answered and exited)."""
+    """No sandbox-uid process, and the zygote has no child but its spare (its supervisors answered and exited)."""
     deadline = time.monotonic() + 3.0
     while True:
         left = sandbox_processes()
-        children = []
-        for c in psutil.Process(tool.sandbox.zygote_pid).children(recursive=True):
-            try:
-                if c.status() != psutil.STATUS_ZOMBIE:
-                    children.append(c)
-            except psutil.NoSuchProcess:
-                continue
+        children = busy_children(tool.sandbox.zygote_pid)
         if not left and not children:
             return
         if time.monotonic() > deadline:
@@ -103,7 +86,7 @@ def test_normal_code_runs_and_is_fast(tool):
 def test_exception_is_an_answer(tool):
     res, _ = run(tool, "print('before')\n1/0")
     assert res.text.startswith("before\nstderr:\nTraceback") and "ZeroDivisionError" in res.text
-    assert "_zygote" not in res.text  # the traceback starts at the code
+    assert "_sandbox" not in res.text and "runner.py" not in res.text  # the traceback starts at the code
     assert res.text.rstrip().endswith("Exit code 1.") and res.metrics["error"] == 1
 
 
@@ -261,14 +244,16 @@ def test_the_run_goes_on_after_all_that(tool):
 
 
 def test_no_view_of_the_machine(monkeypatch):
-    """Its own /proc (its PID namespace's processes only), none of the trainer's environment, /root, /home and
-    /run empty."""
+    """Its own /proc (its PID namespace's processes only), none of the trainer's environment, and of the machine's
+    directories only the interpreter's and the system's (no /home, /run, /sys; /root holds the interpreter's prefix
+    alone when it lives there)."""
     monkeypatch.setenv("MEGAPPO_TEST_SECRET", "hunter2")
     code = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid())\n"
             "print('hunter2' in repr(dict(os.environ)))\n"
             "try:\n    print('hunter2' in open('/proc/self/environ').read())\n"
             "except OSError as e:\n    print('environ unreadable', e.strerror)\n"
-            "print([(p, sorted(os.listdir(p))) for p in ('/root', '/home', '/run')])\n")
+            "print([(p, sorted(os.listdir(p)) if os.path.isdir(p) else None) for p in ('/root', '/home', '/run', "
+            "'/sys')])\n")
     with Sandbox(Limits(timeout_s=10)) as sb:
         res = sb.run(code)
     lines = res.stdout.splitlines()
@@ -276,20 +261,34 @@ def test_no_view_of_the_machine(monkeypatch):
     assert lines[2] in ("False", "environ unreadable Permission denied"), res
     assert "hunter2" not in res.stdout
     for path, names in eval(lines[3]):
-        # empty, but for the interpreter's directories bound back in (the venv's python may live under /root)
-        assert all(os.path.realpath(sys.executable).startswith(os.path.join(path, n)) or
-                   sys.prefix.startswith(os.path.join(path, n)) for n in names), (path, names)
+        # absent, or only what leads to the interpreter (the venv's python may live under /root)
+        assert names is None or all(os.path.realpath(sys.executable).startswith(os.path.join(path, n)) or
+                                    sys.prefix.startswith(os.path.join(path, n)) for n in names), (path, names)
 
 
 def test_two_sandboxes_never_share_a_uid(tool):
-    """Each zygote's calls take uids from a slice of its own (the sweep kills every process of a call's uid)."""
-    code = "import os\nprint(os.getuid())"
+    """Each zygote's calls take uids from a slice of its own (the sweep kills every process of a call's uid); seen
+    from the machine, since inside its user namespace the code is uid 1000."""
+    import threading
+
+    def uids_of(call) -> list[int]:
+        seen: set[int] = set()
+        th = threading.Thread(target=call)
+        th.start()
+        while th.is_alive():
+            seen.update(p.info["uids"].real for p in sandbox_processes())
+            time.sleep(0.01)
+        return sorted(seen)
+
+    code = "import os, time\nprint(os.getuid())\ntime.sleep(0.3)"
     with Sandbox(Limits(timeout_s=5)) as other:
-        for sb_pid, uids in ((tool.sandbox.zygote_pid, [int(run(tool, code)[0].text) for _ in range(3)]),
-                             (other.zygote_pid, [int(other.run(code).stdout) for _ in range(3)])):
+        for sb_pid, call in ((tool.sandbox.zygote_pid, lambda: run(tool, code)),
+                             (other.zygote_pid, lambda: other.run(code))):
+            uids = [u for _ in range(3) for u in uids_of(call)]
             base = UID_SPACE + (sb_pid % (1 << 22)) * UID_SLICE
-            assert all(base <= u < base + UID_SLICE for u in uids), (sb_pid, uids)
+            assert len(uids) == 3 and all(base <= u < base + UID_SLICE for u in uids), (sb_pid, uids)
             assert len(set(uids)) == 3  # and a fresh one per call
+    assert run(tool, code)[0].text == "1000\n"
 
 
 def test_truncate_sides_match_verl():
@@ -344,7 +343,8 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
     msg = str(e.value)
     assert "refusing to start the Python sandbox" in msg and "allow_network_unsandboxed" in msg
     assert "allow_filesystem_unsandboxed" in msg and "unshare" in msg and "user namespaces" in msg, msg
-    # accepted: limits and a temporary directory only, removed afterwards
+    # accepted: limits and a temporary directory only, removed afterwards (none made before a call comes)
+    before = {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")}
     with Sandbox(Limits(timeout_s=2, max_processes=64), python=python, allow_network_unsandboxed=True,
                  allow_filesystem_unsandboxed=True) as sb:
         assert sb.state["net"] is False and sb.state["fs"] is False
@@ -356,6 +356,10 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
         assert not os.path.exists(workdir)
         res = sb.run("import time\ntime.sleep(100)")
         assert res.timed_out
+    deadline = time.monotonic() + 3
+    while {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")} - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")} - before
 
 
 def test_unprivileged_user_namespace_mode(tmp_path, outside):
@@ -375,11 +379,16 @@ def test_unprivileged_user_namespace_mode(tmp_path, outside):
     try:
         assert sb.state["mode"] == "userns" and sb.state["net"] and sb.state["fs"], sb.state
         res = sb.run(f"open({outside!r}, 'w').write('CHANGED')")
-        assert "Read-only file system" in res.stderr
+        assert "No such file or directory" in res.stderr  # not in its root at all
         res = sb.run("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                      "print(libc.unshare(0x00020000), libc.mount(None, b'/', None, 32 | 4096, None))\n"
-                     "open('/var/tmp/x', 'w')")  # its own mount namespace: the read-only mounts stay locked
-        assert "Read-only file system" in res.stderr, res
+                     "open('/usr/x', 'w')")  # no mount namespace of its own: the read-only mounts stay
+        assert res.stdout == "-1 -1\n" and "Read-only file system" in res.stderr, res
+        # no memory cgroup for an unprivileged user here: the bound is shmmax and no memfd (and RLIMIT_AS)
+        assert sb.state["memory"]["cgroup"] is None and "memfd_create refused" in sb.state["memory"]["bound"]
+        res = sb.run("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                     "print(libc.shmget(0, 512 << 20, 0o1600), ctypes.get_errno())\nos.memfd_create('x')")
+        assert res.stdout == "-1 22\n" and "Operation not permitted" in res.stderr, res
         res = sb.run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)")
         assert "Network is unreachable" in res.stderr
         fork = ("import os, time\nn = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n"
@@ -398,13 +407,61 @@ def test_unprivileged_user_namespace_mode(tmp_path, outside):
             assert f.read() == "untouched"
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            left = [c for c in psutil.Process(sb.zygote_pid).children(recursive=True)]
+            left = busy_children(sb.zygote_pid)
             if not left:
                 break
             time.sleep(0.05)
         assert not left, left
     finally:
         sb.close()
+
+
+def test_venv_under_tmp(tmp_path):
+    """An interpreter whose venv lives under /tmp: each call's own /tmp still holds it (bound back in), and its
+    packages import."""
+    import subprocess
+
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip(f"pytest's tmp_path {tmp_path} is not under /tmp")
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    site = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "megappo_venv_probe.py"), "w") as f:
+        f.write("VALUE = 42\n")
+    for p in [tmp_path, *[q for q in env_dir.rglob("*") if q.is_dir()], env_dir]:
+        os.chmod(p, 0o755)
+    with Sandbox(Limits(timeout_s=10), python=str(env_dir / "bin" / "python")) as sb:
+        res = sb.run("import sys, megappo_venv_probe\nprint(megappo_venv_probe.VALUE, sys.prefix)")
+    assert res.stdout == f"42 {env_dir}\n", res
+
+
+def test_refuses_without_a_seccomp_filter():
+    """No filter (another machine, or no CONFIG_SECCOMP_FILTER): refused unless allow_syscalls_unfiltered."""
+    from megappo.multi_turn._sandbox import __file__ as pkg
+
+    state = {"net": True, "fs": True, "filter": False}
+    assert Sandbox()._problems(state) == ["no seccomp filter, so the code could make namespaces, mounts and keyrings "
+                                          "of its own (set allow_syscalls_unfiltered: true to accept that)"]
+    assert Sandbox(allow_syscalls_unfiltered=True)._problems(state) == []
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_megappo_sandbox_kernel",
+                                                  os.path.join(os.path.dirname(pkg), "kernel.py"))
+    kernel = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kernel
+    spec.loader.exec_module(kernel)
+    seccomp = kernel.load("seccomp")
+    assert not seccomp.supported("riscv64") and seccomp.supported("aarch64") and seccomp.supported("x86_64")
+    for machine in ("x86_64", "aarch64"):
+        prog = seccomp.program(block_memfd=True, machine=machine)
+        assert prog[1][3] == seccomp.AUDIT_ARCH[machine] and prog[2][3] == seccomp.RET_KILL_PROCESS
+        assert all(0 <= jt < 256 and 0 <= jf < 256 for _, jt, jf, _ in prog) and len(prog) < 4096
+        denied = {k for c, _, _, k in prog if c == seccomp.JEQ}
+        assert {seccomp.SYSCALLS[machine][n] for n in ("unshare", "mount", "keyctl", "memfd_create")} <= denied
+        assert seccomp.SYSCALLS[machine]["memfd_create"] not in \
+            {k for c, _, _, k in seccomp.program(block_memfd=False, machine=machine) if c == seccomp.JEQ}
 
 
 def test_verl_sandbox_fusion_config_ports():
