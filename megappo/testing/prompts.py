@@ -52,19 +52,9 @@ def read_metrics(out_dir: str) -> list[dict]:
 def metrics_so_far(out_dir) -> list[dict]:
     """The rows of `<out_dir>/metrics.jsonl` of a run that may still be writing it: none before the file exists, and
     a line being written is left out."""
-    import json
+    from megappo.trainer.metrics import read_rows
 
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
+    return read_rows(str(out_dir))
 
 
 UNTIMED = ("timing/", "perf/")

@@ -132,12 +132,8 @@ def test_sigkill_at_any_moment_then_the_same_command_continues_exactly(reference
     assert read_metrics(str(out))[-1]["step"] == STEPS
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
-def test_preemption_signal_saves_exits_75_and_the_same_command_resumes(reference, tmp_path, sig):
-    """What Slurm sends before preemption or the time limit: the step in progress finishes, a checkpoint is
-    written, the run exits with 75 and says so in run_status.json; started again, it continues exactly."""
-    env, out, log = _env(tmp_path), tmp_path / "preempted", tmp_path / "preempted.log"
-    cmd = _command(out)
+def _interrupt_after_step_1(cmd, env, out, log, send) -> None:
+    """Start the run, `send(proc)` its signal just after step 1's row, and expect exit 75 (the step saved)."""
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -145,12 +141,21 @@ def test_preemption_signal_saves_exits_75_and_the_same_command_resumes(reference
         deadline = time.monotonic() + 300
         while not ready() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
-        proc.send_signal(getattr(signal, sig))
+        send(proc)
         assert proc.wait(120) == 75, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_saves_exits_75_and_the_same_command_resumes(reference, tmp_path, sig):
+    """What Slurm sends before preemption or the time limit: the step in progress finishes, a checkpoint is
+    written, the run exits with 75 and says so in run_status.json; started again, it continues exactly."""
+    env, out, log = _env(tmp_path), tmp_path / "preempted", tmp_path / "preempted.log"
+    cmd = _command(out)
+    _interrupt_after_step_1(cmd, env, out, log, lambda proc: proc.send_signal(getattr(signal, sig)))
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "preempted" and sig in status["reason"]
     stopped_at = status["step"]
@@ -173,19 +178,7 @@ def test_ctrl_c_saves_the_finished_step_exits_75_and_the_same_command_resumes(re
     # reward workers and the engine in a process of its own: helpers that a Ctrl-C reaches too
     cmd = _command(out) + ["reward_model.backend=process", "reward_model.num_workers=1",
                            "actor_rollout_ref.hybrid_engine=false"]
-    with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        ready = _after_row(out, 1, 0.05)
-        deadline = time.monotonic() + 300
-        while not ready() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(120) == 75, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    _interrupt_after_step_1(cmd, env, out, log, lambda proc: os.killpg(proc.pid, signal.SIGINT))
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
     assert [line for line in text.splitlines() if "Ctrl-C" in line] == [
