@@ -66,6 +66,7 @@ def _job(rank, world_size, hf_dir, tmp):
     cfg = load_config(RECIPE, [f"actor_rollout_ref.model.path={hf_dir}", "critic.model.lora.rank=4",
                                "critic.model.lora.alpha=8", "critic.model.lora.share_actor_base=true",
                                "critic.optim.lr=5e-2", "actor_rollout_ref.actor.optim.lr=5e-2",
+                               "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
                                f"trainer.default_local_dir={tmp}"])
     roles = build_roles(cfg, ps, plat, total_steps=4)
     actor, critic = roles.actor, roles.critic
