@@ -200,7 +200,10 @@ def test_cp2_matches_one_rank_with_a_sequence_level_loss(tmp_path):
     _gspo_matches_one_rank(tmp_path, [], ["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
 
 
-@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+# tir's alignment by model-token index is checked at DP2 by tests/unit/test_token_baseline_phase.py (the gather
+# is the same): its trainer run is in the long tier
+@pytest.mark.parametrize("name", ["optimal_token_baseline",
+                                  pytest.param("tir_optimal_token_baseline", marks=pytest.mark.long)])
 def test_dp2_optimal_token_baseline_matches_one_rank(tmp_path, name):
     """The optimal token baselines on recipes/cpu/tiny_grpo.yaml (groups of 4 sampled responses of different
     lengths, balanced over the ranks by workload, so a group's responses land on both): the advantage phase gathers
