@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 from megappo.multi_turn.parser import MARKUP, PARSERS, STOP_STRINGS, ToolCall
 from megappo.multi_turn.pool import ToolPool
-from megappo.multi_turn.template import ChatDelta, template_tools_problem
+from megappo.multi_turn.template import ChatDelta, TemplateIgnoresTools
 from megappo.multi_turn.tools import BaseTool, ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -343,10 +343,10 @@ def build_multi_turn(cfg, engine: RolloutEngine) -> MultiTurnEngine:
     tok_path = cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path
     tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=arr.model.trust_remote_code)
     tools = load_tools(arr.rollout.multi_turn.tool_config_path)
-    problem = template_tools_problem(tokenizer, [t.tool_schema for t in tools.values()])
-    if problem:  # said as a config error (the preflight could not check a tokenizer made or fetched later)
+    try:
+        loop = MultiTurnRollout(arr.rollout.multi_turn, tokenizer, tools, cfg.data.max_response_length)
+    except TemplateIgnoresTools as e:  # a config error: the preflight could not check a tokenizer made later
         from megappo.config import ConfigError
 
-        raise ConfigError([f"actor_rollout_ref.rollout.multi_turn.enable: {problem}"])
-    loop = MultiTurnRollout(arr.rollout.multi_turn, tokenizer, tools, cfg.data.max_response_length)
+        raise ConfigError([f"actor_rollout_ref.rollout.multi_turn.enable: {e}"]) from None
     return MultiTurnEngine(engine, loop)

@@ -89,6 +89,10 @@ def template_tools_problem(tokenizer, schemas: Optional[list[dict]]) -> Optional
             "point data.tokenizer / actor_rollout_ref.model.tokenizer_path at a tokenizer whose template does")
 
 
+class TemplateIgnoresTools(ValueError):
+    """The chat template does not show the model its tools (`template_tools_problem`)."""
+
+
 class ChatDelta:
     """The chat template's tokens around tool answers, given the tokenizer (its chat template) and the tools'
     schemas (the template's `tools=`)."""
@@ -98,7 +102,7 @@ class ChatDelta:
             raise ValueError("multi-turn rollouts need a tokenizer with a chat template (it renders the tool answers)")
         problem = template_tools_problem(tokenizer, tool_schemas)
         if problem:
-            raise ValueError(problem)
+            raise TemplateIgnoresTools(problem)
         self.tokenizer, self.schemas = tokenizer, tool_schemas or None
         self.tool_text = ToolText(tokenizer, markup)
         self.eos_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
