@@ -12,12 +12,14 @@ from megappo.trainer.metrics import one_per_step, read_steps
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_recipe(recipe: str, out: Path, *overrides: str, nproc: int = 1, timeout: float = 600) -> list[dict]:
-    """Train `recipe` into `out` (one process, or torchrun with `nproc` ranks); its metrics, one row per step (a
-    rolled-back attempt's row aside: `megappo.trainer.metrics.read_rows` has those). Asserts exit 0."""
+def run_recipe(recipe: str, out: Path, *overrides: str, nproc: int = 1, timeout: float = 600,
+               env: dict[str, str] | None = None) -> list[dict]:
+    """Train `recipe` into `out` (one process, or torchrun with `nproc` ranks; `env` over the environment); its
+    metrics, one row per step (a rolled-back attempt's row aside: `megappo.trainer.metrics.read_rows` has those).
+    Asserts exit 0."""
     home = out.parent / "empty_home"
     home.mkdir(exist_ok=True)
-    env = dict(os.environ, HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1")
+    env = {**os.environ, "HOME": str(home), "HF_HOME": str(home / "hf"), "OMP_NUM_THREADS": "1", **(env or {})}
     train = ["train", "--config", recipe, f"trainer.default_local_dir={out}", *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "megappo.cli", *train]

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import pytest
 
+from megappo.testing import golden
 from megappo.testing.recipes import learned, run_recipe
 from megappo.trainer.metrics import read_rows
 
 pytestmark = pytest.mark.e2e
 
 
-def test_main_job_learns(tmp_path):
+def test_main_job_learns_and_repeats_its_golden_metrics(tmp_path):
+    """The main job learns, and logs exactly its golden metrics (tests/golden/tiny_ppo.jsonl, megappo/testing/golden.py):
+    a change that moves a number fails here, unless it records the golden again in a commit that says why."""
     out = tmp_path / "tiny_ppo"
-    rows = run_recipe("recipes/cpu/tiny_ppo.yaml", out)
+    rows = run_recipe("recipes/cpu/tiny_ppo.yaml", out, env=golden.GOLDEN_ENV)
     assert [r["step"] for r in read_rows(str(out))] == list(range(21))  # no step rolled back
     gain = learned(rows)
     assert gain >= 0.3, [r.get("reward/mean") for r in rows]
@@ -24,6 +27,12 @@ def test_main_job_learns(tmp_path):
     assert (out / "tensorboard").is_dir() and (out / "synthetic" / "digit_max" / "model" / "config.json").is_file()
     assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "20"
     assert (out / "hf" / "actor" / "config.json").is_file()
+    header, want = golden.read("tiny_ppo")
+    diff = golden.differences(golden.strip_machine_keys(read_rows(str(out))), want)
+    if diff and header["cpu"] != golden.cpu_signature():
+        pytest.skip(f"the golden was recorded on {header['cpu']!r}, whose floats differ from this CPU's "
+                    f"({golden.cpu_signature()!r}) even under GOLDEN_ENV: {diff[:2]}")
+    assert not diff, "\n".join(diff)
 
 
 # tiny_ppo_one_step_off is tiny_ppo_async's schedule with W = 1 (tests/e2e/test_fully_async.py): the long tier

@@ -1,0 +1,191 @@
+"""Golden metrics: every CPU recipe's `metrics.jsonl`, recorded once and repeated bit for bit after any change
+that is meant to move no number (a reorganisation of the code).
+
+A golden file (`tests/golden/<name>.jsonl`) is one header line (the run: recipe, overrides, ranks; the CPU and
+torch that recorded it) and then the run's rows as logged, rolled-back attempts included, without the keys that
+describe the machine rather than the run (`timing/`, `perf/`).
+
+Float results depend on the CPU's instruction set (vector widths change summation order), so every run is made
+under `GOLDEN_ENV`: ATen's scalar kernels, MKL's conditional-numerical-reproducibility path that every x86 CPU
+takes the same way, one thread. Under it two CPUs of different vector widths should give the same bits; where a
+comparison still differs on another CPU than the recording one, `compare` says so rather than calling it a bug.
+
+`python tools/golden.py record|compare [NAME ...]` is the command line (`tools/golden.py --help`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from megappo.testing.recipes import REPO, run_recipe
+from megappo.trainer.metrics import read_rows
+
+GOLDEN_DIR = REPO / "tests" / "golden"
+MACHINE_KEYS = ("timing/", "perf/")
+GOLDEN_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1",
+              "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class GoldenRun:
+    """One recorded run: a recipe as a user launches it, with `overrides`, on `nproc` ranks."""
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    nproc: int = 1
+    needs_sglang: bool = False
+    timeout: float = 1200
+
+
+def _cpu_recipes() -> dict[str, GoldenRun]:
+    runs = {}
+    for path in sorted((REPO / "recipes" / "cpu").glob("*.yaml")):
+        nproc = 4 if path.stem == "tiny_ppo_tp2pp2" else 1  # the recipe's TP2 x PP2
+        runs[path.stem] = GoldenRun(f"recipes/cpu/{path.name}", nproc=nproc)
+    return runs
+
+
+# Every CPU recipe at its full length, and the main job with a real SGLang server as its rollout (short: the CPU
+# server's start-up dominates).
+RUNS: dict[str, GoldenRun] = {
+    **_cpu_recipes(),
+    "tiny_ppo_sglang": GoldenRun("recipes/cpu/tiny_ppo.yaml", (
+        "actor_rollout_ref.rollout.name=sglang", "trainer.total_training_steps=3", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.val_before_train=false"), needs_sglang=True),
+}
+
+
+def cpu_signature() -> str:
+    """The CPU model and its vector extensions, and torch's version: what float summation order depends on."""
+    import torch
+
+    flags, model = "", platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "fma"))))
+                    break
+    except OSError:
+        pass
+    return f"{model} | {flags} | torch {torch.__version__}"
+
+
+def strip_machine_keys(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith(MACHINE_KEYS)} for row in rows]
+
+
+def run(name: str, out: Path, sglang_python: Optional[str] = None) -> list[dict]:
+    """Train golden run `name` into `out` under `GOLDEN_ENV`; its rows (machine keys left out)."""
+    spec = RUNS[name]
+    overrides = list(spec.overrides)
+    if spec.needs_sglang:
+        if not sglang_python:
+            raise ValueError(f"{name} needs an SGLang environment: pass its python (--sglang-python)")
+        overrides.append(f"actor_rollout_ref.rollout.server_python={sglang_python}")
+    run_recipe(spec.recipe, out, *overrides, nproc=spec.nproc, timeout=spec.timeout, env=GOLDEN_ENV)
+    return strip_machine_keys(read_rows(str(out)))
+
+
+def path_of(name: str) -> Path:
+    return GOLDEN_DIR / f"{name}.jsonl"
+
+
+def write(name: str, rows: list[dict], directory: Path = GOLDEN_DIR) -> Path:
+    spec = RUNS[name]
+    header = {"golden": name, **asdict(spec), "cpu": cpu_signature(), "env": GOLDEN_ENV}
+    path = directory / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in [header, *rows]))
+    os.replace(tmp, path)
+    return path
+
+
+def read(name: str, directory: Path = GOLDEN_DIR) -> tuple[dict, list[dict]]:
+    """The golden file's header and rows."""
+    path = directory / f"{name}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no golden for {name!r} at {path}: record it with `python tools/golden.py record "
+                                f"{name}`")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return lines[0], lines[1:]
+
+
+def differences(got: list[dict], want: list[dict], limit: int = 10) -> list[str]:
+    """What differs between two runs' rows, key by key and bit for bit (floats compared as the JSON numbers they
+    were logged as), at most `limit` lines; [] when they are the same."""
+    out = []
+    if len(got) != len(want):
+        out.append(f"{len(got)} rows, the golden has {len(want)} (steps {[r.get('step') for r in got]} vs "
+                   f"{[r.get('step') for r in want]})")
+    for i, (g, w) in enumerate(zip(got, want)):
+        where = f"row {i} (step {w.get('step')})"
+        gone, new = sorted(set(w) - set(g)), sorted(set(g) - set(w))
+        if gone:
+            out.append(f"{where}: missing {gone}")
+        if new:
+            out.append(f"{where}: new keys {new}")
+        for key in sorted(set(g) & set(w)):
+            if g[key] != w[key] or type(g[key]) is not type(w[key]):
+                out.append(f"{where}: {key} = {g[key]!r}, golden {w[key]!r}")
+        if len(out) >= limit:
+            return out[:limit] + ["..."]
+    return out
+
+
+@dataclass
+class Outcome:
+    name: str
+    differences: list[str] = field(default_factory=list)
+    error: str = ""
+    other_cpu: str = ""  # the recording CPU, where it is not this one
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences and not self.error
+
+
+def record_one(name: str, sglang_python: Optional[str] = None, directory: Path = GOLDEN_DIR) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as tmp:
+        try:
+            rows = run(name, Path(tmp) / name, sglang_python)
+        except (AssertionError, Exception) as e:  # a failed run's output is the message
+            return Outcome(name, error=str(e)[-3000:])
+        write(name, rows, directory)
+    return Outcome(name)
+
+
+def compare_one(name: str, sglang_python: Optional[str] = None, directory: Path = GOLDEN_DIR,
+                keep: Optional[Path] = None) -> Outcome:
+    """Run `name` again and compare its rows with its golden. `keep`: leave the run's directory there."""
+    header, want = read(name, directory)
+    tmp = Path(tempfile.mkdtemp(prefix=f"golden-{name}-"))
+    try:
+        got = run(name, tmp / name, sglang_python)
+    except (AssertionError, Exception) as e:
+        return Outcome(name, error=str(e)[-3000:])
+    finally:
+        if keep is not None:
+            shutil.copytree(tmp, keep / name, dirs_exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    other = header["cpu"] if header["cpu"] != cpu_signature() else ""
+    return Outcome(name, differences(got, want), other_cpu=other)
+
+
+def run_all(names: list[str], one: Callable[[str], Outcome], jobs: int) -> list[Outcome]:
+    """`one` for each name, `jobs` at a time (multi-rank runs alone: they take the machine's cores)."""
+    single = [n for n in names if RUNS[n].nproc == 1]
+    multi = [n for n in names if RUNS[n].nproc > 1]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        outcomes = list(pool.map(one, single))
+    return outcomes + [one(n) for n in multi]

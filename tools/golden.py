@@ -1,0 +1,62 @@
+"""Record and compare golden metrics: every CPU recipe's metrics, bit for bit (megappo/testing/golden.py).
+
+    python tools/golden.py list
+    python tools/golden.py record [NAME ...]     # all runs without NAME; writes tests/golden/NAME.jsonl
+    python tools/golden.py compare [NAME ...]    # runs again; exit 1 when a number moved
+
+A change that is meant to move no number (a reorganisation) must compare clean; one that is meant to move numbers
+records the runs it moves again, in a commit of its own that says why. `--sglang-python` (or
+$MEGAPPO_SGLANG_PYTHON) is the SGLang environment's python for the runs that need one (skipped without it).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+from megappo.testing import golden
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/golden.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["list", "record", "compare"])
+    parser.add_argument("names", nargs="*", help=f"runs (default all): {', '.join(golden.RUNS)}")
+    parser.add_argument("--jobs", type=int, default=2, help="single-rank runs at a time (default 2)")
+    parser.add_argument("--sglang-python", default=os.environ.get("MEGAPPO_SGLANG_PYTHON"))
+    parser.add_argument("--dir", type=Path, default=golden.GOLDEN_DIR, help="where the golden files are")
+    parser.add_argument("--keep", type=Path, help="compare: keep each run's directory under KEEP/NAME")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in golden.RUNS]
+    if unknown:
+        parser.error(f"unknown run(s) {unknown}: choose from {', '.join(golden.RUNS)}")
+    names = args.names or list(golden.RUNS)
+    if args.action == "list":
+        for name, spec in golden.RUNS.items():
+            print(f"{name:22s} {spec.recipe} {' '.join(spec.overrides)}" + (f" ({spec.nproc} ranks)" * (spec.nproc > 1)))
+        return 0
+    skipped = [n for n in names if golden.RUNS[n].needs_sglang and not args.sglang_python]
+    names = [n for n in names if n not in skipped]
+    for name in skipped:
+        print(f"{name}: skipped (needs --sglang-python)")
+    if args.action == "record":
+        one = partial(golden.record_one, sglang_python=args.sglang_python, directory=args.dir)
+    else:
+        one = partial(golden.compare_one, sglang_python=args.sglang_python, directory=args.dir, keep=args.keep)
+    failed = 0
+    for outcome in golden.run_all(names, one, args.jobs):
+        if outcome.error:
+            print(f"{outcome.name}: FAILED TO RUN\n{outcome.error}")
+        elif outcome.differences:
+            note = f" (recorded on another CPU: {outcome.other_cpu})" if outcome.other_cpu else ""
+            print(f"{outcome.name}: DIFFERS{note}\n  " + "\n  ".join(outcome.differences))
+        else:
+            print(f"{outcome.name}: {'recorded' if args.action == 'record' else 'same'}")
+        failed += not outcome.ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
