@@ -53,7 +53,7 @@ def _publish(path: str, record: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megappo.rollout.sglang_server import SGLangServer, read_api_key_file
+    from megappo.rollout.sglang.server import SGLangServer, read_api_key_file
 
     if args.tp < 1:
         print(f"megappo rollout-server: --tp must be >= 1 (got {args.tp})", file=sys.stderr)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"megappo rollout-server: --api-key-file: {e}", file=sys.stderr)
             return 2
-    from megappo.rollout.sglang_deploy import SGLANG_CPU_VENV, SGLANG_INSTALL, sglang_missing
+    from megappo.rollout.sglang.deploy import SGLANG_CPU_VENV, SGLANG_INSTALL, sglang_missing
 
     problem = sglang_missing(args.python)
     if problem:

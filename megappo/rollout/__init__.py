@@ -8,7 +8,7 @@ __all__ = ["Completion", "HFEngine", "SamplingParams", "sample_next"]
 
 def __getattr__(name: str) -> Any:
     if name == "HFEngine":
-        from megappo.rollout.hf_engine import HFEngine
+        from megappo.rollout.hf.engine import HFEngine
 
         return HFEngine
     if name in ("Completion", "SamplingParams", "sample_next"):

@@ -267,7 +267,7 @@ def _check_engine(cfg: MegappoConfig, errors: list[str]) -> None:
 
 def _check_api_key_file(path: Optional[str], errors: list[str]) -> None:
     if path:
-        from megappo.rollout.sglang_server import read_api_key_file
+        from megappo.rollout.sglang.server import read_api_key_file
 
         try:
             read_api_key_file(path)

@@ -33,9 +33,9 @@ def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
     import inspect
 
     ro, arr = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref
-    classes = {"hf": ("megappo.rollout.hf_engine", "HFEngine") if arr.hybrid_engine else
-               ("megappo.rollout.hf_process", "HFProcessEngine"),
-               "sglang": ("megappo.rollout.sglang_engine", "SGLangEngine")}
+    classes = {"hf": ("megappo.rollout.hf.engine", "HFEngine") if arr.hybrid_engine else
+               ("megappo.rollout.hf.process", "HFProcessEngine"),
+               "sglang": ("megappo.rollout.sglang.engine", "SGLangEngine")}
     if ro.name not in classes:
         return None
     module, name = classes[ro.name]

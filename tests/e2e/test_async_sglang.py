@@ -55,8 +55,8 @@ def test_partial_rollout_on_sglang_continues_with_the_new_weights(sglang_python,
     import time
 
     from megappo.rollout import HFEngine, SamplingParams
-    from megappo.rollout.sglang_fleet import SGLangFleet
-    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.rollout.sglang.fleet import SGLangFleet
+    from megappo.rollout.sglang.server import SGLangServer
     from megappo.testing.hf_models import make_hf_model
     from megappo.trainer.async_rollout import Producer, _Job
 
@@ -111,7 +111,7 @@ def test_fully_async_loses_no_sample_to_a_server_killed_mid_generation(sglang_py
     import psutil
 
     from megappo.data.loader import EpochSampler
-    from megappo.rollout.sglang_engine import SGLangEngine
+    from megappo.rollout.sglang.engine import SGLangEngine
     from megappo.trainer import phases
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

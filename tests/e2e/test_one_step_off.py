@@ -186,5 +186,5 @@ def test_killed_or_preempted_then_resumed_is_the_uninterrupted_run(uninterrupted
     assert_same_rows(metrics_so_far(uninterrupted), metrics_so_far(out), ignore=("async/queue_size",))
     a, b = _weights(uninterrupted / "hf" / "actor"), _weights(out / "hf" / "actor")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not [p for p in subprocess.run(["pgrep", "-f", "megappo.rollout.hf_process"], capture_output=True,
+    assert not [p for p in subprocess.run(["pgrep", "-f", "megappo.rollout.hf.process"], capture_output=True,
                                           text=True).stdout.split() if p]

@@ -22,7 +22,7 @@ TOY = textwrap.dedent('''
     import torch.distributed as dist
 
     from megappo.rollout.base import LocalDeployment, RolloutEngine
-    from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.hf.engine import HFEngine
 
     CALLS = []
 

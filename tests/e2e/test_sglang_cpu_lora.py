@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.long]  # ~30 s: one server start o
 
 
 def test_sglang_cpu_backend_cannot_serve_lora(sglang_python, hf_model_dir):
-    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.rollout.sglang.server import SGLangServer
 
     model = hf_model_dir("qwen2")
     flags = ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "k_proj", "v_proj",

@@ -13,9 +13,9 @@ import psutil
 import pytest
 
 from megappo.rollout import HFEngine, SamplingParams
-from megappo.rollout.sglang_engine import SGLangEngine
-from megappo.rollout.sglang_fleet import SGLangFleet
-from megappo.rollout.sglang_server import SGLangServer
+from megappo.rollout.sglang.engine import SGLangEngine
+from megappo.rollout.sglang.fleet import SGLangFleet
+from megappo.rollout.sglang.server import SGLangServer
 from megappo.testing.completions import tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang]
@@ -67,8 +67,8 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
 
     # the real sglang-router in front of both: with other weights on the second server, each row's answer is one
     # of the two models', and both models answer (the router spread the rows); a wrong key is refused
-    from megappo.rollout.sglang_router import SGLangRouter
-    from megappo.rollout.sglang_server import http_json
+    from megappo.rollout.sglang.router import SGLangRouter
+    from megappo.rollout.sglang.server import http_json
 
     routed = make_hf_model("qwen2", str(tmp_path / "routed"), seed=3)
     SGLangEngine(servers[1].url).update_weights_from_disk(routed, version=1)
@@ -126,7 +126,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     # the trainer's whole sync in each mode (the health probe of the heal, then pause, send, resume, version check)
     # asks nothing that SGLang answers after a poll: not GET /health, whose handler looks for its one-token
     # generation after asyncio.sleep(1) (that second was the whole floor of a tiny model's sync)
-    from megappo.rollout.sglang_server import is_healthy
+    from megappo.rollout.sglang.server import is_healthy
     from megappo.trainer.rollout import RolloutWorker
 
     buckets = lambda: [tensors[i:i + 4] for i in range(0, len(tensors), 4)]  # noqa: E731 - `third`'s

@@ -27,8 +27,8 @@ import urllib.request
 import pytest
 
 from megappo.rollout import SamplingParams
-from megappo.rollout.sglang_engine import SGLangEngine
-from megappo.rollout.sglang_server import SGLangServer, free_port, http_json
+from megappo.rollout.sglang.engine import SGLangEngine
+from megappo.rollout.sglang.server import SGLangServer, free_port, http_json
 
 SGLANG = [pytest.mark.e2e, pytest.mark.sglang]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
@@ -38,7 +38,7 @@ import signal, sys, time
 # Ctrl-C raises KeyboardInterrupt even when this test runs with SIGINT ignored (inherited by a background job of a
 # non-interactive shell, e.g. `.ci/run &`), in which case Python would install no handler
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from megappo.rollout.sglang_server import SGLangServer
+from megappo.rollout.sglang.server import SGLangServer
 server = SGLangServer(sys.argv[1], python=sys.argv[2], port=int(sys.argv[3]))
 print(server.log.name, flush=True)
 server.start()
@@ -313,7 +313,7 @@ def test_a_failed_start_keeps_the_log_and_shows_its_tail(sglang_python, hf_model
 # -- the weight group's rendezvous (torch only) ----------------------------------------------------------------------
 PEER = """
 import sys, time, torch, torch.distributed as dist
-from megappo.rollout.weight_group import init_weight_group
+from megappo.rollout.sglang.weight_group import init_weight_group
 pg = init_weight_group("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, group_name="g", timeout=5)
 t = torch.zeros(3)
 dist.broadcast(t, src=0, group=pg)
@@ -328,7 +328,7 @@ def test_the_weight_group_listens_on_the_master_address_and_fails_fast():
     import torch
     import torch.distributed as dist
 
-    from megappo.rollout.weight_group import init_weight_group
+    from megappo.rollout.sglang.weight_group import init_weight_group
 
     port = free_port()
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port)], stdout=subprocess.PIPE, text=True)
@@ -358,7 +358,7 @@ def test_the_weight_group_listens_on_the_master_address_and_fails_fast():
 
 THREAD_PARENT = """
 import subprocess, sys, threading, time
-from megappo.rollout.sglang_server import REAPER
+from megappo.rollout.sglang.server import REAPER
 
 def start():
     subprocess.Popen([sys.executable, "-I", REAPER, str(__import__("os").getpid()), "--", "sleep", sys.argv[1]],

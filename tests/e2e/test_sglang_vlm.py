@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from megappo.rollout import HFEngine, SamplingParams
-from megappo.rollout.sglang_engine import SGLangEngine
-from megappo.rollout.sglang_server import SGLangServer
+from megappo.rollout.sglang.engine import SGLangEngine
+from megappo.rollout.sglang.server import SGLangServer
 from megappo.testing.completions import assert_same_completions
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.long]

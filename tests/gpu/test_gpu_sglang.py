@@ -54,7 +54,7 @@ def _buckets_on_cuda(model_dir: str, per_bucket: int = 4) -> list:
 
 
 def _server(model: str, python: str, tp: int = 1):
-    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.rollout.sglang.server import SGLangServer
 
     extra = ["--mem-fraction-static", "0.3"] + (["--tp", str(tp)] if tp > 1 else [])
     return SGLangServer(model, python=python, cuda=True, dtype="bfloat16", extra_args=extra)
@@ -66,7 +66,7 @@ def test_nccl_and_cuda_ipc_weight_sync(cuda_sglang_python, hf_model_dir, tmp_pat
     with exactly the new weights and the new version."""
     import torch
 
-    from megappo.rollout.sglang_fleet import SGLangFleet
+    from megappo.rollout.sglang.fleet import SGLangFleet
     from megappo.testing.hf_models import make_hf_model
 
     if torch.cuda.device_count() < tp:

@@ -56,9 +56,9 @@ def test_sglang_serves_the_synced_adapter(hf_model_dir, tmp_path):
     pytest.importorskip("peft")
     from megappo.config import load_config
     from megappo.platform import detect_platform
-    from megappo.rollout.sglang_fleet import SGLangFleet
-    from megappo.rollout.sglang_server import SGLangServer
-    from megappo.rollout.sglang_servers import lora_server_args
+    from megappo.rollout.sglang.fleet import SGLangFleet
+    from megappo.rollout.sglang.server import SGLangServer
+    from megappo.rollout.sglang.server_set import lora_server_args
 
     model = hf_model_dir("qwen2")
     cfg = load_config("recipes/cpu/tiny_ppo_lora.yaml", [f"actor_rollout_ref.model.path={model}",

@@ -18,8 +18,8 @@ import psutil
 import pytest
 import torch
 
-from megappo.rollout.hf_engine import HFEngine
-from megappo.rollout.hf_process import HFProcessEngine
+from megappo.rollout.hf.engine import HFEngine
+from megappo.rollout.hf.process import HFProcessEngine
 from megappo.rollout.sampling import SamplingParams
 from megappo.testing.completions import tokens
 from megappo.testing.procs import process_gone
@@ -223,7 +223,7 @@ def test_a_killed_child_fails_calls_clearly_and_close_leaves_no_process(hf_model
 
 PARENT = textwrap.dedent("""
     import sys, threading, torch
-    from megappo.rollout.hf_process import HFProcessEngine
+    from megappo.rollout.hf.process import HFProcessEngine
     from megappo.rollout.sampling import SamplingParams
 
     if __name__ == "__main__":
@@ -319,7 +319,7 @@ def test_a_child_that_cannot_load_the_model_raises_its_error_here(tmp_path):
 def test_deploy_takes_the_thread_budget_from_engine_kwargs(monkeypatch):
     from types import SimpleNamespace
 
-    import megappo.rollout.hf_process as hf_process
+    import megappo.rollout.hf.process as hf_process
 
     built = []
     monkeypatch.setattr(hf_process, "HFProcessEngine", lambda path, **kw: built.append((path, kw)) or "engine")
@@ -346,7 +346,7 @@ def test_a_closed_engine_leaves_nothing_for_the_resource_tracker_to_report(hf_mo
     script = tmp_path / "use_engine.py"
     script.write_text(textwrap.dedent(f"""
         from megappo.rollout import SamplingParams
-        from megappo.rollout.hf_process import HFProcessEngine
+        from megappo.rollout.hf.process import HFProcessEngine
 
         if __name__ == "__main__":
             engine = HFProcessEngine({hf_model_dir("qwen2")!r})

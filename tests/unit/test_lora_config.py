@@ -82,7 +82,7 @@ def test_adapter_sync_needs_a_lora_actor_on_gpu_sglang(overrides, words):
 
 def test_sglang_lora_flags_and_cpu_refusal():
     from megappo.platform import detect_platform
-    from megappo.rollout.sglang_servers import lora_server_args
+    from megappo.rollout.sglang.server_set import lora_server_args
 
     cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.lora_sync=adapter",
                                "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_fc2]"])

@@ -13,7 +13,7 @@ import pytest
 
 from megappo.cli import main
 from megappo.config import ConfigError, load_config
-from megappo.rollout import sglang_deploy as sd
+from megappo.rollout.sglang import deploy as sd
 from megappo.trainer import preflight as pf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ def _without_sglang() -> str:
 
 def test_sglang_missing_from_server_python_fails_fast_without_starting_servers(no_trainer, monkeypatch, capsys):
     python = _without_sglang()
-    import megappo.rollout.sglang_server as server_mod
+    import megappo.rollout.sglang.server as server_mod
 
     monkeypatch.setattr(server_mod.SGLangServer, "start", lambda *a, **k: pytest.fail("a server was started"))
     sd.sglang_missing.cache_clear()
@@ -119,7 +119,7 @@ def test_a_server_python_with_sglang_passes(tmp_path):
 
 def test_rollout_server_without_sglang_exits_2_naming_python_and_the_cpu_venv(monkeypatch, tmp_path, capsys):
     python = _without_sglang()
-    import megappo.rollout.sglang_server as server_mod
+    import megappo.rollout.sglang.server as server_mod
 
     monkeypatch.setattr(server_mod, "SGLangServer", lambda *a, **k: pytest.fail("a server was made"))
     url_file = tmp_path / "url.json"

@@ -98,7 +98,7 @@ def test_vlm_engine_in_its_own_process(vlm_dirs):
     """Images cross the process boundary; a weight sync in buckets of checkpoint names reaches the child."""
     from safetensors.torch import load_file
 
-    from megappo.rollout.hf_process import HFProcessEngine
+    from megappo.rollout.hf.process import HFProcessEngine
 
     a, b = vlm_dirs
     prompts, mms = _inputs()
@@ -128,7 +128,7 @@ def test_sglang_requests_carry_one_image_token_per_image_and_the_images():
 
     from PIL import Image
 
-    from megappo.rollout.sglang_engine import sglang_prompts
+    from megappo.rollout.sglang.engine import sglang_prompts
 
     prompts, mms = _inputs()
     for m in mms[:2]:

@@ -100,7 +100,7 @@ def test_a_sample_seed_follows_the_prompt_index_and_sample_index_not_the_request
 
 def _fake_sglang(monkeypatch) -> list:
     """SGLang's /generate answered in-process: each row's output is its sampling seed; the requests are recorded."""
-    from megappo.rollout import sglang_engine
+    from megappo.rollout.sglang import engine as sglang_engine
 
     requests: list = []
 
@@ -123,8 +123,8 @@ def _seeds(groups) -> list[list[int]]:
 
 def test_sglang_engines_send_each_row_its_sample_seed(monkeypatch):
     from megappo.rollout.seeds import row_seeds
-    from megappo.rollout.sglang_engine import SGLangEngine
-    from megappo.rollout.sglang_fleet import SGLangFleet
+    from megappo.rollout.sglang.engine import SGLangEngine
+    from megappo.rollout.sglang.fleet import SGLangFleet
 
     requests = _fake_sglang(monkeypatch)
     prompts = [[5, 6], [7], [8, 9, 10], [11]]

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megappo.rollout import sglang_server
-from megappo.rollout.sglang_fleet import SGLangFleet
+from megappo.rollout.sglang import server as sglang_server
+from megappo.rollout.sglang.fleet import SGLangFleet
 
 
 class _LoRAServer:

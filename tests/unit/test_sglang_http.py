@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megappo.rollout import sglang_server
-from megappo.rollout.sglang_server import http_json
+from megappo.rollout.sglang import server as sglang_server
+from megappo.rollout.sglang.server import http_json
 
 
 class _Server:
@@ -135,7 +135,7 @@ def test_a_server_that_is_gone_raises(pool):
 
 
 def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
-    from megappo.rollout.sglang_server import _direct
+    from megappo.rollout.sglang.server import _direct
 
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy",
                 "ALL_PROXY"):
@@ -155,7 +155,7 @@ def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
     (b'{"text": "a", "output_ids": [7]}', False),  # not a stream
 ])
 def test_the_health_probe_is_one_streamed_token_and_wants_the_whole_stream(pool, stream, healthy):
-    from megappo.rollout.sglang_server import is_healthy
+    from megappo.rollout.sglang.server import is_healthy
 
     server = _Server()
     server.stream = stream
@@ -173,8 +173,8 @@ NOT_FLUSHED = (400, b'{"success": false, "message": "Weights were updated, but t
 
 
 def test_a_refused_flush_after_a_disk_update_is_retried_until_the_scheduler_is_idle(pool, monkeypatch):
-    from megappo.rollout import sglang_engine
-    from megappo.rollout.sglang_engine import SGLangEngine
+    from megappo.rollout.sglang import engine as sglang_engine
+    from megappo.rollout.sglang.engine import SGLangEngine
 
     monkeypatch.setattr(sglang_engine, "_FLUSH_WITHIN_S", 0.2)
 

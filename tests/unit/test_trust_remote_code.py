@@ -44,7 +44,7 @@ def remote_dir(hf_model_dir, tmp_path, monkeypatch):
 
 
 def test_rollout_engine_runs_model_code_only_when_trusted(remote_dir):
-    from megappo.rollout.hf_engine import HFEngine
+    from megappo.rollout.hf.engine import HFEngine
 
     d, marker = remote_dir
     with pytest.raises(ValueError, match="trust_remote_code"):
@@ -68,7 +68,7 @@ def test_convert_verify_runs_model_code_only_when_trusted(remote_dir):
 
 def test_flags_reach_sglang_and_the_convert_command(tmp_path, capsys):
     from megappo.cli import main
-    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.rollout.sglang.server import SGLangServer
 
     servers = [SGLangServer(str(tmp_path)), SGLangServer(str(tmp_path), trust_remote_code=True)]  # not started
     for s in servers:
@@ -102,7 +102,7 @@ def test_the_trainer_rollout_passes_the_config_key(remote_dir):
         cfg.actor_rollout_ref.model.trust_remote_code = True
         worker = RolloutWorker(cfg, ps, platform)
         assert type(worker.engine.model).__name__ == "EvilForCausalLM" and marker.exists()
-        from megappo.rollout.sglang_deploy import server_kwargs
+        from megappo.rollout.sglang.deploy import server_kwargs
 
         assert server_kwargs(cfg, platform)["trust_remote_code"] is True  # what an SGLang server would be started with
     finally:

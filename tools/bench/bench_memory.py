@@ -183,7 +183,7 @@ def main() -> None:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra megappo override")
     p.add_argument("--trace", action="append", default=[], metavar="MODULE:QUALNAME",
                    help="print the resident set around every call of this function (repeatable), e.g. "
-                        "megappo.rollout.hf_engine:HFEngine.generate")
+                        "megappo.rollout.hf.engine:HFEngine.generate")
     p.add_argument("--malloc-trim", action="store_true", help="glibc malloc_trim(0) after every phase")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()

@@ -30,7 +30,7 @@ from megappo.config.schema import MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool
 from megappo.multi_turn.loop import MultiTurnRollout
 from megappo.rollout.base import RolloutEngine
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.tasks import tool_sum
 

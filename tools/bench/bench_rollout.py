@@ -114,7 +114,7 @@ def gloo_broadcast_gbps(nbytes: int, threads: int) -> float:
     """Rank 0 -> rank 1 over loopback TCP, two processes: what `distributed` mode's transport can carry at best."""
     import multiprocessing as mp
 
-    from megappo.rollout.sglang_server import free_port
+    from megappo.rollout.sglang.server import free_port
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
@@ -328,8 +328,8 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
     from megappo.models.builder import build_model
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.rollout import SamplingParams, sglang_engine, sglang_fleet
-    from megappo.rollout.sglang_fleet import SGLangFleet
-    from megappo.rollout.sglang_server import SGLangServer, is_healthy
+    from megappo.rollout.sglang.fleet import SGLangFleet
+    from megappo.rollout.sglang.server import SGLangServer, is_healthy
     from megappo.testing.hf_models import make_hf_model
     from megappo.trainer.checkpointing import write_actor_hf_dir
 
@@ -428,8 +428,8 @@ def run_sglang(args, python, hf_dir, work, cfg, buckets, views, modes, add_row, 
                plat) -> None:
     import psutil
 
-    from megappo.rollout.sglang_fleet import SGLangFleet
-    from megappo.rollout.sglang_server import SGLangServer
+    from megappo.rollout.sglang.fleet import SGLangFleet
+    from megappo.rollout.sglang.server import SGLangServer
     from megappo.trainer.checkpointing import write_actor_hf_dir
 
     server = SGLangServer(hf_dir, python=python, max_total_tokens=args.max_total_tokens,

@@ -26,7 +26,7 @@ import torch
 
 from megappo.data.multimodal import MultiModalInputs
 from megappo.rollout.base import LocalDeployment, RolloutEngine
-from megappo.rollout.hf_weights import HFWeightLoader
+from megappo.rollout.hf.weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
 from megappo.rollout.seeds import row_seeds
 
@@ -322,13 +322,13 @@ class HFEngine(RolloutEngine):
 def deploy(cfg, ps, platform) -> LocalDeployment:
     """rollout.name=hf: one engine per data-parallel replica, on its first rank, loaded from the actor's Hugging
     Face directory; each holder loads the weights into its own engine. In the trainer's process
-    (actor_rollout_ref.hybrid_engine, the default), else in a process of its own beside it (`hf_process.py`), which
+    (actor_rollout_ref.hybrid_engine, the default), else in a process of its own beside it (`hf/process.py`), which
     generates while the trainer trains (async_training)."""
     import torch.distributed as dist
 
     arr = cfg.actor_rollout_ref
     if not arr.hybrid_engine:
-        from megappo.rollout import hf_process
+        from megappo.rollout.hf import process as hf_process
 
         return hf_process.deploy(cfg, ps, platform)
     return LocalDeployment(

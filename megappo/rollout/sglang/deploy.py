@@ -3,7 +3,7 @@ client per data-parallel replica, weights streamed by global rank 0 into every s
 
 Each replica's first rank (the holder) generates through an `SGLangFleet` over all the run's servers (itself, or
 through sglang-router); global rank 0's fleet is the sync target. Before each sync, dead servers are restarted (or
-dropped) collectively (`ServerSet.heal`, sglang_servers.py) and every client is told, so the sync that follows gives a
+dropped) collectively (`ServerSet.heal`, sglang/server_set.py) and every client is told, so the sync that follows gives a
 restarted server the current weights.
 
 Light to import: the trainer's preflight calls `preflight` before torch is loaded.
@@ -30,7 +30,7 @@ def sglang_missing(python: str) -> Optional[str]:
     Cheap: the package is looked up, not imported (a few hundred milliseconds; the answer is kept per python)."""
     probe = "import importlib.util, sys; sys.exit(3 if importlib.util.find_spec('sglang') is None else 0)"
     try:
-        # as the server sees it (megappo.rollout.sglang_server): this environment, less PYTHONPATH
+        # as the server sees it (megappo.rollout.sglang.server): this environment, less PYTHONPATH
         done = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, timeout=60, env={**os.environ, "PYTHONPATH": ""})
     except (OSError, subprocess.SubprocessError) as e:
@@ -63,7 +63,7 @@ def preflight(cfg: Any) -> Optional[str]:
 def server_kwargs(cfg: Any, platform: Any) -> dict:
     """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
     extra_args: a list of further launch_server flags)."""
-    from megappo.rollout.sglang_servers import configured_api_key
+    from megappo.rollout.sglang.server_set import configured_api_key
 
     r = cfg.actor_rollout_ref.rollout
     dtype = r.dtype or str(platform.dtype).replace("torch.", "")
@@ -92,8 +92,8 @@ class SGLangDeployment(RolloutDeployment):
     def __init__(self, cfg: Any, ps: Any, platform: Any):
         import torch.distributed as dist
 
-        from megappo.rollout.sglang_fleet import SGLangFleet
-        from megappo.rollout.sglang_servers import ServerSet
+        from megappo.rollout.sglang.fleet import SGLangFleet
+        from megappo.rollout.sglang.server_set import ServerSet
 
         r = cfg.actor_rollout_ref.rollout
         self.servers = ServerSet(cfg, platform, server_kwargs(cfg, platform))

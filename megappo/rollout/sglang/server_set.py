@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
 from megappo.platform.device import Platform
-from megappo.rollout.sglang_server import SGLangServer, is_healthy, read_api_key_file
+from megappo.rollout.sglang.server import SGLangServer, is_healthy, read_api_key_file
 
 
 def _all_gather(obj: Any) -> list:
@@ -127,7 +127,7 @@ class ServerSet:
         return servers
 
     def _start_router(self) -> None:
-        from megappo.rollout.sglang_router import SGLangRouter
+        from megappo.rollout.sglang.router import SGLangRouter
 
         url = None
         if dist.get_rank() == 0:

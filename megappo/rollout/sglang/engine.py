@@ -28,7 +28,7 @@ import torch
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
-from megappo.rollout.sglang_server import _http, free_port, http_json, register_api_key
+from megappo.rollout.sglang.server import _http, free_port, http_json, register_api_key
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
@@ -111,7 +111,7 @@ def _distributed_body(bucket: Bucket, group_name: str, version: int,
     """The /update_weights_from_distributed request announcing `bucket`, and the tensors to broadcast after it in
     that order: one flat buffer (`flat_bucket`, kept in `staging` across calls) where the layout allows, else each
     tensor."""
-    from megappo.rollout.weight_staging import flat_bucket
+    from megappo.rollout.sglang.weight_staging import flat_bucket
 
     body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": True,
@@ -333,7 +333,7 @@ class SGLangEngine(RolloutEngine):
     def connect_weight_group(self, *, backend: str = "gloo", master_address: str = "127.0.0.1",
                              master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         """Create the process group (trainer = rank 0, server TP ranks 1..tp) that `update_weights` streams over."""
-        from megappo.rollout.weight_group import init_weight_group
+        from megappo.rollout.sglang.weight_group import init_weight_group
 
         port = master_port or free_port()
         body = {"master_address": master_address, "master_port": port, "rank_offset": 1,

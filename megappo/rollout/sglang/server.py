@@ -46,9 +46,9 @@ from typing import Any, Optional, Sequence
 from megappo.models.vlm.model_type import is_vlm_dir
 from megappo.platform.job_signals import job_signals_blocked
 
-REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+REAPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reaper.py")
 # runs `python -m sglang.launch_server ...` (or a router's `-c` launcher) with the job-wide signals ignored for good
-SHELTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ignore_job_signals.py")
+SHELTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ignore_job_signals.py")
 _API_KEYS: dict[str, str] = {}  # "scheme://host:port" -> the API key of the server there (set by servers, engines)
 _LIVE: dict[int, "SGLangServer"] = {}  # started, not yet stopped: the atexit hook stops them
 
@@ -294,7 +294,7 @@ def _status(url: str, api_key: str, timeout: float = 5) -> int:
         return 0
 
 
-_CPU_VLM_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_cpu_vlm.py")
+_CPU_VLM_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_vlm.py")
 
 
 class SGLangServer:
@@ -328,7 +328,7 @@ class SGLangServer:
             # server's weight load measured 1.5-2.5x faster on the 2-core machine (tools/bench/bench_rollout.py)
             self._args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
             if is_vlm_dir(model_path):
-                # sglang_cpu_vlm.py lets SGLang's Qwen-VL image processor import on CPU (see there); the warm-up
+                # sglang/cpu_vlm.py lets SGLang's Qwen-VL image processor import on CPU (see there); the warm-up
                 # request goes through a chat template, which a tiny test model lacks (megappo's health check is
                 # a one-token generation anyway)
                 self._launcher = ["-c", f"import runpy; runpy.run_path({_CPU_VLM_LAUNCHER!r}, run_name='__main__')"]

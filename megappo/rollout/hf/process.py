@@ -42,7 +42,7 @@ import torch
 
 from megappo.data.multimodal import MultiModalInputs
 from megappo.rollout.base import LocalDeployment, RolloutEngine
-from megappo.rollout.hf_engine import HFEngine
+from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
 PARENT_POLL_S = 0.2  # the child's getppid() watch
@@ -533,7 +533,7 @@ class HFProcessEngine(RolloutEngine):
         """Load checkpoint-named tensors (buckets of (name, tensor) pairs, or pairs) into the child's model as
         `version` (every parameter, or the child's ValueError); returns it. Each bucket is copied once into a shared
         staging buffer here and once into the parameters there; the caller may reuse its tensors on return."""
-        from megappo.rollout.weight_staging import SharedStaging
+        from megappo.rollout.sglang.weight_staging import SharedStaging
 
         channel = self._channel
         with self._update_lock:

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
-from megappo.rollout.sglang_engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
+from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
                                            begin_update, broadcast_buckets, end_update, sglang_prompts)
-from megappo.rollout.weight_staging import SharedStaging
-from megappo.rollout.sglang_server import free_port, http_json, is_healthy
+from megappo.rollout.sglang.weight_staging import SharedStaging
+from megappo.rollout.sglang.server import free_port, http_json, is_healthy
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
@@ -268,7 +268,7 @@ class SGLangFleet(RolloutEngine):
                              master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         """One group: the trainer (rank 0) and every live server's TP ranks. The rendezvous store listens on
         `master_address` only (default: set at construction, else 127.0.0.1)."""
-        from megappo.rollout.weight_group import init_weight_group
+        from megappo.rollout.sglang.weight_group import init_weight_group
 
         backend = backend or self.backend
         master_address = master_address or self.master_address

@@ -1,6 +1,6 @@
 """Launch SGLang's server for a Qwen2-VL / Qwen2.5-VL model on CPU (run in the server's own python, not megappo's):
 
-    python sglang_cpu_vlm.py --model-path DIR ...   (the arguments of `python -m sglang.launch_server`)
+    python sglang/cpu_vlm.py --model-path DIR ...   (the arguments of `python -m sglang.launch_server`)
 
 On CPU, SGLang's Qwen-VL image processor module (`sglang.srt.multimodal.processors.qwen_vl`) also imports the
 Qwen3.5 model, which at import time looks up `torch.ops.sgl_kernel.fused_sigmoid_mul_cpu` and other `*_cpu` kernels

@@ -17,7 +17,7 @@ import os
 import tempfile
 from typing import Optional, Sequence
 
-from megappo.rollout.sglang_server import SGLangServer, _status, http_json
+from megappo.rollout.sglang.server import SGLangServer, _status, http_json
 
 # Reads the router's argument list from a file (the API key among them), deletes it, runs the router.
 _LAUNCHER = ("import json, os, sys; f = sys.argv[1]; a = json.load(open(f)); os.unlink(f); "
