@@ -303,3 +303,11 @@ class FullyAsyncSource(RolloutSource):
         self.launched.clear()
         self.state.pending_position = None
 
+
+def rollout_source(run: Run, state: TrainState) -> RolloutSource:
+    """`async_training.mode`'s source of samples."""
+    mode = run.cfg.async_training.mode
+    if mode == "sync":
+        return RolloutSource(run, state)
+    # one_step_off is fully_async's schedule with a sync every step and one batch generated ahead
+    return FullyAsyncSource(run, state, window=1, ahead=1) if mode == "one_step_off" else FullyAsyncSource(run, state)

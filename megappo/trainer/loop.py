@@ -8,12 +8,13 @@ from typing import Optional
 from megappo.config.loader import estimator_needs
 from megappo.config.schema import MegappoConfig
 from megappo.trainer import checkpointing, dynamic_sampling, phases
+from megappo.trainer.async_rollout import rollout_source
 from megappo.trainer.build import rollback, setup, teardown
 from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
 from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest, write_status
 from megappo.trainer.run_lock import AlreadyFinished
-from megappo.trainer.rollout_source import RolloutSource, rollout_source
+from megappo.trainer.rollout_source import RolloutSource
 from megappo.trainer.state import Run
 
 

@@ -8,7 +8,7 @@
   Generation overlaps training when the engine runs beside the trainer (`actor_rollout_ref.hybrid_engine=false`: the
   in-process engine in its own process, SGLang servers). It is `fully_async`'s schedule (`async_rollout.py`) with a
   sync every step and one batch ahead.
-- `fully_async`: `async_rollout.FullyAsyncSource`.
+- `fully_async`: `async_rollout.FullyAsyncSource` (`async_rollout.rollout_source` picks the mode's source).
 
 Deterministic and exactly resumable: every batch has the seed of the step that trains on it, and the batches that
 are ready when a checkpoint is saved are part of it (`TrainState.ready`, with the data position before the batches
@@ -58,12 +58,3 @@ class RolloutSource:
     def close(self) -> None:
         """Before a rollback or the end: nothing is left in flight (a rolled-back run makes a new source)."""
 
-
-def rollout_source(run: Run, state: TrainState) -> RolloutSource:
-    mode = run.cfg.async_training.mode
-    if mode == "sync":
-        return RolloutSource(run, state)
-    from megappo.trainer.async_rollout import FullyAsyncSource
-
-    # one_step_off is fully_async's schedule with a sync every step and one batch generated ahead
-    return FullyAsyncSource(run, state, window=1, ahead=1) if mode == "one_step_off" else FullyAsyncSource(run, state)
