@@ -33,15 +33,13 @@ float32; an enabled ``rollout_is`` with a null threshold is a config error (verl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megappo.algos import aggregate_loss, masked_mean, policy_loss
-from megappo.algos.estimators import suggest
-from megappo.algos.rollout_presets import PRESETS
 
 __all__ = ["IS_LEVELS", "LOSS_TYPES", "RS_OPTIONS", "RolloutCorrection", "bypass_policy_loss",
            "compute_rollout_corr_metrics", "compute_rollout_correction", "reinforce_policy_loss"]
@@ -113,7 +111,8 @@ def _parse_rs(rollout_rs: Any, spec: Any) -> tuple[tuple[str, float | None, floa
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """``algorithm.rollout_correction.*``, verl's names and (YAML) defaults; validated on construction.
+    """``algorithm.rollout_correction.*`` with verl's names; the values (and their defaults) come from the config
+    section (``megappo.trainer.settings.rollout_correction``), and ``check`` is preflight's test of them.
 
     bypass_mode: False (decoupled): old log-probs are recomputed, correction runs once per batch on old vs rollout.
     True: old log-probs := rollout log-probs; the correction runs inside the loss (``bypass_policy_loss``).
@@ -121,19 +120,17 @@ class RolloutCorrection:
     applied (computed for metrics), rejection mask applied; ``reinforce`` -A * log pi * w (``reinforce_policy_loss``).
     """
 
-    rollout_is: str | None = None
-    rollout_is_threshold: str | float | None = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: str | float | None = None
-    bypass_mode: bool = False
-    loss_type: str = "ppo_clip"
-    preset: str | None = None  # the verl preset the fields started from (``rollout_presets``); informational
+    rollout_is: str | None
+    rollout_is_threshold: str | float | None
+    rollout_is_batch_normalize: bool
+    rollout_rs: str | None
+    rollout_rs_threshold: str | float | None
+    bypass_mode: bool
+    loss_type: str
+    preset: str | None  # the verl preset the fields started from (``megappo.config.rollout_presets``)
 
-    def __post_init__(self) -> None:
-        if self.preset is not None and self.preset not in PRESETS:
-            raise _bad("preset", f"unknown preset {self.preset!r}{suggest(str(self.preset), PRESETS)} "
-                                 f"(valid: {', '.join(PRESETS)})")
+    def check(self) -> None:
+        """Raise ValueError naming the key of the first value the math cannot take."""
         if self.rollout_is not in (None, *IS_LEVELS):
             raise _bad("rollout_is", f"got {self.rollout_is!r}; valid values: null, token, sequence")
         if self.rollout_is is not None and self.rollout_is_threshold is None:
@@ -147,14 +144,6 @@ class RolloutCorrection:
                 raise _bad(key, f"must be true or false, got {getattr(self, key)!r}")
         if self.loss_type not in LOSS_TYPES:
             raise _bad("loss_type", f"got {self.loss_type!r}; valid values: {', '.join(LOSS_TYPES)}")
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> RolloutCorrection:
-        """From a plain mapping of the config section (None: defaults); unknown keys are an error."""
-        cfg, names = dict(cfg or {}), [f.name for f in fields(cls)]
-        if unknown := sorted(set(cfg) - set(names)):
-            raise ValueError(f"unknown key(s) {', '.join(_KEY + k for k in unknown)}; valid keys: {', '.join(names)}")
-        return cls(**cfg)
 
     @property
     def is_bounds(self) -> tuple[float, float | None]:

@@ -105,7 +105,7 @@ def _apply(cfg: MegappoConfig, data: Mapping, source: str, overrides: Sequence[s
 
 def _preset_fields(name: str) -> dict[str, Any]:
     from megappo.algos.estimators import suggest
-    from megappo.algos.rollout_presets import PRESETS
+    from megappo.config.rollout_presets import PRESETS
 
     if name not in PRESETS:
         raise ValueError(f"algorithm.rollout_correction.preset: unknown preset {name!r}{suggest(name, PRESETS)} "

@@ -49,7 +49,7 @@ class RolloutCorrectionConfig:
     # true: no recompute, old log-probs are the rollout's and the correction runs inside the loss (loss_type)
     bypass_mode: bool = False
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass_mode only
-    # one of verl's named presets (README; megappo/algos/rollout_presets.py), e.g. decoupled_geo_rs_seq_tis: the
+    # one of verl's named presets (README; megappo/config/rollout_presets.py), e.g. decoupled_geo_rs_seq_tis: the
     # section starts from its fields, and the keys above set in the same recipe or command line override them
     preset: Optional[str] = None
 

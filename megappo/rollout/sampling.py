@@ -29,12 +29,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
     seed: Optional[int] = None  # the engine's generator seed for this request (None: the engine's stream)
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.n < 1:
-            raise ValueError(f"invalid sampling parameters {self}: need temperature >= 0, 0 < top_p <= 1, n >= 1")
-
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0 or self.top_k == 1
@@ -43,13 +37,6 @@ class SamplingParams:
     def logprob_temperature(self) -> float:
         """The temperature of the distribution that reported log-probs are under (see the module docstring)."""
         return 1.0 if self.is_greedy else float(self.temperature)
-
-    @classmethod
-    def from_rollout_config(cls, rollout, *, validate: bool = False, seed: Optional[int] = None) -> "SamplingParams":
-        """From `actor_rollout_ref.rollout` (or its `val_kwargs` when validate)."""
-        src = rollout.val_kwargs if validate else rollout
-        return cls(max_new_tokens=rollout.response_length, temperature=src.temperature, top_p=src.top_p,
-                   top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed)
 
 
 @dataclass

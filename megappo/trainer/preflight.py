@@ -241,17 +241,14 @@ def _check_placement(cfg: MegappoConfig, errors: list[str], launching: bool) -> 
 
 def _check_rollout_correction(cfg: MegappoConfig, errors: list[str]) -> None:
     """algorithm.rollout_correction's values (thresholds parse, options exist), as the math reads them."""
-    from dataclasses import asdict
-
     from megappo.config.schema import RolloutCorrectionConfig
 
-    section = cfg.algorithm.rollout_correction
-    if section == RolloutCorrectionConfig():
+    if cfg.algorithm.rollout_correction == RolloutCorrectionConfig():
         return  # the defaults (torch stays unloaded)
-    from megappo.algos.rollout_correction import RolloutCorrection
+    from megappo.trainer.settings import rollout_correction
 
     try:
-        RolloutCorrection(**asdict(section))
+        rollout_correction(cfg).check()
     except ValueError as e:
         errors.append(str(e))
 

@@ -50,7 +50,7 @@ def estimator_params(cfg: MegappoConfig) -> EstimatorParams:
 
 
 def rollout_correction(cfg: MegappoConfig) -> RolloutCorrection:
-    """algorithm.rollout_correction as the math's settings (checked: a bad value raises ValueError naming the key)."""
+    """algorithm.rollout_correction as the math's settings (preflight runs their `check`)."""
     return RolloutCorrection(**asdict(cfg.algorithm.rollout_correction))
 
 
@@ -114,4 +114,8 @@ def optim_settings(cfg: MegappoConfig, role: str, total_steps: int) -> OptimSett
 
 
 def sampling(cfg: MegappoConfig, *, validate: bool = False, seed: Optional[int] = None) -> SamplingParams:
-    return SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout, validate=validate, seed=seed)
+    """`actor_rollout_ref.rollout`'s sampling (its `val_kwargs` when validate; checked by the config's rules)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    src = rollout.val_kwargs if validate else rollout
+    return SamplingParams(max_new_tokens=rollout.response_length, temperature=src.temperature, top_p=src.top_p,
+                          top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed)

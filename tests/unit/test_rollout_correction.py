@@ -7,6 +7,7 @@ running verl 0.9.1's own rollout_corr_helper; nothing here needs verl or a netwo
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from megappo.algos.rollout_correction import (
     compute_rollout_correction,
     reinforce_policy_loss,
 )
+from megappo.config import load_config
+from megappo.config.schema import RolloutCorrectionConfig
 
 torch.set_num_threads(1)
 
@@ -29,6 +32,14 @@ DATA = torch.load(CASES_PATH, weights_only=False)
 OFFPOLICY_KEYS = {f"rollout_corr/{k}" for k in (
     "training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl", "log_ppl_diff",
     "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_token", "chi2_seq")}
+
+
+def _settings(**section) -> RolloutCorrection:
+    """The math's settings of a config section with these keys (the schema's defaults for the rest), checked as
+    preflight checks them."""
+    s = RolloutCorrection(**asdict(RolloutCorrectionConfig(**section)))
+    s.check()
+    return s
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +74,7 @@ def test_cases_are_verl_0_9_1():
 def test_matches_verl(index):
     case = DATA["cases"][index]
     inp = DATA["inputs"][case["input"]]
-    settings = RolloutCorrection(**case["settings"])
+    settings = _settings(**case["settings"])
     weights, mask, metrics = compute_rollout_correction(
         inp["old_log_probs"], inp["rollout_log_probs"], inp["response_mask"], settings,
         sum_across=_identity if case["distributed"] else None)
@@ -104,7 +115,7 @@ def test_all_masked_row_and_nan_padding(kw):
     mask[1] = 0
     old = torch.where(mask.bool(), old, torch.tensor(float("-inf")))  # what padding may hold
     rollout = torch.where(mask.bool(), rollout, torch.tensor(float("nan")))
-    weights, new_mask, metrics = compute_rollout_correction(old, rollout, mask, RolloutCorrection(**kw))
+    weights, new_mask, metrics = compute_rollout_correction(old, rollout, mask, _settings(**kw))
     assert torch.all(new_mask[1] == 0) and torch.all(new_mask <= mask)
     if weights is not None:
         assert torch.isfinite(weights).all() and torch.all(weights[~mask.bool()] == 0)
@@ -113,7 +124,7 @@ def test_all_masked_row_and_nan_padding(kw):
 
 @pytest.mark.parametrize("kw", ALL_ON)
 def test_no_valid_token_and_zero_length(kw):
-    s = RolloutCorrection(**kw)
+    s = _settings(**kw)
     for old, rollout, mask in [(torch.zeros(3, 5), torch.zeros(3, 5), torch.zeros(3, 5, dtype=torch.long)),
                                (torch.zeros(3, 0), torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.bool)),
                                (torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4))]:
@@ -132,7 +143,7 @@ def test_no_valid_token_and_zero_length(kw):
 def test_identical_policies(level):
     old, _, mask = _batch()
     tight = ",".join("1.000001" if o.endswith("k1") else "1e-9" for o in RS_OPTIONS)
-    s = RolloutCorrection(rollout_is=level, rollout_rs=",".join(RS_OPTIONS), rollout_rs_threshold=tight,
+    s = _settings(rollout_is=level, rollout_rs=",".join(RS_OPTIONS), rollout_rs_threshold=tight,
                           rollout_is_batch_normalize=True)
     weights, new_mask, m = compute_rollout_correction(old, old.clone(), mask, s)
     assert torch.equal(weights, mask.float()) and torch.equal(new_mask, mask)
@@ -153,7 +164,7 @@ def test_extreme_log_ratios_stay_finite(level, sign):
         old, rollout = old - 100.0, rollout - 1e4
     else:  # log-ratio ~ -1e4 and a trainer perplexity of e^1e4
         old = old - 1e4
-    s = RolloutCorrection(rollout_is=level, rollout_is_batch_normalize=True,
+    s = _settings(rollout_is=level, rollout_is_batch_normalize=True,
                           rollout_rs="token_k1,seq_sum_k3,seq_max_k2", rollout_rs_threshold="0.5_2,1,1")
     weights, new_mask, m = compute_rollout_correction(old, rollout, mask, s)
     assert torch.isfinite(weights).all() and all(math.isfinite(v) for v in m.values())
@@ -165,17 +176,17 @@ def test_tis_and_icepop_values():
     old = torch.zeros(1, 4)
     rollout = -torch.log(torch.tensor([[0.25, 1.0, 3.0, 10.0]]))  # ratios 0.25, 1, 3, 10
     mask = torch.ones(1, 4)
-    w, _, _ = compute_rollout_correction(old, rollout, mask, RolloutCorrection(rollout_is="token"))
+    w, _, _ = compute_rollout_correction(old, rollout, mask, _settings(rollout_is="token"))
     torch.testing.assert_close(w, torch.tensor([[0.25, 1.0, 2.0, 2.0]]))
-    w, _, m = compute_rollout_correction(old, rollout, mask, RolloutCorrection(rollout_is="token",
+    w, _, m = compute_rollout_correction(old, rollout, mask, _settings(rollout_is="token",
                                                                               rollout_is_threshold="0.5_5"))
     torch.testing.assert_close(w, torch.tensor([[0.0, 1.0, 3.0, 0.0]]))
     assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(0.5)
-    w, _, _ = compute_rollout_correction(old, rollout, mask, RolloutCorrection(rollout_is="sequence",
+    w, _, _ = compute_rollout_correction(old, rollout, mask, _settings(rollout_is="sequence",
                                                                               rollout_is_threshold=100.0))
     torch.testing.assert_close(w, torch.full((1, 4), 7.5))
     # k1 bounds act on -log(ratio) = log(pi_rollout / pi_old): "0.5_5" keeps ratios in [0.2, 2]
-    _, keep, _ = compute_rollout_correction(old, rollout, mask, RolloutCorrection(rollout_rs="token_k1",
+    _, keep, _ = compute_rollout_correction(old, rollout, mask, _settings(rollout_rs="token_k1",
                                                                                  rollout_rs_threshold="0.5_5"))
     assert keep.tolist() == [[1.0, 1.0, 0.0, 0.0]]
 
@@ -184,7 +195,7 @@ def test_tis_and_icepop_values():
 def test_batch_normalisation_across_shards(level):
     """sum_across over two shards gives the whole batch's normalisation (verl's distributed path)."""
     old, rollout, mask = _batch(B=4)
-    s = RolloutCorrection(rollout_is=level, rollout_is_batch_normalize=True)
+    s = _settings(rollout_is=level, rollout_is_batch_normalize=True)
     whole, _, m = compute_rollout_correction(old, rollout, mask, s, sum_across=_identity)
     partial: list[torch.Tensor] = []
     for sl in (slice(0, 1), slice(1, 4)):
@@ -199,7 +210,7 @@ def test_batch_normalisation_across_shards(level):
 
 def test_metrics_only_equals_correction_off():
     old, rollout, mask = _batch()
-    weights, new_mask, full = compute_rollout_correction(old, rollout, mask, RolloutCorrection())
+    weights, new_mask, full = compute_rollout_correction(old, rollout, mask, _settings())
     assert weights is None and torch.equal(new_mask, mask)
     only = compute_rollout_corr_metrics(old, rollout, mask)
     assert set(only) == set(full) == OFFPOLICY_KEYS and only == full
@@ -228,20 +239,19 @@ def test_metrics_only_equals_correction_off():
 ])
 def test_invalid_settings(kw, key, valid):
     with pytest.raises(ValueError) as err:
-        RolloutCorrection(**kw)
+        _settings(**kw)
     assert f"algorithm.rollout_correction.{key}" in str(err.value) and valid in str(err.value)
 
 
 def test_settings_defaults_and_mapping():
-    s = RolloutCorrection.from_mapping(None)
+    s = _settings()
     assert (s.rollout_is, s.rollout_is_threshold, s.rollout_rs, s.bypass_mode, s.loss_type) == (
         None, 2.0, None, False, "ppo_clip")
-    assert RolloutCorrection.from_mapping({"rollout_rs": "token_k1, seq_mean_k3,token_k1",
-                                           "rollout_rs_threshold": 2}).rs_specs == (
+    assert _settings(rollout_rs="token_k1, seq_mean_k3,token_k1", rollout_rs_threshold=2).rs_specs == (
         ("token_k1", 0.5, 2.0), ("seq_mean_k3", None, 2.0))
-    assert RolloutCorrection(rollout_is_threshold=" 0.5_4 ").is_bounds == (4.0, 0.5)
+    assert _settings(rollout_is_threshold=" 0.5_4 ").is_bounds == (4.0, 0.5)
     with pytest.raises(ValueError, match="algorithm.rollout_correction.rollout_is_treshold"):
-        RolloutCorrection.from_mapping({"rollout_is_treshold": 2.0})
+        load_config(overrides=["algorithm.rollout_correction.rollout_is_treshold=2.0"])
 
 
 def test_reinforce_loss_gradient():
@@ -263,7 +273,7 @@ def test_bypass_losses():
     old, rollout, mask = _batch(scale=0.5)
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
     rs = dict(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4")
-    s = RolloutCorrection(bypass_mode=True, loss_type="ppo_clip", rollout_is="token", **rs)
+    s = _settings(bypass_mode=True, loss_type="ppo_clip", rollout_is="token", **rs)
     logp = old.clone().requires_grad_(True)
     loss, metrics = bypass_policy_loss(logp, rollout, adv, mask, s, num_tokens=int(mask.sum()))
     _, eff_mask, corr = compute_rollout_correction(old, rollout, mask, s)
@@ -272,7 +282,7 @@ def test_bypass_losses():
     torch.testing.assert_close(loss, ref)  # no IS weights on the PPO ratio, rejected tokens dropped
     assert metrics == {**ref_metrics, **corr}
 
-    s = RolloutCorrection(bypass_mode=True, loss_type="reinforce", rollout_is="token", **rs)
+    s = _settings(bypass_mode=True, loss_type="reinforce", rollout_is="token", **rs)
     logp = old.clone().requires_grad_(True)
     loss, metrics = bypass_policy_loss(logp, rollout, adv, mask, s)
     loss.backward()
@@ -292,7 +302,7 @@ def test_bypass_loss_matches_verl(index):
     """verl's compute_policy_loss_bypass_mode, loss_scale_factor included (the B=1, T=4 example: -4/7 and +4/7)."""
     case = DATA["bypass_cases"][index]
     inp = DATA["bypass_inputs"][case["input"]]
-    s = RolloutCorrection(bypass_mode=True, loss_type=case["loss_type"], **case["correction"])
+    s = _settings(bypass_mode=True, loss_type=case["loss_type"], **case["correction"])
     logp = inp["log_prob"].clone().requires_grad_(True)
     loss, metrics = bypass_policy_loss(logp, inp["rollout_log_prob"], inp["advantages"], inp["response_mask"], s,
                                        agg_mode=case["agg"], norm_length=case["loss_scale_factor"])
@@ -308,7 +318,7 @@ def test_bypass_loss_splits_like_the_batch(loss_type, agg):
     """With the global counts and a constant norm_length, micro-batches cut to their own widths sum to the batch."""
     old, rollout, mask = _batch(B=4, R=6, scale=0.2)
     adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
-    s = RolloutCorrection(bypass_mode=True, loss_type=loss_type, rollout_is="token")
+    s = _settings(bypass_mode=True, loss_type=loss_type, rollout_is="token")
     counts = dict(num_tokens=int(mask.sum()), num_seqs=4, norm_length=6.0, agg_mode=agg)
 
     def run(rows_per_piece):
@@ -331,23 +341,23 @@ def test_bypass_loss_splits_like_the_batch(loss_type, agg):
 
 
 def test_presets_are_verls():
-    from megappo.algos.rollout_presets import PRESETS
+    from megappo.config.rollout_presets import PRESETS
 
     assert PRESETS == DATA["presets"] and len(PRESETS) == 19
     assert [c["name"] for c in DATA["preset_cases"]] == list(DATA["presets"])
     for name, fields in PRESETS.items():
-        RolloutCorrection(**fields, preset=name)  # every preset is a valid section
+        _settings(**fields, preset=name)  # every preset is a valid section
     with pytest.raises(ValueError, match="did you mean 'bypass_pg_is'"):
-        RolloutCorrection(preset="bypass_pg_iss")
+        load_config(overrides=["algorithm.rollout_correction.preset=bypass_pg_iss"])
 
 
 @pytest.mark.parametrize("index", range(len(DATA["preset_cases"])), ids=lambda i: DATA["preset_cases"][i]["name"])
 def test_preset_runs_as_verls(index):
     """Each preset as verl runs it: a bypass preset's loss and gradient, a decoupled one's weights, mask, metrics."""
-    from megappo.algos.rollout_presets import PRESETS
+    from megappo.config.rollout_presets import PRESETS
 
     case = DATA["preset_cases"][index]
-    s = RolloutCorrection(**PRESETS[case["name"]], preset=case["name"])
+    s = _settings(**PRESETS[case["name"]], preset=case["name"])
     if s.bypass_mode:
         inp = DATA["bypass_inputs"][2]
         logp = inp["log_prob"].clone().requires_grad_(True)

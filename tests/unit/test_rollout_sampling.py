@@ -48,11 +48,13 @@ def test_temperature_sharpens_and_flattens():
     assert cold < 0.05 < 0.35 < hot  # share of token 1: ~0.007 cold, ~0.45 hot
 
 
-@pytest.mark.parametrize("bad", [dict(max_new_tokens=0), dict(max_new_tokens=4, top_p=0.0),
-                                 dict(max_new_tokens=4, temperature=-1.0), dict(max_new_tokens=4, n=0)])
+@pytest.mark.parametrize("bad", ["data.max_response_length=0", "actor_rollout_ref.rollout.top_p=0.0",
+                                 "actor_rollout_ref.rollout.temperature=-1.0", "actor_rollout_ref.rollout.n=0"])
 def test_invalid_parameters_are_refused(bad):
-    with pytest.raises(ValueError):
-        SamplingParams(**bad)
+    from megappo.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
+        validate(load_config(None, [bad]))
 
 
 def test_which_distribution_a_log_prob_is_under_is_decided_once():
@@ -70,12 +72,13 @@ def test_which_distribution_a_log_prob_is_under_is_decided_once():
 
 def test_sampling_params_from_the_rollout_config():
     from megappo.config import load_config, resolve
+    from megappo.trainer import settings
 
     cfg = resolve(load_config(None, ["actor_rollout_ref.rollout.temperature=0.7", "actor_rollout_ref.rollout.top_k=5",
                                      "actor_rollout_ref.rollout.n=3", "data.max_response_length=12"]))
-    p = SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout, seed=4)
+    p = settings.sampling(cfg, seed=4)
     assert (p.temperature, p.top_k, p.n, p.max_new_tokens, p.seed, p.is_greedy) == (0.7, 5, 3, 12, 4, False)
-    v = SamplingParams.from_rollout_config(cfg.actor_rollout_ref.rollout, validate=True)
+    v = settings.sampling(cfg, validate=True)
     assert v.is_greedy and v.n == 1 and v.logprob_temperature == 1.0
 
 

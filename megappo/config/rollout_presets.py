@@ -11,7 +11,10 @@ sequence ratio leaves [0.5, 2] (``seq_sum_k1``); ``disabled``: metrics only.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
+
+from megappo.config.schema import RolloutCorrectionConfig
 
 __all__ = ["PRESETS"]
 
@@ -25,10 +28,10 @@ _BYPASS_PG = dict(bypass_mode=True, loss_type="reinforce")
 
 
 def _preset(*parts: dict[str, Any]) -> dict[str, Any]:
-    """The whole section: verl's dataclass defaults (its rollout_is default is never left in force: every preset
-    names one), then the parts."""
-    out: dict[str, Any] = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
-                               rollout_rs=None, rollout_rs_threshold=None, bypass_mode=False, loss_type="ppo_clip")
+    """The whole section: the schema's defaults (verl's dataclass defaults; every preset names its rollout_is), then
+    the parts."""
+    out = asdict(RolloutCorrectionConfig())
+    del out["preset"]
     for part in parts:
         out.update(part)
     return out
