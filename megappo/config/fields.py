@@ -1,4 +1,5 @@
-"""Reading the dataclass tree's type annotations: coercing recipe/CLI values, checking values, naming types.
+"""The schema's shared field types, and reading the dataclass tree's type annotations: coercing recipe/CLI values,
+checking values, naming types.
 
 Only the handful of annotation shapes the schema uses are supported: bool, int, float, str, Any, Literal[...],
 Optional/Union, list[X], dict[str, Any] and nested dataclasses ("groups").
@@ -11,6 +12,13 @@ import typing
 from typing import Any, Iterator, Literal, Union, get_args, get_origin
 
 _NONE = type(None)
+
+# Estimators of KL(actor || ref), per token; "+" variants use the value forward and k2's gradient backward.
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
+                 "low_var_kl+", "k3+"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+DType = Literal["bfloat16", "float16", "float32"]
 
 
 class ConfigError(ValueError):

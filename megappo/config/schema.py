@@ -4,6 +4,9 @@ Names, nesting and meanings follow verl's `ppo_megatron_trainer.yaml`, so a verl
 (`actor_rollout_ref.actor.use_kl_loss=true algorithm.kl_ctrl.type=adaptive`). Recipes under `recipes/` and
 command-line overrides only change values here; they never add keys.
 
+The rollout section's dataclasses are in `schema_rollout.py`, the trainer's and async_training's in
+`schema_trainer.py`; every one is importable from here.
+
 A field left `None` with a "resolved" comment is filled from another field by `megappo.config.loader.resolve`,
 the one place derived defaults live. Everything else is plain data: no imports of torch or megatron.
 """
@@ -12,12 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-# Estimators of KL(actor || ref), per token; "+" variants use the value forward and k2's gradient backward.
-KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+",
-                 "low_var_kl+", "k3+"]
-LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"]
-DType = Literal["bfloat16", "float16", "float32"]
+from megappo.config.fields import DType, KLKind, LossAggMode
+from megappo.config.schema_rollout import MultiTurnConfig, RolloutConfig, ValKwargsConfig
+from megappo.config.schema_trainer import AsyncTrainingConfig, GuardConfig, TrainerConfig
+
+__all__ = ["ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CriticConfig",
+           "CustomFunctionConfig", "CustomRewardFunctionConfig", "DType", "DataConfig", "FilterGroupsConfig",
+           "GuardConfig", "KLCtrlConfig", "KLKind", "LoRAConfig", "LossAggMode", "MegappoConfig", "MegatronConfig",
+           "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig", "RefConfig",
+           "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "SyntheticTaskConfig", "TrainerConfig",
+           "ValKwargsConfig"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -238,129 +245,6 @@ class RefConfig:
 
 
 @dataclass
-class ValKwargsConfig:
-    """Sampling used for validation generations: greedy by default, so validation scores are repeatable."""
-
-    n: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    do_sample: bool = False
-
-
-@dataclass
-class MultiTurnConfig:
-    """Multi-turn tool-calling rollouts (verl 0.9.1's `rollout.multi_turn`; megappo/multi_turn/loop.py): the model
-    writes a tool call (`format`), the trainer runs the tool and appends its answer as the chat template renders it,
-    and the model goes on, until it answers without a call, response_length tokens are spent over all turns, or a
-    turn limit is reached. Only the model's tokens are trained on (the tool answers' tokens are masked)."""
-
-    enable: bool = False
-    max_assistant_turns: Optional[int] = None  # None: no limit but response_length
-    max_user_turns: Optional[int] = None  # tool rounds; None: no limit but response_length
-    tool_config_path: Optional[str] = None  # YAML of verl's shape (megappo/multi_turn/tools.py)
-    max_parallel_calls: int = 1  # tool calls of one assistant turn that are run (later ones are dropped)
-    max_tool_response_length: int = 256  # characters of a tool answer the model reads
-    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
-    format: Literal["hermes"] = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5/3)
-    # strict: check each trajectory's tokens against the chat template applied to its final messages
-    # (multi_turn/template_mismatch_fraction); disable: skip the check
-    tokenization_sanity_check_mode: Literal["strict", "disable"] = "strict"
-    # the pool the tool calls run in (megappo/multi_turn/pool.py): thread, or ray (actors holding copies of the
-    # tools; one past a deadline is replaced); calls at once; a call's deadline (None: the tool's own timeout_s
-    # plus 5 s, or 60 s)
-    tool_backend: Literal["thread", "ray"] = "thread"
-    tool_workers: int = 32
-    tool_timeout_s: Optional[float] = None
-    # stop the run when the tool itself fails (raises, is not configured, its sandbox fails: tool/failure_fraction)
-    # on more than this fraction of the calls for max_tool_failure_steps steps in a row: a broken tool or tool
-    # config. The policy's own mistakes (failing code, bad arguments) never count: a model still learning makes
-    # them (null: never stop)
-    max_tool_failure_fraction: Optional[float] = 0.5
-    max_tool_failure_steps: int = 3
-
-
-@dataclass
-class RolloutConfig:
-    # The engine (megappo/rollout/registry.py): hf, megappo's in-process engine (works on CPU); sglang, SGLang
-    # servers the trainer starts (or server_urls), shared by every data-parallel replica.
-    name: str = "hf"
-    n: int = 1  # responses sampled per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): no top-k filtering
-    do_sample: bool = True  # false: greedy decoding
-    ignore_eos: bool = False  # keep generating past EOS up to response_length (throughput benchmarks)
-    prompt_length: Optional[int] = None  # resolved: data.max_prompt_length
-    response_length: Optional[int] = None  # resolved: data.max_response_length
-    dtype: Optional[DType] = None  # resolved: actor_rollout_ref.model.dtype
-    gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may take (weights + KV cache)
-    tensor_model_parallel_size: int = 1  # inference tensor parallel size of one engine replica
-    max_num_batched_tokens: int = 8192  # engine's per-step token budget
-    max_num_seqs: int = 1024  # engine's concurrent sequence limit
-    max_model_len: Optional[int] = None  # None: prompt_length + response_length
-    # release the KV cache while training, re-allocate before generating; the in-process hybrid engine (hf) of a
-    # full-parameter actor also frees its weights from each step's rollout to its weight sync (sync mode)
-    free_cache_engine: bool = True
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute micro batch
-    log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
-    log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as-is (e.g. SGLang args)
-    # sglang: URLs of running servers (http://host:port); empty: the trainer starts servers_per_node per node
-    server_urls: list[str] = field(default_factory=list)
-    # sglang, started servers: how many each node's first rank starts (server i on GPUs i*tp .. i*tp+tp-1);
-    # None: one per tensor_model_parallel_size GPUs of the node, one on a CPU node
-    servers_per_node: Optional[int] = None
-    # sglang: every health_check_interval_s the client has each server generate one token (`is_healthy`, timeout
-    # health_check_timeout_s); a server that fails it, or a request, is restarted or dropped. The first wait is
-    # server_start_timeout_s.
-    health_check_interval_s: float = 30.0
-    health_check_timeout_s: float = 5.0
-    # sglang, started servers: a dead one is restarted before the next weight sync, which gives it the current
-    # weights before it serves again; false: it is dropped (the others take its share)
-    restart_failed_servers: bool = True
-    # sglang: none: megappo spreads requests over the servers itself; sglang: through a real sglang-router that
-    # the trainer starts in front of them (installed beside SGLang; router_python, default server_python)
-    router: Literal["none", "sglang"] = "none"
-    router_policy: Literal["round_robin", "cache_aware", "power_of_two", "random"] = "round_robin"
-    router_python: Optional[str] = None
-    server_python: Optional[str] = None  # sglang: the python that has SGLang installed; None: this one
-    # sglang: the address a started server binds and is reached at; multi-node: this node's cluster address
-    server_host: str = "127.0.0.1"
-    api_key: Optional[str] = None  # sglang: the servers' API key; None: a random one per started server
-    # sglang: a file whose first line is that key, read at start (keeps it off command lines and out of
-    # --print-config); for servers started elsewhere (megappo rollout-server --api-key-file)
-    api_key_file: Optional[str] = None
-    server_start_timeout_s: float = 600.0  # sglang: longest wait for a started server (cold start, model load)
-    request_timeout_s: float = 600.0  # sglang: HTTP timeout of one generation request
-    sync_timeout_s: float = 60.0  # sglang: timeout of a weight-control call and of the weight group's collectives
-    # sglang, distributed sync: the address the trainer's rendezvous store listens on (only there); None:
-    # server_host (127.0.0.1 for local servers). Multi-node: an address of this node that the servers reach.
-    weight_sync_master_address: Optional[str] = None
-    # How the actor's weights reach the engine after each update. auto: in-process for hf, distributed for sglang.
-    # distributed: one broadcast per bucket over a group of the trainer and every server's ranks (NCCL on GPU, gloo
-    # on CPU); tensor: colocated servers take the tensors by handle (CUDA IPC; shared memory on CPU); disk: a
-    # Hugging Face directory in weight_sync_dir that the servers reload (the directory must be visible to them).
-    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = "auto"
-    # Tensors exported and sent at a time. The trainer keeps send buffers across syncs: distributed one bucket
-    # (flattened, one broadcast each); tensor on CPU two buckets of shared memory (/dev/shm; in Docker use
-    # --ipc=host or --shm-size).
-    weight_sync_bucket_mb: int = 512
-    weight_sync_dir: Optional[str] = None  # disk: where the export goes; None: <trainer.default_local_dir>/weight_sync
-    # A LoRA actor's sync (megappo's key). merged: the adapted layers' merged weights (W + alpha/r * B A) through
-    # weight_sync. adapter (sglang on GPU): a PEFT adapter directory in weight_sync_dir (visible to the servers) that
-    # each server loads (/load_lora_adapter, the previous one unloaded) and every request names: rank-r tensors
-    # instead of whole layers, the base stays as loaded. SGLang 0.5's CPU backend cannot serve LoRA (refused).
-    lora_sync: Literal["merged", "adapter"] = "merged"
-    # After every sync, compare each server's log-probs of fixed tokens with the trainer's and stop the run on a
-    # mismatch larger than verify_sync_atol (None: 1e-3 in float32, 5e-2 in 16-bit dtypes). Costs one forward.
-    verify_sync: bool = False
-    verify_sync_atol: Optional[float] = None
-    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-
-
-@dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True  # actor and rollout share GPUs, weights are resharded between phases
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -474,88 +358,6 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: Optional[str] = None  # Python file defining the function; None: the built-in registry by data_source
     name: str = "compute_score"  # fn(data_source, solution_str, ground_truth, extra_info) -> float | dict
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# trainer
-# ----------------------------------------------------------------------------------------------------------------
-@dataclass
-class GuardConfig:
-    """The tuning guide's rules for a run whose policy moves too far in one step, automated (megappo/trainer/guard.py).
-
-    A step whose `kl_metric` passes `kl_threshold`, or whose actor loss or gradient norm is NaN/Inf, is undone: the
-    last good checkpoint is restored (so rollback needs trainer.save_freq > 0; the guard then also saves step 0), the
-    actor's learning rate is multiplied by lr_factor, the KL coefficient by kl_coef_factor and the clip ratio by
-    clip_ratio_factor, and the step is tried again. After max_retries rollbacks without getting past the step, the
-    run stops with its last good checkpoint. Without checkpoints a tripped step stops the run."""
-
-    enable: bool = True
-    kl_threshold: float = 0.2  # a step whose kl_metric passes this is rolled back
-    kl_metric: str = "actor/ppo_kl"  # the step's metric compared with kl_threshold (e.g. kl/mean: KL to the reference)
-    epoch_kl_stop: Optional[float] = None  # skip a step's remaining PPO epochs once an epoch's actor/ppo_kl passes it
-    max_retries: int = 3  # rollbacks in a row (without passing the tripped step) before the run stops
-    lr_factor: float = 0.5  # actor learning rate multiplier per rollback
-    kl_coef_factor: float = 5.0  # kl_coef (in reward) / kl_loss_coef (as loss) multiplier per rollback: 0.001 -> 0.005
-    clip_ratio_factor: float = 0.5  # clip_ratio (low and high) multiplier per rollback: 0.2 -> 0.1
-
-
-@dataclass
-class TrainerConfig:
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
-    nnodes: int = 1
-    n_gpus_per_node: int = 8  # processes per node (CPU: ranks per node)
-    total_epochs: int = 30  # passes over the training prompts
-    total_training_steps: Optional[int] = None  # None: total_epochs * steps per epoch; set: caps the run
-    critic_warmup: int = 0  # steps that update only the critic
-    val_before_train: bool = True  # run validation once before the first step
-    test_freq: int = -1  # validate every N steps (and after the last); -1: no periodic validation
-    log_val_generations: int = 0  # validation samples printed/logged per validation
-    save_freq: int = -1  # checkpoint every N steps (and after the last); -1: never
-    max_ckpt_to_keep: Optional[int] = None  # oldest checkpoints deleted beyond this; None: keep all
-    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"  # auto: newest checkpoint in default_local_dir
-    resume_from_path: Optional[str] = None  # checkpoint to load when resume_mode is resume_path
-    default_local_dir: Optional[str] = None  # resolved: checkpoints/{project_name}/{experiment_name}
-    # A run owns default_local_dir (a lock on <dir>/.megappo.lock): a second run on it exits 1 naming the holder, or
-    # first waits up to this many seconds for it to go. 0 (interactive): fail at once; launch/slurm/*.sbatch set 300,
-    # so a requeued job waits out its previous incarnation's last seconds.
-    dir_lock_wait_s: float = 0.0
-    project_name: str = "megappo_examples"
-    experiment_name: str = "gsm8k"
-    # metrics.jsonl in default_local_dir is always written; these are the other sinks
-    logger: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console", "tensorboard"])
-    balance_batch: bool = True  # reorder samples so data-parallel ranks get similar token counts
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    # Save and stop (exit status 75, "requeue me") before this wall-clock time: ISO 8601 ("2026-12-04T06:00",
-    # local time unless it has an offset), seconds since the epoch, or "slurm" for the job's end time
-    # (SLURM_JOB_END_TIME). SIGTERM/SIGUSR1 do the same at once.
-    save_before_deadline: Optional[str] = None
-
-
-@dataclass
-class AsyncTrainingConfig:
-    """Rollouts that overlap training (megappo/trainer/rollout_source.py; verl's `async_training` names).
-
-    sync: each step generates its batch, then trains. one_step_off: the batch of step k+1 is generated, with the
-    weights step k started from, while step k trains; its samples are one update behind the policy that trains on
-    them (off-policy by one step: see algorithm.rollout_correction). fully_async: a producer keeps generating the
-    next steps' batches within a staleness budget (megappo/trainer/async_rollout.py), and the weights are synced
-    every trigger_parameter_sync_step steps. Overlap needs the engine beside the trainer:
-    actor_rollout_ref.hybrid_engine=false (the in-process engine then runs in its own process with
-    rollout.engine_kwargs.threads CPU threads; SGLang servers are always separate processes)."""
-
-    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
-    # fully_async: a step trains require_batches mini-batches (data.train_batch_size must be require_batches *
-    # actor.ppo_mini_batch_size prompts)
-    require_batches: int = 1
-    trigger_parameter_sync_step: int = 1  # fully_async: steps (local updates) between weight syncs, W
-    # fully_async: the fraction of a sync window's samples (W steps' worth) that may be generated ahead with the
-    # window before's weights: 0 none (no sample older than its window), 1 with W = 1 is one_step_off. A trained
-    # batch is then at most floor((W - 1 + floor(staleness_threshold * W)) / W) weight versions old; staler ones
-    # (generated under a looser threshold before a resume) are dropped and generated again.
-    staleness_threshold: float = 0.1
-    # fully_async: a weight sync aborts the generation in progress and continues its samples from their tokens
-    # with the new weights (instead of waiting for it); needs an engine that can abort (hf)
-    partial_rollout: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------------

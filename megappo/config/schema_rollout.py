@@ -1,0 +1,130 @@
+"""The configuration tree's `actor_rollout_ref.rollout` section (re-exported by `megappo.config.schema`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from megappo.config.fields import DType
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling used for validation generations: greedy by default, so validation scores are repeatable."""
+
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn tool-calling rollouts (verl 0.9.1's `rollout.multi_turn`; megappo/multi_turn/loop.py): the model
+    writes a tool call (`format`), the trainer runs the tool and appends its answer as the chat template renders it,
+    and the model goes on, until it answers without a call, response_length tokens are spent over all turns, or a
+    turn limit is reached. Only the model's tokens are trained on (the tool answers' tokens are masked)."""
+
+    enable: bool = False
+    max_assistant_turns: Optional[int] = None  # None: no limit but response_length
+    max_user_turns: Optional[int] = None  # tool rounds; None: no limit but response_length
+    tool_config_path: Optional[str] = None  # YAML of verl's shape (megappo/multi_turn/tools.py)
+    max_parallel_calls: int = 1  # tool calls of one assistant turn that are run (later ones are dropped)
+    max_tool_response_length: int = 256  # characters of a tool answer the model reads
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    format: Literal["hermes"] = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5/3)
+    # strict: check each trajectory's tokens against the chat template applied to its final messages
+    # (multi_turn/template_mismatch_fraction); disable: skip the check
+    tokenization_sanity_check_mode: Literal["strict", "disable"] = "strict"
+    # the pool the tool calls run in (megappo/multi_turn/pool.py): thread, or ray (actors holding copies of the
+    # tools; one past a deadline is replaced); calls at once; a call's deadline (None: the tool's own timeout_s
+    # plus 5 s, or 60 s)
+    tool_backend: Literal["thread", "ray"] = "thread"
+    tool_workers: int = 32
+    tool_timeout_s: Optional[float] = None
+    # stop the run when the tool itself fails (raises, is not configured, its sandbox fails: tool/failure_fraction)
+    # on more than this fraction of the calls for max_tool_failure_steps steps in a row: a broken tool or tool
+    # config. The policy's own mistakes (failing code, bad arguments) never count: a model still learning makes
+    # them (null: never stop)
+    max_tool_failure_fraction: Optional[float] = 0.5
+    max_tool_failure_steps: int = 3
+
+
+@dataclass
+class RolloutConfig:
+    # The engine (megappo/rollout/registry.py): hf, megappo's in-process engine (works on CPU); sglang, SGLang
+    # servers the trainer starts (or server_urls), shared by every data-parallel replica.
+    name: str = "hf"
+    n: int = 1  # responses sampled per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k filtering
+    do_sample: bool = True  # false: greedy decoding
+    ignore_eos: bool = False  # keep generating past EOS up to response_length (throughput benchmarks)
+    prompt_length: Optional[int] = None  # resolved: data.max_prompt_length
+    response_length: Optional[int] = None  # resolved: data.max_response_length
+    dtype: Optional[DType] = None  # resolved: actor_rollout_ref.model.dtype
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory the engine may take (weights + KV cache)
+    tensor_model_parallel_size: int = 1  # inference tensor parallel size of one engine replica
+    max_num_batched_tokens: int = 8192  # engine's per-step token budget
+    max_num_seqs: int = 1024  # engine's concurrent sequence limit
+    max_model_len: Optional[int] = None  # None: prompt_length + response_length
+    # release the KV cache while training, re-allocate before generating; the in-process hybrid engine (hf) of a
+    # full-parameter actor also frees its weights from each step's rollout to its weight sync (sync mode)
+    free_cache_engine: bool = True
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None  # old-log-prob recompute micro batch
+    log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as-is (e.g. SGLang args)
+    # sglang: URLs of running servers (http://host:port); empty: the trainer starts servers_per_node per node
+    server_urls: list[str] = field(default_factory=list)
+    # sglang, started servers: how many each node's first rank starts (server i on GPUs i*tp .. i*tp+tp-1);
+    # None: one per tensor_model_parallel_size GPUs of the node, one on a CPU node
+    servers_per_node: Optional[int] = None
+    # sglang: every health_check_interval_s the client has each server generate one token (`is_healthy`, timeout
+    # health_check_timeout_s); a server that fails it, or a request, is restarted or dropped. The first wait is
+    # server_start_timeout_s.
+    health_check_interval_s: float = 30.0
+    health_check_timeout_s: float = 5.0
+    # sglang, started servers: a dead one is restarted before the next weight sync, which gives it the current
+    # weights before it serves again; false: it is dropped (the others take its share)
+    restart_failed_servers: bool = True
+    # sglang: none: megappo spreads requests over the servers itself; sglang: through a real sglang-router that
+    # the trainer starts in front of them (installed beside SGLang; router_python, default server_python)
+    router: Literal["none", "sglang"] = "none"
+    router_policy: Literal["round_robin", "cache_aware", "power_of_two", "random"] = "round_robin"
+    router_python: Optional[str] = None
+    server_python: Optional[str] = None  # sglang: the python that has SGLang installed; None: this one
+    # sglang: the address a started server binds and is reached at; multi-node: this node's cluster address
+    server_host: str = "127.0.0.1"
+    api_key: Optional[str] = None  # sglang: the servers' API key; None: a random one per started server
+    # sglang: a file whose first line is that key, read at start (keeps it off command lines and out of
+    # --print-config); for servers started elsewhere (megappo rollout-server --api-key-file)
+    api_key_file: Optional[str] = None
+    server_start_timeout_s: float = 600.0  # sglang: longest wait for a started server (cold start, model load)
+    request_timeout_s: float = 600.0  # sglang: HTTP timeout of one generation request
+    sync_timeout_s: float = 60.0  # sglang: timeout of a weight-control call and of the weight group's collectives
+    # sglang, distributed sync: the address the trainer's rendezvous store listens on (only there); None:
+    # server_host (127.0.0.1 for local servers). Multi-node: an address of this node that the servers reach.
+    weight_sync_master_address: Optional[str] = None
+    # How the actor's weights reach the engine after each update. auto: in-process for hf, distributed for sglang.
+    # distributed: one broadcast per bucket over a group of the trainer and every server's ranks (NCCL on GPU, gloo
+    # on CPU); tensor: colocated servers take the tensors by handle (CUDA IPC; shared memory on CPU); disk: a
+    # Hugging Face directory in weight_sync_dir that the servers reload (the directory must be visible to them).
+    weight_sync: Literal["auto", "distributed", "tensor", "disk"] = "auto"
+    # Tensors exported and sent at a time. The trainer keeps send buffers across syncs: distributed one bucket
+    # (flattened, one broadcast each); tensor on CPU two buckets of shared memory (/dev/shm; in Docker use
+    # --ipc=host or --shm-size).
+    weight_sync_bucket_mb: int = 512
+    weight_sync_dir: Optional[str] = None  # disk: where the export goes; None: <trainer.default_local_dir>/weight_sync
+    # A LoRA actor's sync (megappo's key). merged: the adapted layers' merged weights (W + alpha/r * B A) through
+    # weight_sync. adapter (sglang on GPU): a PEFT adapter directory in weight_sync_dir (visible to the servers) that
+    # each server loads (/load_lora_adapter, the previous one unloaded) and every request names: rank-r tensors
+    # instead of whole layers, the base stays as loaded. SGLang 0.5's CPU backend cannot serve LoRA (refused).
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    # After every sync, compare each server's log-probs of fixed tokens with the trainer's and stop the run on a
+    # mismatch larger than verify_sync_atol (None: 1e-3 in float32, 5e-2 in 16-bit dtypes). Costs one forward.
+    verify_sync: bool = False
+    verify_sync_atol: Optional[float] = None
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
