@@ -8,8 +8,9 @@
 of megappo (parallel layouts, batch divisibility, the model's config.json, data schema, reward function).
 Importing this package never imports torch or megatron, nor any of megappo outside megappo.config.
 """
+from megappo.config.derived import resolve
 from megappo.config.fields import ConfigError
-from megappo.config.loader import from_dict, load_config, resolve, to_dict, to_yaml
+from megappo.config.loader import from_dict, load_config, to_dict, to_yaml
 from megappo.config.schema import MegappoConfig
 from megappo.config.validate import validate
 

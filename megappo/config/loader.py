@@ -4,7 +4,7 @@
 
 Every problem in every source is collected and raised as one `ConfigError`: an unknown key names the closest
 valid key, a wrong value names the key and the expected type. `${a.b.c}` references to other keys are resolved
-after merging, then `resolve` fills the derived defaults (the one place they live).
+after merging, then `derived.resolve` fills the derived defaults (the one place they live).
 """
 from __future__ import annotations
 
@@ -32,12 +32,8 @@ from megappo.config.fields import (
     iter_leaves,
     type_name,
 )
-from megappo.config.schema import MegappoConfig, MegatronConfig, RolloutCorrectionConfig
-
-# the fields of `MegatronConfig` that make the parallel layout (shared by actor, reference and critic)
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
-               "sequence_parallel")
+from megappo.config.derived import resolve
+from megappo.config.schema import MegappoConfig, RolloutCorrectionConfig
 
 # Where `--config NAME` looks when NAME is not a file: the repository's recipes/ folder and its subfolders.
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -417,89 +413,3 @@ def _interpolate(cfg: MegappoConfig, errors: list[str]) -> None:
             setattr(owner, key.rsplit(".", 1)[-1], coerce(new, tp))
         except CoerceError as err:
             errors.append(f"{key}: expected {err}, got {new!r} (from '{value}')")
-
-
-def estimator(cfg: MegappoConfig):
-    """`algorithm.adv_estimator`'s registry entry (a user's is loaded from custom_adv_estimator); ValueError if
-    there is none."""
-    from megappo.algos.estimators import get_adv_estimator
-
-    alg = cfg.algorithm
-    return get_adv_estimator(alg.adv_estimator, alg.custom_adv_estimator.path, alg.custom_adv_estimator.name)
-
-
-def estimator_needs(cfg: MegappoConfig, need: str) -> bool:
-    """Whether the estimator has `need` (needs_critic, needs_groups, needs_greedy_baseline); False for an unknown
-    one (validation names it)."""
-    try:
-        return bool(getattr(estimator(cfg), need))
-    except (ValueError, OSError):
-        return False
-
-
-def resolve(cfg: MegappoConfig) -> MegappoConfig:
-    """Fill every derived default (a field left None that follows another field). Idempotent; returns cfg."""
-    arr = cfg.actor_rollout_ref
-    actor, ref, rollout, model = arr.actor, arr.ref, arr.rollout, arr.model
-    if actor.clip_ratio_low is None:
-        actor.clip_ratio_low = actor.clip_ratio
-    if actor.clip_ratio_high is None:
-        actor.clip_ratio_high = actor.clip_ratio
-    if actor.data_loader_seed is None:
-        actor.data_loader_seed = cfg.data.seed
-    if model.tokenizer_path is None:
-        model.tokenizer_path = model.path
-    if model.use_remove_padding is None:
-        model.use_remove_padding = True
-    for follower in (cfg.critic.model, cfg.reward_model):
-        if follower.use_remove_padding is None:
-            follower.use_remove_padding = model.use_remove_padding
-    if cfg.data.tokenizer is None:
-        cfg.data.tokenizer = model.tokenizer_path
-    if cfg.data.gen_batch_size is None:
-        cfg.data.gen_batch_size = cfg.data.train_batch_size
-
-    if rollout.prompt_length is None:
-        rollout.prompt_length = cfg.data.max_prompt_length
-    if rollout.response_length is None:
-        rollout.response_length = cfg.data.max_response_length
-    if rollout.dtype is None:
-        rollout.dtype = model.dtype
-    for log_prob in (rollout, ref):
-        if log_prob.log_prob_use_dynamic_bsz is None:
-            log_prob.log_prob_use_dynamic_bsz = actor.use_dynamic_bsz
-        if log_prob.log_prob_max_token_len_per_gpu is None:
-            log_prob.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
-
-    critic = cfg.critic
-    if critic.enable is None:
-        critic.enable = estimator_needs(cfg, "needs_critic")
-    if critic.model.path is None:
-        critic.model.path = model.path
-    if critic.model.tokenizer_path is None:
-        critic.model.tokenizer_path = model.tokenizer_path
-    if critic.ppo_mini_batch_size is None:
-        critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
-    if critic.use_dynamic_bsz is None:
-        critic.use_dynamic_bsz = actor.use_dynamic_bsz
-    if critic.forward_max_token_len_per_gpu is None:
-        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
-    if critic.ppo_epochs is None:
-        critic.ppo_epochs = actor.ppo_epochs
-    if critic.shuffle is None:
-        critic.shuffle = actor.shuffle
-    if critic.loss_agg_mode is None:
-        critic.loss_agg_mode = actor.loss_agg_mode
-
-    # While the megatron layer holds one parallel layout per process, the reference and the critic run in the
-    # actor's: a size left at its default follows the actor's, and validation refuses one set to another value.
-    defaults = MegatronConfig()
-    for role in (ref.megatron, critic.megatron):
-        for key in LAYOUT_KEYS:
-            if getattr(role, key) == getattr(defaults, key):
-                setattr(role, key, getattr(actor.megatron, key))
-
-    t = cfg.trainer
-    if t.default_local_dir is None:
-        t.default_local_dir = f"checkpoints/{t.project_name}/{t.experiment_name}"
-    return cfg

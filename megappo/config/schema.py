@@ -7,7 +7,7 @@ command-line overrides only change values here; they never add keys.
 The rollout section's dataclasses are in `schema_rollout.py`, the trainer's and async_training's in
 `schema_trainer.py`; every one is importable from here.
 
-A field left `None` with a "resolved" comment is filled from another field by `megappo.config.loader.resolve`,
+A field left `None` with a "resolved" comment is filled from another field by `megappo.config.derived.resolve`,
 the one place derived defaults live. Everything else is plain data: no imports of torch or megatron.
 """
 from __future__ import annotations

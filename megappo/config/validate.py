@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
-from megappo.config.loader import LAYOUT_KEYS, resolve
+from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
 
 
@@ -165,7 +165,7 @@ def _custom_file(errors: list[str], key: str, path: Optional[str], name: Optiona
 
 
 def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
-    from megappo.config.loader import estimator
+    from megappo.config.derived import estimator
 
     alg, key = cfg.algorithm, "algorithm.adv_estimator"
     custom = alg.custom_adv_estimator

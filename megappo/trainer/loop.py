@@ -5,7 +5,7 @@ import os
 import traceback
 from typing import Optional
 
-from megappo.config.loader import estimator_needs
+from megappo.config.derived import estimator_needs
 from megappo.config.schema import MegappoConfig
 from megappo.trainer import checkpointing, dynamic_sampling, phases
 from megappo.trainer.async_rollout import rollout_source

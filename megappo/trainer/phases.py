@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,52 +17,19 @@ import torch.distributed as dist
 from megappo import algos
 from megappo.algos import estimators
 from megappo.algos import rollout_correction as correction
-from megappo.config.loader import estimator
+from megappo.config.derived import estimator
 from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.models.optim import gradients_allocated
-from megappo.parallel import ParallelState, gather_over_ranks, reduce_over_ranks, reduce_tensor
+from megappo.parallel import ParallelState, reduce_over_ranks
 from megappo.rewards.scorer import ScoreItem
 from megappo.trainer import settings
+from megappo.trainer.dp import dp_gather, dp_gather_rows, dp_max, dp_metrics, dp_sum, dp_sum_tensor, masked_mean_dp
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
 )
 from megappo.trainer.guard import RunStopped
 from megappo.trainer.roles import on_device
 from megappo.trainer.state import Run
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# data-parallel reductions
-# ------------------------------------------------------------------------------------------------------------------
-def dp_gather(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """Concatenate a [B] tensor over the data-parallel ranks (every rank has the same B; per-token [B, R] tensors
-    differ in R between ranks: reduce their sums instead)."""
-    return gather_over_ranks(t, ps.dp_group) if ps.dp_size > 1 else t
-
-
-def dp_gather_rows(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """`dp_gather` of a [B] tensor, or of each row of a [K, B] one."""
-    return dp_gather(t, ps) if t.dim() == 1 else torch.stack([dp_gather(row, ps) for row in t])
-
-
-def dp_sum(values: list[float], ps: ParallelState) -> list[float]:
-    return reduce_over_ranks(values, group=ps.dp_group) if ps.dp_size > 1 else list(values)
-
-
-def dp_sum_tensor(ps: ParallelState):
-    """A function summing a tensor over the data-parallel ranks (`algos.masked_whiten`'s `sum_across`)."""
-    def sum_across(t: torch.Tensor) -> torch.Tensor:
-        return reduce_tensor(t, group=ps.dp_group) if ps.dp_size > 1 else t
-    return sum_across
-
-
-def dp_max(value: float, ps: ParallelState) -> float:
-    return reduce_over_ranks([value], dist.ReduceOp.MAX, ps.dp_group)[0] if ps.dp_size > 1 else float(value)
-
-
-def masked_mean_dp(x: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> float:
-    total, count = dp_sum([float((x * mask).sum()), float(mask.sum())], ps)
-    return total / max(count, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -256,27 +223,7 @@ def rollout_correction(run: Run, exp: Experience) -> dict[str, float]:
             t.old_log_probs, exp.rollout_log_probs, exp.mask, corr, sum_across=dp_sum_tensor(run.ps))
         t.rollout_is_weights = weights
         exp.batch.response_mask = mask
-    return _dp_metrics(local, run.ps)
-
-
-def _dp_metrics(local: dict[str, float], ps: ParallelState) -> dict[str, float]:
-    """Each rank's metrics of its share made one number per step: the largest `*_max`, the smallest `*_min`, the
-    mean of the others over the ranks that have them (a rank without a valid token reports none)."""
-    if ps.dp_size == 1:
-        return local
-    everyone = gather_objects_dp(local, ps)
-    keys = sorted({k for m in everyone for k in m})
-    out = {}
-    for k in keys:
-        values = [m[k] for m in everyone if k in m]
-        out[k] = max(values) if k.endswith("_max") else min(values) if k.endswith("_min") else sum(values) / len(values)
-    return out
-
-
-def gather_objects_dp(obj: Any, ps: ParallelState) -> list:
-    out: list = [None] * ps.dp_size
-    dist.all_gather_object(out, obj, group=ps.dp_group)
-    return out
+    return dp_metrics(local, run.ps)
 
 
 def greedy_baselines(run: Run, samples: Samples, exp: Experience) -> dict[str, float]:

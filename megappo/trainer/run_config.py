@@ -40,7 +40,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _counts(key: str) -> bool:
-    from megappo.config.loader import LAYOUT_KEYS
+    from megappo.config.derived import LAYOUT_KEYS
 
     if ".megatron." in key and key.rsplit(".", 1)[1] in LAYOUT_KEYS:
         return False
