@@ -7,8 +7,8 @@
   the distributed optimizer (optimizer state sharded over data-parallel ranks).
 - `build_scheduler`: megatron's `OptimizerParamScheduler`, constant or cosine after a linear warmup.
 
-Inputs are `OptimSettings` (plain numbers), so callers map their own config onto it; megappo's config tree maps
-`OptimConfig` with `OptimSettings.from_config`.
+Inputs are `OptimSettings` (plain numbers), so callers map their own config onto it; megappo's config tree is
+mapped in `megappo.trainer.settings.optim_settings`.
 """
 from __future__ import annotations
 
@@ -41,17 +41,6 @@ class OptimSettings:
     min_lr_ratio: float = 0.0  # cosine: final lr = lr * min_lr_ratio
     use_distributed_optimizer: bool = False  # shard optimizer state over data-parallel ranks
     grad_reduce_in_fp32: bool = True  # reduce (and keep) gradients in fp32 when training in bf16/fp16
-
-    @classmethod
-    def from_config(cls, optim: Any, total_steps: int, **kwargs: Any) -> "OptimSettings":
-        """From megappo's `OptimConfig` (lr, betas, weight_decay, clip_grad, lr_warmup_steps(_ratio),
-        lr_scheduler, min_lr_ratio)."""
-        return cls(
-            lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=optim.clip_grad,
-            total_steps=total_steps, lr_warmup_steps=optim.lr_warmup_steps,
-            lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio, lr_scheduler=optim.lr_scheduler,
-            min_lr_ratio=optim.min_lr_ratio, **kwargs,
-        )
 
     def warmup_steps(self) -> int:
         if self.lr_warmup_steps is not None and self.lr_warmup_steps > 0:

@@ -81,18 +81,39 @@ class Trajectory:
         self.log_probs += list(log_probs) if model else [0.0] * len(ids)
 
 
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """`actor_rollout_ref.rollout.multi_turn` and what the loop needs beside it, as plain values (mapped from the
+    config in `megappo.trainer.settings.multi_turn`; the meanings are the config's)."""
+
+    tokenizer_path: Optional[str]
+    trust_remote_code: bool
+    tool_config_path: Optional[str]
+    response_length: int  # tokens of a whole trajectory's response, over all its turns
+    format: str
+    max_assistant_turns: Optional[int]
+    max_user_turns: Optional[int]
+    max_parallel_calls: int
+    max_tool_response_length: int
+    tool_response_truncate_side: str
+    tokenization_sanity_check_mode: str
+    tool_backend: str
+    tool_workers: int
+    tool_timeout_s: Optional[float]
+
+
 class MultiTurnRollout:
     """The multi-turn loop of one engine holder: `generate` has `RolloutEngine.generate`'s contract."""
 
-    def __init__(self, mt_cfg, tokenizer, tools: dict[str, BaseTool], response_length: int):
-        self.cfg, self.tools, self.response_length = mt_cfg, tools, response_length
-        self.delta = ChatDelta(tokenizer, [t.tool_schema for t in tools.values()], MARKUP[mt_cfg.format])
-        self.parse = PARSERS[mt_cfg.format]
-        end = tokenizer.convert_tokens_to_ids(STOP_STRINGS[mt_cfg.format])
+    def __init__(self, settings: MultiTurnSettings, tokenizer, tools: dict[str, BaseTool]):
+        self.cfg, self.tools, self.response_length = settings, tools, settings.response_length
+        self.delta = ChatDelta(tokenizer, [t.tool_schema for t in tools.values()], MARKUP[settings.format])
+        self.parse = PARSERS[settings.format]
+        end = tokenizer.convert_tokens_to_ids(STOP_STRINGS[settings.format])
         unk = getattr(tokenizer, "unk_token_id", None)
         self.stop_ids = (end,) if isinstance(end, int) and end != unk else ()
-        self.pool = ToolPool(tools, max_workers=mt_cfg.tool_workers, backend=mt_cfg.tool_backend,
-                             call_timeout_s=mt_cfg.tool_timeout_s)
+        self.pool = ToolPool(tools, max_workers=settings.tool_workers, backend=settings.tool_backend,
+                             call_timeout_s=settings.tool_timeout_s)
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def generate(self, engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -333,18 +354,16 @@ class MultiTurnEngine(RolloutEngine):
         return getattr(self.inner, name)
 
 
-def build_multi_turn(cfg, engine: RolloutEngine) -> MultiTurnEngine:
+def build_multi_turn(settings: MultiTurnSettings, engine: RolloutEngine) -> MultiTurnEngine:
     """The holder's engine wrapped in the loop of `actor_rollout_ref.rollout.multi_turn` (enable must be set)."""
     from transformers import AutoTokenizer
 
     from megappo.multi_turn.tools import load_tools
 
-    arr = cfg.actor_rollout_ref
-    tok_path = cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path
-    tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=arr.model.trust_remote_code)
-    tools = load_tools(arr.rollout.multi_turn.tool_config_path)
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
+    tools = load_tools(settings.tool_config_path)
     try:
-        loop = MultiTurnRollout(arr.rollout.multi_turn, tokenizer, tools, cfg.data.max_response_length)
+        loop = MultiTurnRollout(settings, tokenizer, tools)
     except TemplateIgnoresTools as e:  # a config error: the preflight could not check a tokenizer made later
         from megappo.config import ConfigError
 

@@ -53,9 +53,10 @@ class RolloutWorker:
         self.deployment: RolloutDeployment = registry.deploy(cfg, ps, platform)
         if self.rollout.multi_turn.enable and self.deployment.engine is not None:
             from megappo.multi_turn.loop import build_multi_turn
+            from megappo.trainer.settings import multi_turn
 
             # the holder runs the tool-calling loop over its share; weights still go to the engine itself
-            self.deployment.engine = build_multi_turn(cfg, self.deployment.engine)
+            self.deployment.engine = build_multi_turn(multi_turn(cfg), self.deployment.engine)
         self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
         self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 

@@ -16,6 +16,7 @@ from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
 from megappo.models.losses import ActorLossSettings, CriticLossSettings
 from megappo.models.optim import OptimSettings
+from megappo.multi_turn.loop import MultiTurnSettings
 from megappo.rollout.sampling import SamplingParams
 
 
@@ -110,7 +111,10 @@ def optim_settings(cfg: MegappoConfig, role: str, total_steps: int) -> OptimSett
         optim, meg = cfg.actor_rollout_ref.actor.optim, cfg.actor_rollout_ref.actor.megatron
     else:
         optim, meg = cfg.critic.optim, cfg.critic.megatron
-    return OptimSettings.from_config(optim, total_steps, use_distributed_optimizer=meg.use_distributed_optimizer)
+    return OptimSettings(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                         clip_grad=optim.clip_grad, total_steps=total_steps, lr_warmup_steps=optim.lr_warmup_steps,
+                         lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio, lr_scheduler=optim.lr_scheduler,
+                         min_lr_ratio=optim.min_lr_ratio, use_distributed_optimizer=meg.use_distributed_optimizer)
 
 
 def sampling(cfg: MegappoConfig, *, validate: bool = False, seed: Optional[int] = None) -> SamplingParams:
@@ -119,3 +123,18 @@ def sampling(cfg: MegappoConfig, *, validate: bool = False, seed: Optional[int] 
     src = rollout.val_kwargs if validate else rollout
     return SamplingParams(max_new_tokens=rollout.response_length, temperature=src.temperature, top_p=src.top_p,
                           top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed)
+
+
+def multi_turn(cfg: MegappoConfig) -> MultiTurnSettings:
+    """`actor_rollout_ref.rollout.multi_turn` with the tokenizer and the response budget it runs with."""
+    arr = cfg.actor_rollout_ref
+    mt = arr.rollout.multi_turn
+    return MultiTurnSettings(
+        tokenizer_path=cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path,
+        trust_remote_code=arr.model.trust_remote_code, tool_config_path=mt.tool_config_path,
+        response_length=cfg.data.max_response_length, format=mt.format, max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns, max_parallel_calls=mt.max_parallel_calls,
+        max_tool_response_length=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode, tool_backend=mt.tool_backend,
+        tool_workers=mt.tool_workers, tool_timeout_s=mt.tool_timeout_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megappo.config.schema import MultiTurnConfig
+from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool, evaluate, CalculatorError
 from megappo.multi_turn.loop import MultiTurnRollout, multi_turn_metrics, truncate
 from megappo.multi_turn.parser import parse_hermes
@@ -13,7 +13,16 @@ from megappo.multi_turn.tools import ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.tasks import tool_sum
+from megappo.trainer import settings
 from megappo.trainer.experience import Samples, build_experience
+
+def mt_settings(response_length: int, **section):
+    """The loop's settings of a `multi_turn` section with these keys (enabled) and this response budget."""
+    cfg = MegappoConfig()
+    cfg.actor_rollout_ref.rollout.multi_turn = MultiTurnConfig(enable=True, **section)
+    cfg.data.max_response_length = response_length
+    return settings.multi_turn(cfg)
+
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+85+19"}}</tool_call>'
 
@@ -60,7 +69,7 @@ def prompt_ids(tok, expr="37+85+19"):
 
 def loop(tok, response_length=40, **cfg):
     tools = {"calculator": CalculatorTool({}, tool_sum.TOOL_SCHEMA)}
-    return MultiTurnRollout(MultiTurnConfig(enable=True, **cfg), tok, tools, response_length)
+    return MultiTurnRollout(mt_settings(response_length, **cfg), tok, tools)
 
 
 def tool_then_copy(text):
@@ -129,8 +138,7 @@ def test_a_hung_tool_is_answered_at_its_deadline(tok):
             release.wait(30)
             return ToolResult("late")
 
-    mt = MultiTurnRollout(MultiTurnConfig(enable=True, tool_timeout_s=0.3), tok,
-                          {"calculator": Hung({}, tool_sum.TOOL_SCHEMA)}, 400)
+    mt = MultiTurnRollout(mt_settings(400, tool_timeout_s=0.3), tok, {"calculator": Hung({}, tool_sum.TOOL_SCHEMA)})
     t0 = time.monotonic()
     try:
         engine = Scripted(tok, lambda text: "1<|im_end|>" if "<tool_response>" in text else CALL)
@@ -282,8 +290,7 @@ def test_hostile_tool_in_the_loop(chat_tok):
 
     call = '<tool_call>{"name": "evil", "arguments": {}}</tool_call>'
     final = "<think>\n\n</think>\n\ndone<|im_end|>" if "<think>" in tok.get_vocab() else "done<|im_end|>"
-    mt = MultiTurnRollout(MultiTurnConfig(enable=True, max_tool_response_length=10_000), tok,
-                          {"evil": Evil({}, EVIL_SCHEMA)}, 4000)
+    mt = MultiTurnRollout(mt_settings(4000, max_tool_response_length=10_000), tok, {"evil": Evil({}, EVIL_SCHEMA)})
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "go"}], tools=[EVIL_SCHEMA],
                                                 tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     engine = Scripted(tok, lambda text: final if "<tool_response>" in text else call)

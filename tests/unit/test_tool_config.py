@@ -124,11 +124,14 @@ def test_a_misspelt_tool_class_stops_the_launch_at_once(tmp_path):
 
 def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     """The tiny test tokenizer's template drops tools=: the preflight says so; the loop refuses it too."""
+    from dataclasses import replace
+
     from megappo.config import ConfigError
     from megappo.multi_turn.loop import MultiTurnRollout, build_multi_turn
     from megappo.multi_turn.tools import tool_schemas
     from megappo.testing import make_tokenizer
     from megappo.testing.tokenizer import make_chat_tokenizer
+    from megappo.trainer import settings
     from megappo.trainer.preflight_tools import check_multi_turn_tools
 
     tok = make_tokenizer(str(tmp_path / "tok"))
@@ -141,9 +144,9 @@ def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     mt_cfg = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(mt_cfg.tool_config_path)
     with pytest.raises(ValueError, match="ignores tools="):
-        MultiTurnRollout(mt_cfg, tok, tools, 40)
+        MultiTurnRollout(replace(settings.multi_turn(cfg), response_length=40), tok, tools)
     with pytest.raises(ConfigError, match="multi_turn.enable: the chat template .* ignores tools="):
-        build_multi_turn(cfg, engine=None)  # a run whose tokenizer the preflight could not read: said at setup
+        build_multi_turn(settings.multi_turn(cfg), engine=None)  # a run whose tokenizer the preflight could not read: said at setup
     good = make_chat_tokenizer("qwen2.5")
     good.save_pretrained(tmp_path / "qwen")
     errors = []

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from megappo.config import load_config
-from megappo.config.schema import MultiTurnConfig
+from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.health import ToolWatch, watch_tools
 from megappo.multi_turn.loop import MultiTurnRollout, Trajectory, multi_turn_metrics
 from megappo.multi_turn.parser import parse_hermes
 from megappo.multi_turn.tools import BaseTool
 from megappo.tasks import tool_sum
+from megappo.trainer import settings
 from megappo.trainer.guard import RunStopped
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
@@ -32,7 +33,7 @@ def calls(tmp_path_factory):
     """The tool results and stats of three trajectories: a call to a tool that raises, an unknown tool, a malformed
     call (each one call, as the loop records it)."""
     tok, _ = tool_sum.make_tokenizer(tool_sum.ToolTask(), str(tmp_path_factory.mktemp("tok")))
-    mt = MultiTurnRollout(MultiTurnConfig(enable=True), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)}, 400)
+    mt = MultiTurnRollout(mt_settings(400), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)})
     results = []
     try:
         for text in (CALL, UNKNOWN, BAD):
@@ -42,6 +43,15 @@ def calls(tmp_path_factory):
         mt.close()
     stats = [{"turns": 2.0, "budget_hit": 0.0, "turn_limit_hit": 0.0, "template_mismatch": 0.0}] * len(results)
     return results, stats
+
+
+
+def mt_settings(response_length: int, **section):
+    """The loop's settings of a `multi_turn` section with these keys (enabled) and this response budget."""
+    cfg = MegappoConfig()
+    cfg.actor_rollout_ref.rollout.multi_turn = MultiTurnConfig(enable=True, **section)
+    cfg.data.max_response_length = response_length
+    return settings.multi_turn(cfg)
 
 
 def test_failures_are_recorded_by_kind(calls):
