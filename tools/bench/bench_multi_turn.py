@@ -26,13 +26,14 @@ import time
 
 import torch
 
-from megappo.config.schema import MultiTurnConfig
+from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool
 from megappo.multi_turn.loop import MultiTurnRollout
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.tasks import tool_sum
+from megappo.trainer import settings
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+85+19"}}</tool_call>'
 
@@ -108,7 +109,9 @@ def main() -> None:
           f"{'loop/call ms':>12} {'tool ms':>8}")
     for calls in (1, 2, 3, 4):
         budget = (calls + 1) * args.turn_tokens + calls * 40
-        loop = MultiTurnRollout(MultiTurnConfig(enable=True), tok, tools, budget)
+        cfg = MegappoConfig()
+        cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length = MultiTurnConfig(enable=True), budget
+        loop = MultiTurnRollout(settings.multi_turn(cfg), tok, tools)
         forced = Forced(engine, tok, calls, args.turn_tokens)
         single_params = SamplingParams(max_new_tokens=(calls + 1) * args.turn_tokens, ignore_eos=True, seed=1)
         multi, single, instant, tool_s = [], [], [], []
