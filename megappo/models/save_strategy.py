@@ -1,4 +1,4 @@
-"""megatron's torch_dist save, with no process that can outlive the run (issue 21).
+"""megatron's torch_dist save, with no process that can outlive the run.
 
 megatron-core 0.16's save strategy (`TorchDistSaveShardedStrategy`) writes through `FileSystemWriterAsync`, built for
 saves that finish in a background process. Two of its helpers break megappo's rule that nothing a run starts outlives

@@ -42,7 +42,8 @@ class Samples:
     multi_modal: list[Optional[MultiModalInputs]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal"):  # saved before these fields existed
+        # the optional per-sample fields, when not given (or absent from a checkpoint's samples): None per sample
+        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal"):
             if len(getattr(self, name)) != len(self.response_ids):
                 setattr(self, name, [None] * len(self.response_ids))
         # a checkpoint's samples (trainer_state.json) hold their images in JSON form

@@ -1,4 +1,4 @@
-"""Preflight rules of vision-language runs (Qwen2.5-VL / Qwen2-VL actors, issue 26): what the trainer does not
+"""Preflight rules of vision-language runs (Qwen2.5-VL / Qwen2-VL actors): what the trainer does not
 support with them yet is refused before any rank starts, each message naming the key and the fix.
 
 Light to import (no torch): the model type comes from `<model.path>/config.json` when it is there; a synthetic task
