@@ -106,7 +106,7 @@ class MultiTurnRollout:
     """The multi-turn loop of one engine holder: `generate` has `RolloutEngine.generate`'s contract."""
 
     def __init__(self, settings: MultiTurnSettings, tokenizer, tools: dict[str, BaseTool]):
-        self.cfg, self.tools, self.response_length = settings, tools, settings.response_length
+        self.settings, self.tools, self.response_length = settings, tools, settings.response_length
         self.delta = ChatDelta(tokenizer, [t.tool_schema for t in tools.values()], MARKUP[settings.format])
         self.parse = PARSERS[settings.format]
         end = tokenizer.convert_tokens_to_ids(STOP_STRINGS[settings.format])
@@ -164,7 +164,7 @@ class MultiTurnRollout:
         _, calls = self.parse(self.delta.decode(ids))
         if not calls:
             return []
-        mt = self.cfg
+        mt = self.settings
         if (mt.max_assistant_turns and t.turns >= mt.max_assistant_turns) or \
                 (mt.max_user_turns and t.user_turns >= mt.max_user_turns):
             t.turn_limit_hit = True
@@ -234,7 +234,8 @@ class MultiTurnRollout:
             record["failure"] = ("raised" if result.metrics.get("exception") else
                                  "sandbox" if result.metrics.get("sandbox_error") else "")
             record["latency_s"] = time.perf_counter() - t0
-        record["text"] = truncate(text, self.cfg.max_tool_response_length, self.cfg.tool_response_truncate_side)
+        s = self.settings
+        record["text"] = truncate(text, s.max_tool_response_length, s.tool_response_truncate_side)
         return record
 
     def _release(self, t: Trajectory) -> None:
@@ -248,7 +249,7 @@ class MultiTurnRollout:
     # -- the result ------------------------------------------------------------------------------------------------
     def _completion(self, t: Trajectory) -> Completion:
         mismatch = 0.0
-        if self.cfg.tokenization_sanity_check_mode == "strict" and not t.budget_hit and not t.aborted:
+        if self.settings.tokenization_sanity_check_mode == "strict" and not t.budget_hit and not t.aborted:
             expected = self.delta.expected_response(t.messages)
             mismatch = 0.0 if expected[:len(t.ids)] == t.ids else 1.0
         stats = {"turns": float(t.turns), "tool_calls": float(len(t.tool_results)),
