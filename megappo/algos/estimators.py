@@ -37,13 +37,13 @@ __all__ = ["ADV_ESTIMATORS", "EstimatorParams", "Estimator", "adv_estimator", "g
 
 @dataclass(frozen=True)
 class EstimatorParams:
-    """``algorithm.*`` values an estimator may read."""
+    """``algorithm.*`` values an estimator may read (mapped from the config in ``megappo.trainer.settings``)."""
 
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    eps: float = 1e-6
-    gdpo_reward_weights: Optional[tuple[float, ...]] = None  # gdpo: one weight per reward component; None: all 1
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    gdpo_reward_weights: Optional[tuple[float, ...]]  # gdpo: one weight per reward component; None: all 1
+    eps: float = 1e-6  # the std's guard in group normalisation
 
 
 @dataclass(frozen=True)

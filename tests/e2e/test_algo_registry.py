@@ -118,6 +118,7 @@ def test_optimal_token_baseline_gets_the_old_policys_sum_pi_squared(data, tmp_pa
     torch.testing.assert_close(exp.sum_pi_squared, want, rtol=1e-4, atol=1e-6)
     t = exp.train
     ref, _ = estimators.compute_advantages(
-        estimators.get_adv_estimator(name), exp.token_rewards, exp.mask, estimators.EstimatorParams(),
+        estimators.get_adv_estimator(name), exp.token_rewards, exp.mask,
+        estimators.EstimatorParams(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, gdpo_reward_weights=None),
         group_ids=exp.uids, old_log_probs=t.old_log_probs, sum_pi_squared=want, is_weights=t.rollout_is_weights)
     torch.testing.assert_close(adv, ref, rtol=1e-4, atol=1e-5)

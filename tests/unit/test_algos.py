@@ -509,9 +509,10 @@ def test_opo_lengths_in_a_multi_turn_step_are_the_model_tokens():
     phases.advantages(run, exp)
     model_tokens = torch.tensor([3.0, 2.0, 2.0, 1.0])
     assert torch.equal(exp.mask.sum(-1).float(), model_tokens)
-    expected = opo(scores, torch.zeros(n, dtype=torch.long), model_tokens, EstimatorParams())
+    params = EstimatorParams(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, gdpo_reward_weights=None)
+    expected = opo(scores, torch.zeros(n, dtype=torch.long), model_tokens, params)
     torch.testing.assert_close(exp.train.advantages, expected[:, None] * exp.mask)
-    attention = opo(scores, torch.zeros(n, dtype=torch.long), exp.response_lengths().float(), EstimatorParams())
+    attention = opo(scores, torch.zeros(n, dtype=torch.long), exp.response_lengths().float(), params)
     assert not torch.allclose(expected, attention)  # the attention mask's lengths would give other numbers
 
 
@@ -541,7 +542,7 @@ def test_gdpo_step_reads_the_reward_components():
     phases.reward_components(run, exp, extras)
     torch.testing.assert_close(exp.reward_components[1], torch.tensor([0.0, 1.0, -1.0, 1.0, 0.0, 0.0]))
     phases.advantages(run, exp)
-    p = EstimatorParams(gdpo_reward_weights=(0.5, 2.0))
+    p = EstimatorParams(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, gdpo_reward_weights=(0.5, 2.0))
     seq = gdpo(exp.reward_components, exp.uids, exp.mask.sum(-1), p)
     expected, _ = outcome_to_tokens(get_adv_estimator("gdpo"), seq, exp.mask)
     torch.testing.assert_close(exp.train.advantages, expected)

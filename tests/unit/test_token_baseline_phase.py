@@ -81,7 +81,8 @@ def test_dp2_advantages_equal_the_whole_batchs(name, with_is):
     whole = _advantages(name, range(len(UIDS)), (1, 0), with_is)
     t = whole.train
     adv, ret = estimators.compute_advantages(
-        estimators.get_adv_estimator(name), whole.token_rewards, whole.mask, estimators.EstimatorParams(),
+        estimators.get_adv_estimator(name), whole.token_rewards, whole.mask,
+        estimators.EstimatorParams(gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, gdpo_reward_weights=None),
         group_ids=whole.uids, old_log_probs=t.old_log_probs, sum_pi_squared=whole.sum_pi_squared,
         is_weights=t.rollout_is_weights)
     torch.testing.assert_close(t.advantages, adv)
