@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megappo import algos
 from megappo.config import resolve
 from megappo.config.schema import MegappoConfig
 from megappo.models.losses import actor_loss_fn, critic_loss_fn
@@ -96,11 +95,8 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         if not t.total_training_steps:
             _stop_if_finished(cfg, local_dir, total, config_text)
         roles = build_roles(cfg, ps, platform, total)
-        kl = cfg.algorithm.kl_ctrl
         state = TrainState(0, total, loader, val_loader, local_dir=local_dir, lock=lock,
-                           kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
-                                                             horizon=kl.horizon),
-                           guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
+                           kl_ctrl=settings.kl_controller(cfg), guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
         run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
                   scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
                   pad_token_id=loader.dataset.pad_token_id, batching=settings.batching(cfg),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from megappo import algos
 from megappo.algos.estimators import EstimatorParams
 from megappo.algos.policy_losses import PolicyLossParams
 from megappo.algos.rollout_correction import RolloutCorrection
@@ -41,6 +42,12 @@ def norm_length(cfg: MegappoConfig) -> float:
     is the batch's padded response length, which here would differ between micro-batches)."""
     factor = cfg.actor_rollout_ref.actor.loss_scale_factor
     return float(factor if factor is not None else cfg.data.max_response_length)
+
+
+def kl_controller(cfg: MegappoConfig) -> algos.FixedKLController | algos.AdaptiveKLController:
+    """The in-reward KL coefficient's controller, `algorithm.kl_ctrl`."""
+    kl = cfg.algorithm.kl_ctrl
+    return algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon)
 
 
 def estimator_params(cfg: MegappoConfig) -> EstimatorParams:
