@@ -171,6 +171,19 @@ class ModelBatch:
             multi_modal=None if self.multi_modal is None else list(self.multi_modal) + [None] * extra,
         )
 
+    def left_aligned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and position_ids [B, T] with each row rolled left so that its first real token is at column 0.
+
+        A row is [left padding | prompt | response | right padding] and its real tokens are contiguous, so after the
+        roll every real token sits left of every padding token and the plain causal mask alone is exact: no real
+        token can see padding. That is what transformer-engine and flash attention implement (a `causal` mask type
+        ignores any padding mask passed in), and it spares the [b, s, s] padding mask of megatron's local attention.
+        """
+        t = self.seq_len
+        shift = (self.prompt_len - self.prompt_lengths()).to(torch.long)  # [B] left-padding columns
+        idx = (torch.arange(t, device=shift.device).unsqueeze(0) + shift.unsqueeze(1)) % t  # [B, T]
+        return self.input_ids.gather(1, idx), self.position_ids.gather(1, idx)
+
     def prompt_lengths(self) -> torch.Tensor:
         """[B] real prompt tokens per row (prompts are left-padded)."""
         return self.attention_mask[:, : self.prompt_len].sum(-1)

@@ -6,15 +6,10 @@ pipeline stage turns its output into per-token results (vocab-parallel log-probs
 reference, per-token values for the critic); those are then broadcast over the pipeline group so every rank
 returns the same tensors.
 
-Packing. With `MicroBatching(packed=True)` (verl's use_remove_padding) and an attention that takes packed
-sequences (`can_pack`), each micro-batch runs as one pack of its sequences without padding (`megappo.models.packing`:
-input_ids [1, T] and megatron's `PackedSeqParams`), and the last stage reads each row's outputs at its place in the
-pack; everything after that (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors as padded.
-
-Context parallelism (`megappo.models.context_parallel`): each padded micro-batch runs as this CP rank's two
-sequence chunks (megatron's layout); the last stage gathers its per-position results (not the logits) over the CP
-group, so every CP rank returns, and computes the loss on, the whole [b, r] tensors. Packed micro-batches run
-padded under CP.
+Layouts (`megappo.models.layout`). The plan lays out each micro-batch once: padded rows, one pack of its sequences
+(`MicroBatching(packed=True)`, verl's use_remove_padding) or this context-parallel rank's chunks. The forward step
+gives the model the layout's inputs and the loss closures read the response window through the layout, so
+everything after it (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors in every layout.
 
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
 forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
@@ -40,16 +35,16 @@ from torch import nn
 
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
-from megappo.models.context_parallel import CPSplit, cp_pad_multiple, split_micro_batch
-from megappo.models.microbatch import MicroBatchPlan, split_batch
-from megappo.models.packing import Pack, pack_lengths, pack_micro_batch, unpack_window
+from megappo.models.layout import gradient_undo, model_device, plan_micro_batches
+from megappo.models.microbatch import MicroBatching, MicroBatchPlan
+from megappo.models.packing import pack_lengths
 from megappo.models.vlm.inputs import is_vlm, vlm_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
 __all__ = [
     "ModelOutputs", "MicroBatchContext", "StepMetrics", "MicroBatching", "LossFn",
-    "compute_log_probs", "compute_values", "train_step", "left_aligned", "causal_mask", "can_pack",
+    "compute_log_probs", "compute_values", "train_step",
 ]
 
 
@@ -79,19 +74,6 @@ LossFn = Callable[[ModelOutputs, MicroBatchContext], tuple[torch.Tensor, dict[st
 
 
 @dataclass
-class MicroBatching:
-    """How a batch is cut into micro-batches (verl's names: *_micro_batch_size_per_gpu, use_dynamic_bsz,
-    *_max_token_len_per_gpu)."""
-
-    micro_batch_size: Optional[int] = None  # sequences per micro-batch; None: the whole batch at once
-    use_dynamic_bsz: bool = False  # group by a token budget instead
-    max_token_len: Optional[int] = None  # tokens per micro-batch with use_dynamic_bsz (padded, or packed)
-    # verl's use_remove_padding: each micro-batch runs as one pack of its sequences without padding (THD,
-    # megappo.models.packing) where the attention supports it (SDPAttention, transformer-engine); padded otherwise
-    packed: bool = False
-
-
-@dataclass
 class StepMetrics:
     loss: float  # the mini-batch loss: sum of the closures' losses over micro-batches and data-parallel ranks
     grad_norm: float  # global gradient norm before clipping
@@ -99,20 +81,6 @@ class StepMetrics:
     update_successful: bool  # False when a non-finite gradient (or an fp16 overflow) skipped the update
     num_micro_batches: int
     metrics: dict[str, float] = field(default_factory=dict)  # closure metrics: shares summed over micro-batches and DP
-
-
-def left_aligned(mb: ModelBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and position_ids [b, s] with each row rolled left so that its first real token is at column 0.
-
-    A row is [left padding | prompt | response | right padding] and its real tokens are contiguous, so after the
-    roll every real token sits left of every padding token and the plain causal mask alone is exact: no real token
-    can see padding. That is what transformer-engine and flash attention implement (a `causal` mask type ignores
-    any padding mask passed in), and it spares the [b, s, s] padding mask of megatron's local attention.
-    """
-    t = mb.seq_len
-    shift = (mb.prompt_len - mb.prompt_lengths()).to(torch.long)  # [b] left-padding columns
-    idx = (torch.arange(t, device=shift.device).unsqueeze(0) + shift.unsqueeze(1)) % t  # [b, s]
-    return mb.input_ids.gather(1, idx), mb.position_ids.gather(1, idx)
 
 
 def _response_window(mb: ModelBatch) -> torch.Tensor:
@@ -124,23 +92,6 @@ def _response_window(mb: ModelBatch) -> torch.Tensor:
     return start.unsqueeze(1) + torch.arange(mb.response_len, device=start.device).unsqueeze(0)
 
 
-_CAUSAL: dict[str, torch.Tensor] = {}  # device -> the mask of the longest length seen on it
-
-
-def causal_mask(s: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, s, s] bool, True where attention is blocked (megatron's convention).
-
-    megatron's local attention uses a given mask as-is; without one it builds the causal mask on device "cuda".
-    Micro-batches are cropped to their own lengths, so one mask per device is kept at the longest length seen and
-    sliced: a mask per length would pile up s^2 bytes for every length ever seen.
-    """
-    key = str(device)
-    full = _CAUSAL.get(key)
-    if full is None or full.shape[-1] < s:
-        full = _CAUSAL[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu_(1).view(1, 1, s, s)
-    return full[..., :s, :s]
-
-
 def _is_value_model(model_chunks: Sequence[nn.Module]) -> bool:
     return getattr(unwrap(model_chunks[0]), "megappo_role", "actor") in ("critic", "reward")
 
@@ -150,127 +101,59 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
     return getattr(spec, "vocab_size", None)
 
 
-def _response_outputs(output: torch.Tensor, mb: ModelBatch, *, value_model: bool, calculate_entropy: bool,
-                      temperature: float, tp_group: Any, vocab_size: Optional[int],
-                      pack: Optional[Pack] = None, cp: Optional[CPSplit] = None,
+def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Any, *, value_model: bool,
+                      calculate_entropy: bool, temperature: float, tp_group: Any, vocab_size: Optional[int],
                       sum_pi_squared: bool = False) -> ModelOutputs:
-    """The last stage's output [b, s, V/tp] (logits) or [b, s] (values) -> per-response-token outputs [b, r].
+    """The last stage's output (logits [.., V/tp] or values, in the micro-batch's `layout`) -> per-response-token
+    outputs [b, r].
 
     Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
     (the value of the state before token j) are read from columns P-1 .. P+R-2: in the left-aligned rows the model
-    ran on, each row's last prompt token and the R - 1 columns after it. With a `pack` the output is the packed
-    [1, T, ...] and those columns are read at each row's place in the pack. With context parallelism (`cp`) the
-    output is this CP rank's [b, s / cp, ...]: see `_cp_response_outputs`. sum_pi_squared: also sum_v p_v^2 (no
-    gradient).
+    ran on, each row's last prompt token and the R - 1 columns after it; the layout reads them wherever it put
+    them. sum_pi_squared: also sum_v p_v^2 (no gradient).
     """
     if mb.prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
-    window = _response_window(mb)  # the model ran on left-aligned rows (see `left_aligned`)
-    if cp is not None:
-        return _cp_response_outputs(output, mb, window, cp, value_model=value_model,
-                                    calculate_entropy=calculate_entropy, temperature=temperature, tp_group=tp_group,
-                                    vocab_size=vocab_size, sum_pi_squared=sum_pi_squared)
-    if pack is not None:
-        picked = unpack_window(output, pack, window)  # [b, R] values or [b, R, V/tp] logits
-        if value_model:
-            return ModelOutputs(values=picked.float())
-        logits = picked
-    elif value_model:
-        return ModelOutputs(values=output.gather(1, window).float())
-    else:
-        logits = output.gather(1, window.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
+    window = _response_window(mb)  # the model ran on left-aligned rows (see `ModelBatch.left_aligned`)
+    if value_model:
+        return ModelOutputs(values=layout.values(output, window).float())
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature; a greedy rollout's "
                          "log-probs are under temperature 1 (use SamplingParams.logprob_temperature)")
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp, ent, sq = vocab_parallel_token_stats(
-        logits, mb.input_ids[:, mb.prompt_len:], tp_group, calculate_entropy=calculate_entropy,
-        calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
+
+    def stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        if temperature != 1.0:
+            logits = logits / temperature
+        return vocab_parallel_token_stats(logits, targets, tp_group, calculate_entropy=calculate_entropy,
+                                          calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
+
+    logp, ent, sq = layout.token_stats(output, window, mb.input_ids[:, mb.prompt_len:], stats)
     return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq)
 
 
-def _cp_response_outputs(output: torch.Tensor, mb: ModelBatch, window: torch.Tensor, cp: CPSplit, *,
-                         value_model: bool, calculate_entropy: bool, temperature: float, tp_group: Any,
-                         vocab_size: Optional[int], sum_pi_squared: bool = False) -> ModelOutputs:
-    """A CP rank's output -> the micro-batch's [b, r] outputs (megappo.models.context_parallel): per-position
-    results of the local tokens first (the logits stay local), all-gathered to [b, s], then the response window."""
-    if value_model:
-        return ModelOutputs(values=cp.gather(output).gather(1, window).float())
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: log-probs need a positive temperature")
-    logits = output / temperature if temperature != 1.0 else output
-    logp, ent, sq = vocab_parallel_token_stats(logits, cp.targets, tp_group, calculate_entropy=calculate_entropy,
-                                               calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
-    return ModelOutputs(log_probs=cp.gather(logp).gather(1, window),
-                        entropy=cp.gather(ent).gather(1, window) if calculate_entropy else None,
-                        sum_pi_squared=cp.gather(sq).gather(1, window) if sum_pi_squared else None)
-
-
-def _forward_step(data_iterator: Iterator[ModelBatch], model: nn.Module, *, loss_func: Callable,
-                  packs: Optional[dict[int, Pack]] = None, parallel_state: Optional[ParallelState] = None) -> tuple:
-    mb = next(data_iterator)
-    pack = packs.get(id(mb)) if packs else None
+def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Any]], model: nn.Module, *,
+                  loss_func: Callable) -> tuple:
+    """Megatron's forward step: the next micro-batch and its layout -> (output, the loss closure on it)."""
+    mb, layout = next(data_iterator)
     inner = unwrap(model)
+    inputs = layout.inputs()
     if is_vlm(inner) or mb.multi_modal is not None:
-        return _vlm_forward_step(mb, model, inner, pack, loss_func)
-    if pack is not None:
-        output = model(input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=None,
-                       packed_seq_params=pack.packed_seq_params())
-        return output, partial(loss_func, mb, pack=pack)
-    input_ids, position_ids = left_aligned(mb)
-    if parallel_state is not None and parallel_state.cp_size > 1:  # _prepare checked the attention does CP
-        input_ids, position_ids, cp = split_micro_batch(input_ids, position_ids, parallel_state,
-                                                        _cp_multiple(inner, parallel_state))
-        output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-        return output, partial(loss_func, mb, cp=cp)
-    mask = None if _own_attention(inner) else causal_mask(mb.seq_len, input_ids.device)
-    output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask)
-    return output, partial(loss_func, mb)
+        inputs.update(_vlm_inputs(mb, layout, inner))
+    return model(**inputs), partial(loss_func, mb, layout)
 
 
-def _own_attention(inner: nn.Module) -> bool:
-    """Whether the model's attention is transformer-engine's or megappo's SDPAttention: both apply the causal mask
-    themselves (TE ignores one passed) and run packed and context-parallel micro-batches; megatron's local
-    DotProductAttention does neither."""
-    te = getattr(getattr(inner, "megappo_spec", None), "use_transformer_engine", False)
-    return bool(te or getattr(inner, "megappo_sdpa_attention", False))
-
-
-def _cp_multiple(inner: nn.Module, parallel_state: ParallelState) -> int:
-    return cp_pad_multiple(parallel_state.cp_size, parallel_state.tp_size,
-                           bool(getattr(inner.config, "sequence_parallel", False)))
-
-
-def _vlm_forward_step(mb: ModelBatch, model: nn.Module, inner: nn.Module, pack: Optional[Pack],
-                      loss_func: Callable) -> tuple:
+def _vlm_inputs(mb: ModelBatch, layout: Any, inner: nn.Module) -> dict[str, Any]:
     """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.models.vlm.inputs)."""
     if not is_vlm(inner):
         raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
-    input_ids, _ = left_aligned(mb)
-    kwargs = vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), pack)
-    if pack is not None:
-        output = model(input_ids=pack.input_ids, attention_mask=None, packed_seq_params=pack.packed_seq_params(),
-                       **kwargs)
-        return output, partial(loss_func, mb, pack=pack)
-    mask = None if _own_attention(inner) else causal_mask(mb.seq_len, input_ids.device)
-    output = model(input_ids=input_ids, attention_mask=mask, **kwargs)
-    return output, partial(loss_func, mb)
+    input_ids, _ = mb.left_aligned()
+    return vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), layout.pack)
 
 
 def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
     """Megatron's model config, set for our micro-batches; rejects what this module does not support."""
     from megatron.core.utils import get_model_config
 
-    if parallel_state.cp_size > 1:
-        inner = unwrap(model_chunks[0])
-        if is_vlm(inner):
-            raise NotImplementedError("context parallelism is not supported for vision-language models; set "
-                                      "context_parallel_size=1")
-        if not _own_attention(inner):
-            raise NotImplementedError(
-                f"context_parallel_size={parallel_state.cp_size} needs transformer-engine's attention or megappo's "
-                "SDPAttention (megatron's DotProductAttention refuses CP); set context_parallel_size=1")
     config = get_model_config(model_chunks[0])
     # Micro-batches are cropped to their own padding, so activation shapes differ between micro-batches: the
     # pipeline p2p exchanges shapes first (megatron's variable_seq_lengths). Not with virtual stages: there a
@@ -284,65 +167,6 @@ def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -
     return config
 
 
-def _count_multiple(parallel_state: ParallelState) -> int:
-    # megatron's interleaved (virtual pipeline) schedule runs micro-batches in groups of the pipeline size
-    return parallel_state.pp_size if parallel_state.vpp_size else 1
-
-
-def _shape_group(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
-    # megatron's allgather MoE dispatcher all-gathers tokens over the expert-parallel ranks, which are data-parallel
-    # peers with their own micro-batches: it needs the same [b, s] on each, so pad to the max over the DP group.
-    config = unwrap(model_chunks[0]).config
-    if parallel_state.ep_size > 1 and getattr(config, "moe_token_dispatcher_type", None) == "allgather":
-        return parallel_state.dp_group
-    return None
-
-
-def _device(model_chunks: Sequence[nn.Module]) -> torch.device:
-    return next(iter(model_chunks[0].parameters())).device
-
-
-def can_pack(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> bool:
-    """Whether these chunks run packed (THD) micro-batches: megappo's SDPAttention (local spec) or
-    transformer-engine attention, without context parallelism (TE's THD context parallelism: not wired yet)."""
-    return _own_attention(unwrap(model_chunks[0])) and parallel_state.cp_size == 1
-
-
-def _pack_multiple(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> int:
-    # sequence parallelism splits the pack's tokens over the TP ranks
-    return parallel_state.tp_size if getattr(unwrap(model_chunks[0]).config, "sequence_parallel", False) else 1
-
-
-def _plan(model_chunks: Sequence[nn.Module], batch: ModelBatch, micro: MicroBatching,
-          parallel_state: ParallelState) -> MicroBatchPlan:
-    """Micro-batches for megatron's schedule, on the model's device, with the constraints of this layout.
-
-    Packed (`micro.packed` and `can_pack`): `plan.packs` maps each micro-batch (by id) to its `Pack`; packs are
-    padded at the tail to one length where megatron needs equal shapes (virtual pipeline stages: every
-    micro-batch; the allgather MoE dispatcher: micro-batch i over the data-parallel group)."""
-    device = _device(model_chunks)
-    packed = micro.packed and can_pack(model_chunks, parallel_state)
-    shape_group = _shape_group(model_chunks, parallel_state)
-    plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
-                       use_dynamic_bsz=micro.use_dynamic_bsz, dp_group=parallel_state.dp_group,
-                       count_multiple=_count_multiple(parallel_state),
-                       uniform_shape=bool(parallel_state.vpp_size) and not packed,
-                       shape_group=None if packed else shape_group, comm_device=device, packed=packed)
-    plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
-    if packed:
-        multiple = _pack_multiple(model_chunks, parallel_state)
-        packs = [pack_micro_batch(mb, multiple=multiple) for mb in plan.micro_batches]
-        lens = torch.tensor([p.num_tokens for p in packs], dtype=torch.long, device=device)
-        if parallel_state.vpp_size:
-            lens[:] = lens.max()
-        if shape_group is not None and dist.get_world_size(shape_group) > 1:
-            dist.all_reduce(lens, op=dist.ReduceOp.MAX, group=shape_group)
-        packs = [p if p.num_tokens == n else pack_micro_batch(mb, pack_len=n, multiple=multiple)
-                 for p, mb, n in zip(packs, plan.micro_batches, lens.tolist())]
-        plan.packs = {id(mb): p for mb, p in zip(plan.micro_batches, packs)}
-    return plan
-
-
 def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_func: Callable, *,
                   parallel_state: ParallelState, forward_only: bool) -> list[dict]:
     """Run megatron's forward(-backward) schedule over the plan's micro-batches; the last stage's loss dicts."""
@@ -351,23 +175,14 @@ def _run_schedule(model_chunks: Sequence[nn.Module], plan: MicroBatchPlan, loss_
     fbf = get_forward_backward_func(parallel_state.pp_size, parallel_state.vpp_size)
     n = len(plan)
     # One iterator per model chunk: with virtual pipeline stages every chunk walks the same micro-batches.
-    iters = [iter(plan.micro_batches) for _ in model_chunks]
-    if plan.packs:  # packs are [T, 1, H] activations
-        seq_length, mbs = max(p.num_tokens for p in plan.packs.values()), 1
-    else:
-        seq_length = max(mb.seq_len for mb in plan.micro_batches)
-        if parallel_state.cp_size > 1:  # megatron divides it by cp: the padded full length of `split_micro_batch`
-            multiple = _cp_multiple(unwrap(model_chunks[0]), parallel_state)
-            seq_length = -(-seq_length // multiple) * multiple
-        mbs = max(mb.batch_size for mb in plan.micro_batches)
+    iters = [iter(list(zip(plan.micro_batches, plan.layouts))) for _ in model_chunks]
     return fbf(
-        forward_step_func=partial(_forward_step, loss_func=loss_func, packs=plan.packs,
-                                  parallel_state=parallel_state if parallel_state.cp_size > 1 else None),
+        forward_step_func=partial(_forward_step, loss_func=loss_func),
         data_iterator=iters if len(iters) > 1 else iters[0],
         model=list(model_chunks),
         num_microbatches=n,
-        seq_length=seq_length,
-        micro_batch_size=mbs,
+        seq_length=max(layout.seq_length for layout in plan.layouts),
+        micro_batch_size=max(layout.rows for layout in plan.layouts),
         forward_only=forward_only,
     )
 
@@ -404,12 +219,12 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
                   sum_pi_squared=False):
     _prepare(model_chunks, parallel_state)
     vocab_size = _real_vocab_size(model_chunks)
-    plan = _plan(model_chunks, batch, micro, parallel_state)
+    plan = plan_micro_batches(model_chunks, batch, micro, parallel_state)
 
-    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None, cp: Optional[CPSplit] = None):
-        out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
+    def loss_func(mb: ModelBatch, layout: Any, output: torch.Tensor):
+        out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
-                                pack=pack, cp=cp, sum_pi_squared=sum_pi_squared)
+                                sum_pi_squared=sum_pi_squared)
         return torch.zeros((), device=output.device), out
 
     with torch.no_grad(), _mode(model_chunks, train=False):
@@ -420,7 +235,7 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     if parallel_state.is_pipeline_last_stage:
         restored = [plan.restore([getattr(o, k).float() for o in results]) for k in keys]
     shape = (batch.batch_size, batch.response_len)
-    out = _broadcast_from_last_stage(restored, [shape] * len(keys), parallel_state, _device(model_chunks))
+    out = _broadcast_from_last_stage(restored, [shape] * len(keys), parallel_state, model_device(model_chunks))
     return [t.to(batch.input_ids.device) for t in out]  # results live where the batch came from
 
 
@@ -534,22 +349,16 @@ def train_step(
     value_model = _is_value_model(model_chunks)
     vocab_size = _real_vocab_size(model_chunks)
 
-    plan = _plan(model_chunks, batch, micro, parallel_state)
-    n_tokens, n_seqs = _global_counts(batch, parallel_state.dp_group, _device(model_chunks))
+    plan = plan_micro_batches(model_chunks, batch, micro, parallel_state)
+    n_tokens, n_seqs = _global_counts(batch, parallel_state.dp_group, model_device(model_chunks))
     n_tokens = max(n_tokens, 1)  # a mini-batch with no response token: shares of 0, not NaN
     n = len(plan)
     index_of = {id(mb): i for i, mb in enumerate(plan.micro_batches)}
-    undo = float(n * parallel_state.dp_size)  # megatron divides by n (schedule) and by dp (DDP grad average)
-    if parallel_state.cp_size > 1:
-        # Every CP rank computes the whole micro-batch's loss from all-gathered outputs, and the gather's backward
-        # sums the gradient over the CP group (megappo.models.context_parallel); megatron's schedule multiplies the
-        # loss by cp (its loss functions see local tokens only) and DDP averages over dp * cp: divide by cp once.
-        undo /= parallel_state.cp_size
+    undo = gradient_undo(n, parallel_state)
 
-    def loss_func(mb: ModelBatch, output: torch.Tensor, pack: Optional[Pack] = None, cp: Optional[CPSplit] = None):
-        out = _response_outputs(output, mb, value_model=value_model, calculate_entropy=calculate_entropy,
-                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
-                                pack=pack, cp=cp)
+    def loss_func(mb: ModelBatch, layout: Any, output: torch.Tensor):
+        out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
+                                temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
         ctx = MicroBatchContext(mb, n_tokens, n_seqs, index_of[id(mb)], n)
         loss, metrics = loss_fn(out, ctx)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

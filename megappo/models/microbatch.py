@@ -6,23 +6,51 @@ removes padding columns only; position ids travel with their tokens and padding 
 the model's per-token outputs do not depend on how sequences were grouped.
 
 With a token budget (`use_dynamic_bsz`, verl's `ppo_max_token_len_per_gpu`) the budget bounds what the model
-allocates: the *padded* micro-batch, rows x (prompt + response columns), or, when micro-batches run packed
-(`packed`, verl's use_remove_padding, see `megappo.models.packing`), the sum of the rows' real tokens.
+allocates (`TokenCost`): the *padded* micro-batch, rows x (prompt + response columns), or, when micro-batches run
+packed (verl's use_remove_padding, see `megappo.models.layout`), the sum of the rows' real tokens.
 
 Megatron's pipeline schedule runs the same number of micro-batches on every rank that shares a step, so the count
 is all-reduced (max) over the data-parallel group and ranks with fewer split their largest micro-batches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megappo.models.batch import ModelBatch
 
-__all__ = ["MicroBatchPlan", "split_batch", "plan_groups"]
+__all__ = ["MicroBatching", "MicroBatchPlan", "TokenCost", "padded_tokens", "real_tokens", "split_batch",
+           "plan_groups"]
+
+
+@dataclass
+class MicroBatching:
+    """How a batch is cut into micro-batches (verl's names: *_micro_batch_size_per_gpu, use_dynamic_bsz,
+    *_max_token_len_per_gpu)."""
+
+    micro_batch_size: Optional[int] = None  # sequences per micro-batch; None: the whole batch at once
+    use_dynamic_bsz: bool = False  # group by a token budget instead
+    max_token_len: Optional[int] = None  # tokens per micro-batch with use_dynamic_bsz (padded, or packed)
+    # verl's use_remove_padding: each micro-batch runs as one pack of its sequences without padding (THD,
+    # megappo.models.layout) where the attention supports it (SDPAttention, transformer-engine); padded otherwise
+    packed: bool = False
+
+
+# cost(rows, longest prompt, longest response, real tokens) -> the tokens the model runs on for a micro-batch
+TokenCost = Callable[[int, int, int, int], int]
+
+
+def padded_tokens(rows: int, prompt_len: int, response_len: int, real: int) -> int:
+    """A padded micro-batch: rows x (prompt + response columns)."""
+    return rows * (prompt_len + response_len)
+
+
+def real_tokens(rows: int, prompt_len: int, response_len: int, real: int) -> int:
+    """A packed micro-batch: its rows' real tokens."""
+    return real
 
 
 @dataclass
@@ -33,7 +61,7 @@ class MicroBatchPlan:
     indices: list[torch.Tensor]  # [b_i] long: rows of the original batch, in micro-batch order
     batch_size: int  # B of the original batch
     response_len: int  # R of the original batch
-    packs: Optional[dict] = None  # id(micro-batch) -> megappo.models.packing.Pack when the micro-batches run packed
+    layouts: list[Any] = field(default_factory=list)  # each micro-batch's megappo.models.layout layout, in order
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -57,16 +85,15 @@ class MicroBatchPlan:
         return out
 
 
-def _cost(group: list[int], plen: list[int], rlen: list[int], packed: bool) -> int:
-    """Tokens the model runs on for a micro-batch: n * (max p + max r) padded, sum(p + r) packed."""
-    if packed:
-        return sum(plen[i] + rlen[i] for i in group)
-    return len(group) * (max(plen[i] for i in group) + max(rlen[i] for i in group))
+def _cost(group: list[int], plen: list[int], rlen: list[int], cost: TokenCost) -> int:
+    """Tokens the model runs on for a micro-batch of these rows."""
+    return cost(len(group), max(plen[i] for i in group), max(rlen[i] for i in group),
+                sum(plen[i] + rlen[i] for i in group))
 
 
 def _greedy(order: list[int], plen: list[int], rlen: list[int], budget: int,
-            packed: bool = False) -> list[list[int]]:
-    """Contiguous groups of `order` whose cost (`_cost`) stays within `budget`.
+            cost: TokenCost = padded_tokens) -> list[list[int]]:
+    """Contiguous groups of `order` whose `cost` stays within `budget`.
 
     The cost only grows as a group is extended, so filling greedily gives the fewest groups for a budget.
     """
@@ -75,8 +102,7 @@ def _greedy(order: list[int], plen: list[int], rlen: list[int], budget: int,
     mp = mr = tot = 0
     for i in order:
         np_, nr, nt = max(mp, plen[i]), max(mr, rlen[i]), tot + plen[i] + rlen[i]
-        cost = nt if packed else (len(cur) + 1) * (np_ + nr)
-        if cur and cost > budget:
+        if cur and cost(len(cur) + 1, np_, nr, nt) > budget:
             groups.append(cur)
             cur, np_, nr, nt = [], plen[i], rlen[i], plen[i] + rlen[i]
         cur.append(i)
@@ -87,8 +113,8 @@ def _greedy(order: list[int], plen: list[int], rlen: list[int], budget: int,
 
 
 def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
-                num_groups: Optional[int] = None, packed: bool = False) -> list[list[int]]:
-    """Group rows into micro-batches of cost <= `max_token_len` (padded, or `packed`), balanced, longest first.
+                num_groups: Optional[int] = None, cost: TokenCost = padded_tokens) -> list[list[int]]:
+    """Group rows into micro-batches of `cost` <= `max_token_len`, balanced, longest first.
 
     Rows are sorted by length, so similar lengths share a micro-batch (little padding). Without `num_groups` the
     fewest groups that fit are returned; with it (>= that minimum) exactly `num_groups`: the smallest budget that
@@ -102,7 +128,7 @@ def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
             "ppo_max_token_len_per_gpu (or log_prob_max_token_len_per_gpu) to at least the longest prompt + response"
         )
     order = sorted(range(n), key=lambda i: (-(plen[i] + rlen[i]), i))
-    groups = _greedy(order, plen, rlen, max_token_len, packed)
+    groups = _greedy(order, plen, rlen, max_token_len, cost)
     if num_groups is None or num_groups == len(groups):
         return groups
     if num_groups < len(groups):
@@ -115,14 +141,14 @@ def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
     lo, hi = max(longest, 1), max_token_len  # greedy(hi) fits in <= num_groups; find the smallest such budget
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(_greedy(order, plen, rlen, mid, packed)) <= num_groups:
+        if len(_greedy(order, plen, rlen, mid, cost)) <= num_groups:
             hi = mid
         else:
             lo = mid + 1
-    groups = _greedy(order, plen, rlen, lo, packed)
+    groups = _greedy(order, plen, rlen, lo, cost)
     while len(groups) < num_groups:  # the bisection can land on fewer groups: split the costliest in two
         k = max((g for g in range(len(groups)) if len(groups[g]) > 1),
-                key=lambda g: _cost(groups[g], plen, rlen, packed))
+                key=lambda g: _cost(groups[g], plen, rlen, cost))
         g = groups.pop(k)
         groups[k:k] = [g[: len(g) // 2], g[len(g) // 2:]]
     return groups
@@ -154,7 +180,7 @@ def split_batch(
     uniform_shape: bool = False,
     shape_group: Optional[dist.ProcessGroup] = None,
     comm_device: Union[str, torch.device] = "cpu",
-    packed: bool = False,
+    cost: TokenCost = padded_tokens,
 ) -> MicroBatchPlan:
     """Split `batch` into micro-batches with the same count on every rank of `dp_group`.
 
@@ -167,7 +193,7 @@ def split_batch(
     `shape_group`: pad micro-batch i to its largest shape on any rank of this group (collectives that need equal
     sizes across ranks, e.g. megatron's allgather MoE token dispatcher under expert parallelism).
     `comm_device`: where the few integers of those collectives live ("cuda" for NCCL groups).
-    `packed`: the micro-batches run packed (`megappo.models.packing`): the token budget counts real tokens.
+    `cost`: what the token budget counts (`real_tokens` for packed micro-batches).
     """
     plen_t = batch.prompt_lengths()
     rlen_t = batch.response_lengths()
@@ -182,7 +208,7 @@ def split_batch(
     if use_dynamic_bsz:
         if not max_token_len or max_token_len <= 0:
             raise ValueError("use_dynamic_bsz=true needs a positive ppo_max_token_len_per_gpu")
-        groups = plan_groups(plen, rlen, max_token_len, packed=packed)
+        groups = plan_groups(plen, rlen, max_token_len, cost=cost)
     else:
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}; set "
@@ -197,7 +223,7 @@ def split_batch(
         count = int(t.item())
     count = -(-count // count_multiple) * count_multiple
     if count > len(groups):
-        groups = (plan_groups(plen, rlen, max_token_len, count, packed=packed) if use_dynamic_bsz
+        groups = (plan_groups(plen, rlen, max_token_len, count, cost=cost) if use_dynamic_bsz
                   else _split_to(groups, count))
 
     micro, indices = [], []

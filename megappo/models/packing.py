@@ -62,10 +62,8 @@ def pack_micro_batch(mb: ModelBatch, pack_len: Optional[int] = None, multiple: i
                      pad_token_id: int = 0) -> Pack:
     """Pack `mb`'s rows (see the module doc). `pack_len`: pad the pack's tail to at least this many tokens;
     `multiple`: and to a multiple of this (the TP size under sequence parallelism)."""
-    from megappo.models.compute import left_aligned
-
     lengths = pack_lengths(mb)  # [b]
-    ids, pos = left_aligned(mb)  # real tokens of row i in columns 0..L_i-1
+    ids, pos = mb.left_aligned()  # real tokens of row i in columns 0..L_i-1
     keep = torch.arange(mb.seq_len, device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)  # [b, s]
     flat_ids, flat_pos = ids[keep], pos[keep]  # row-major: the rows one after another
     total = int(lengths.sum())

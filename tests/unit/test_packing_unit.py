@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megappo.models.batch import ModelBatch
-from megappo.models.microbatch import plan_groups, split_batch
+from megappo.models.microbatch import plan_groups, real_tokens, split_batch
 from megappo.models.packing import pack_lengths, pack_micro_batch, unpack_window
 
 
@@ -52,8 +52,8 @@ def test_unpack_window_reads_each_rows_columns_and_clamps_padding():
 def test_packed_budget_counts_real_tokens():
     plen, rlen = [2, 2, 2, 2], [30, 2, 2, 2]
     assert plan_groups(plen, rlen, 40) == [[0], [1, 2, 3]]  # padded: 2 rows x 32 > 40
-    assert plan_groups(plen, rlen, 43, packed=True) == [[0, 1, 2], [3]]  # 32 + 4 + 4 = 40 <= 43 < 44
-    assert len(plan_groups(plen, rlen, 48, packed=True)) == 1
+    assert plan_groups(plen, rlen, 43, cost=real_tokens) == [[0, 1, 2], [3]]  # 32 + 4 + 4 = 40 <= 43 < 44
+    assert len(plan_groups(plen, rlen, 48, cost=real_tokens)) == 1
     b = ModelBatch.from_token_lists([[1, 2]] * 4, [[3] * n for n in rlen], pad_token_id=0)
-    assert len(split_batch(b, use_dynamic_bsz=True, max_token_len=48, packed=True)) == 1
+    assert len(split_batch(b, use_dynamic_bsz=True, max_token_len=48, cost=real_tokens)) == 1
     assert len(split_batch(b, use_dynamic_bsz=True, max_token_len=48)) == 2
