@@ -18,7 +18,7 @@ padded under CP.
 
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
 forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
-or packed [3, 1, T]) and the prompts' image-token mask (`megappo.models.vlm.inputs`). Everything after the model's
+or packed [3, 1, T]) and the prompts' image-token mask (`megappo.kinds.qwen2_vl.inputs`). Everything after the model's
 output is the text path's.
 
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
@@ -43,7 +43,7 @@ from megappo.models.builder import unwrap
 from megappo.models.context_parallel import CPSplit, cp_pad_multiple, split_micro_batch
 from megappo.models.microbatch import MicroBatchPlan, split_batch
 from megappo.models.packing import Pack, pack_lengths, pack_micro_batch, unpack_window
-from megappo.models.vlm.inputs import is_vlm, vlm_inputs
+from megappo.kinds.qwen2_vl.inputs import is_vlm, vlm_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
@@ -244,7 +244,7 @@ def _cp_multiple(inner: nn.Module, parallel_state: ParallelState) -> int:
 
 def _vlm_forward_step(mb: ModelBatch, model: nn.Module, inner: nn.Module, pack: Optional[Pack],
                       loss_func: Callable) -> tuple:
-    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.models.vlm.inputs)."""
+    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.kinds.qwen2_vl.inputs)."""
     if not is_vlm(inner):
         raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
     input_ids, _ = left_aligned(mb)
