@@ -170,7 +170,7 @@ def _check_layout_fits(args) -> None:
     """LayoutError naming --tp/--pp/--ep when the layout cannot hold the model (heads, layers, experts), so that is
     said before the torchrun hint; a missing input is left to the conversion, which names it."""
     from megappo.convert.hf_io import read_json_object
-    from megappo.convert.mapping import model_spec_from_hf_config
+    from megappo.kinds import kind_of
     from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
 
     src = args.hf if args.convert_command == "hf-to-mcore" else args.mcore
@@ -178,10 +178,7 @@ def _check_layout_fits(args) -> None:
     if not os.path.isfile(cfg_path):
         return
     hf_cfg = read_json_object(cfg_path, "the model's Hugging Face config.json")
-    from megappo.models.vlm.config import is_vlm_config, read_vlm_config  # VLM hook (issue 26): its language model
-
-    spec = model_spec_from_hf_config(read_vlm_config(hf_cfg).text_config if is_vlm_config(hf_cfg) else hf_cfg,
-                                     cfg_path)
+    spec = kind_of(hf_cfg).language_model_spec(hf_cfg, cfg_path)
     world = max(_needed_world(args), int(os.environ.get("WORLD_SIZE", "1")))
     try:
         check_layout(ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp), world,

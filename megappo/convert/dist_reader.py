@@ -13,11 +13,11 @@ parameter (plus the stored chunk it is cut from), whatever the model size; no mo
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-from megappo.convert.mapping import ConversionError, ModelSpec, merge_to_hf, param_maps
+from megappo.convert.mapping import ConversionError, ModelSpec, merge_to_hf, model_spec_from_hf_config, param_maps
 
 # local-spec names that megatron's sharded_state_dict stores under their transformer-engine names
 _CKPT_ALIASES = {
@@ -118,6 +118,12 @@ def iter_hf_weights_from_checkpoint(mcore_dir: str, spec: ModelSpec, role: str, 
     for pm in param_maps(spec, role):
         for name, t in merge_to_hf(pm, spec, [reader.read(pm.mcore)]):
             yield name, (t.to(dtype) if dtype is not None else t)
+
+
+def iter_gpt_weights_from_checkpoint(mcore_dir: str, hf_config: Any, role: str, *,
+                                     dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_hf_weights_from_checkpoint` of a text model described by its HF config."""
+    return iter_hf_weights_from_checkpoint(mcore_dir, model_spec_from_hf_config(hf_config), role, dtype=dtype)
 
 
 def checkpoint_dtype(mcore_dir: str) -> Optional[torch.dtype]:

@@ -26,22 +26,12 @@ from megappo.convert.mapping import (
     VALUE_HEAD, ConversionError, ModelSpec, ParamMap, canonical_name, expected_hf_shapes, model_spec_from_hf_config,
     param_maps, shard_from_hf,
 )
+from megappo.convert.params import LocalParam, check_all_used, local_params, model_role
+from megappo.kinds import kind_of
 from megappo.models.builder import unwrap
 from megappo.parallel import ParallelState
 
 META_FILE = "megappo_convert.json"  # written next to a converted dist_checkpoint: role, layout, dtype, source
-# HF tensors that are not weights of the model (older checkpoints store rotary tables).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclass
-class LocalParam:
-    """A parameter of this rank under its canonical name, with the TP coordinates its shard is cut at."""
-
-    canonical: str
-    param: torch.Tensor  # this rank's shard
-    tp_rank: int
-    tp_size: int
 
 
 # Conversion never trains: build the frozen twin of a role (same parameters and names), which also keeps megatron's
@@ -59,51 +49,6 @@ def build_for_conversion(hf_dir_or_config: Any, role: str, parallel_state: Paral
     for chunk in chunks:
         unwrap(chunk).megappo_role = role  # what the saved checkpoint records
     return chunks
-
-
-def model_role(model_chunks: list[nn.Module]) -> str:
-    """The role recorded by `megappo.models.builder.build_model` (actor when built elsewhere)."""
-    return getattr(unwrap(model_chunks[0]), "megappo_role", "actor")
-
-
-def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state: ParallelState,
-                 maps: dict[str, ParamMap], merge_lora: bool = False) -> list[LocalParam]:
-    """Every parameter of this rank's chunks, canonically named and checked against the mapping `maps`.
-
-    LoRA adapter factors (`megappo.models.lora`) are not HF parameters and are left out; with `merge_lora` an
-    adapted layer's weight is given as its merged shard (a new tensor) instead of the parameter.
-    Raises ConversionError for a megatron parameter the mapping does not know (a spec/config mismatch).
-    """
-    from megappo.models.lora import is_adapter_param, merged_weights
-
-    ep_size = parallel_state.ep_size
-    num_local = spec.num_experts // ep_size if spec.num_experts else 0
-    out = []
-    for chunk in model_chunks:
-        m = unwrap(chunk)
-        layer_numbers = [layer.layer_number for layer in m.decoder.layers] if hasattr(m, "decoder") else []
-        merged = merged_weights(m) if merge_lora else {}
-        for local, p in m.named_parameters():
-            if is_adapter_param(local):
-                continue
-            p = merged.get(id(p), p)
-            name = canonical_name(local, layer_numbers, parallel_state.ep_rank * num_local)
-            if name == "output_layer.weight" and spec.tied_embeddings and name not in maps:
-                name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding (PP > 1)
-            pm = maps.get(name)
-            if pm is None:
-                raise ConversionError(
-                    f"megatron parameter {local!r} (canonical {name!r}, shape {tuple(p.shape)}) has no Hugging Face "
-                    f"counterpart for family {spec.family}; the model was built from a different config"
-                )
-            if pm.tp_dim is None:
-                rank, size = 0, 1
-            elif pm.expert:
-                rank, size = parallel_state.etp_rank, parallel_state.etp_size
-            else:
-                rank, size = parallel_state.tp_rank, parallel_state.tp_size
-            out.append(LocalParam(name, p, rank, size))
-    return out
 
 
 def _infer_role(model_chunks: list[nn.Module], ckpt: HFCheckpoint, role: Optional[str]) -> str:
@@ -130,14 +75,21 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoi
     default the whole world); an unused tensor means the config and the weights disagree.
     """
     ckpt = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint.open(hf_dir)
-    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
+    return kind_of(ckpt.config).load_hf_weights(model_chunks, ckpt, parallel_state, strict=strict, role=role,
+                                                world_group=world_group, progress=progress)
 
-    if is_vlm_config(ckpt.config):
-        from megappo.convert.qwen2_vl import load_hf_vlm_weights
 
-        return load_hf_vlm_weights(model_chunks, ckpt, parallel_state, strict=strict, role=role,
-                                   world_group=world_group)
-    spec = model_spec_from_hf_config(ckpt.config, os.path.join(ckpt.path, "config.json"))
+def gpt_model_spec(hf_config: Any, source: Optional[str] = None) -> ModelSpec:
+    """The conversion's ModelSpec of a text model (`source`: the config's path, for error messages)."""
+    return model_spec_from_hf_config(hf_config, source)
+
+
+@torch.no_grad()
+def load_gpt_weights(model_chunks: list[nn.Module], ckpt: HFCheckpoint, parallel_state: ParallelState, *,
+                     strict: bool = True, role: Optional[str] = None, world_group: Any = None,
+                     progress: bool = False) -> dict[str, int]:
+    """`load_hf_weights` of the text families (an open HFCheckpoint)."""
+    spec = gpt_model_spec(ckpt.config, os.path.join(ckpt.path, "config.json"))
     role = _infer_role(model_chunks, ckpt, role)
     maps = {pm.mcore: pm for pm in param_maps(spec, role)}
     used: set[str] = set()
@@ -156,7 +108,7 @@ def load_hf_weights(model_chunks: list[nn.Module], hf_dir: Union[str, HFCheckpoi
         n_tensors += 1
         n_bytes += shard.numel() * shard.element_size()
     if strict:
-        _check_all_used(ckpt, used, role, world_group)
+        check_all_used(ckpt, used, role, world_group)
     ckpt.close()
     return {"tensors": n_tensors, "bytes": n_bytes}
 
@@ -175,19 +127,6 @@ def _hf_shard(lp: LocalParam, pm: ParamMap, spec: ModelSpec, ckpt: HFCheckpoint,
     return shard_from_hf(pm, spec, ckpt.read, lp.tp_rank, lp.tp_size, tuple(lp.param.shape))
 
 
-def _check_all_used(ckpt: HFCheckpoint, used: set[str], role: str, group: Any) -> None:
-    from megappo.parallel import union_over_ranks
-
-    used = union_over_ranks(used, group)
-    ignored = {"lm_head.weight"} if role in ("critic", "reward") else set()
-    unused = sorted(n for n in ckpt.files if n not in used and n not in ignored and not n.endswith(_IGNORED_SUFFIXES))
-    if unused:
-        raise ConversionError(
-            f"{ckpt.path}: {len(unused)} tensors have no place in the megatron model (e.g. {unused[:3]}); the "
-            f"weights do not match config.json (pass strict=False to ignore)"
-        )
-
-
 # -- the command ---------------------------------------------------------------------------------------------------
 def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
                 vpp: Optional[int] = None, dtype: Optional[str] = None, role: str = "actor", force: bool = False,
@@ -198,8 +137,6 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     `bucket_bytes` plus the largest tensor: the model is built on the meta device and written a bucket at a time
     (`megappo.convert.stream_save`). Returns a summary dict.
     """
-    from megappo.convert.stream_save import save_streamed
-    from megappo.models.checkpoint import FORMAT_VERSION, model_sharded_state_dict, write_marker
     from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
@@ -207,15 +144,8 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     t0 = time.time()
     out = check_output_dir(out_dir, {"--hf": hf_dir}, force)  # before anything is read or built
     ckpt = HFCheckpoint.open(hf_dir)  # validates config, index and every shard before any rank builds anything
-    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
-
-    vlm = is_vlm_config(ckpt.config)
-    if vlm:
-        from megappo.convert.qwen2_vl import vlm_materialiser, vlm_param_maps
-
-        spec = vlm_param_maps(ckpt.config, role)[0]  # the language model's: sizes init_parallel checks
-    else:
-        spec = model_spec_from_hf_config(ckpt.config, os.path.join(hf_dir, "config.json"))
+    kind = kind_of(ckpt.config)
+    spec = kind.language_model_spec(ckpt.config, os.path.join(hf_dir, "config.json"))  # sizes init_parallel checks
     if role == "reward" and "score.weight" not in ckpt.files:
         raise ConversionError(f"{hf_dir}: --role reward needs a sequence-classification checkpoint (score.weight)")
     platform = detect_platform(dtype=dtype or _checkpoint_dtype(ckpt))
@@ -223,23 +153,44 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
     ps = init_parallel(layout, platform, seed=0, num_attention_heads=spec.num_heads,
                        num_key_value_heads=spec.num_kv_heads, num_layers=spec.num_layers,
                        num_experts=spec.num_experts or None)
-    rank0 = ps.rank == 0
-    multi = dist.get_world_size() > 1
     # Built on the meta device: no weight exists until its bucket is written (see stream_save); megatron's random
     # init is skipped. The critic's fresh value head is real (ValueHead initialises it on the CPU).
     with torch.device("meta"):
         chunks = build_for_conversion(hf_dir, role, ps, platform)
+    meta = dict(role=role, source=os.path.abspath(hf_dir), dtype=str(platform.dtype).replace("torch.", ""),
+                layout=dict(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp), family=ckpt.config["model_type"])
+    t_save = time.time()
+    stats = _save(chunks, kind, ckpt, ps, role, out, bucket_bytes, progress, meta)
+    ckpt.close()
+    total = torch.tensor([stats["bytes"]], dtype=torch.float64, device=platform.device)  # NCCL: on the GPU
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    seconds = time.time() - t0
+    summary = dict(tensors=stats["tensors"], bytes=int(total.item()), seconds=seconds, buckets=stats["buckets"],
+                   save_seconds=time.time() - t_save, out=out)
+    if ps.rank == 0 and progress:
+        print(f"hf-to-mcore: {stats['tensors']} tensors on rank 0, {summary['bytes'] / 1e9:.3f} GB over all ranks "
+              f"(tp{tp} pp{pp} ep{ep}) in {seconds:.1f} s ({summary['bytes'] / 1e9 / max(seconds, 1e-9):.3f} GB/s; "
+              f"{stats['buckets']} buckets) -> {out}", flush=True)
+    return summary
+
+
+def _save(chunks, kind, ckpt: HFCheckpoint, ps: ParallelState, role: str, out: str, bucket_bytes: int,
+          progress: bool, meta: dict) -> dict[str, int]:
+    """Stream the (meta) `chunks`, each tensor read from `ckpt` as its bucket is written, into a staging folder that
+    one rename publishes as `out` with the side files and `META_FILE`; collective. Returns save_streamed's stats."""
+    from megappo.convert.stream_save import save_streamed
+    from megappo.models.checkpoint import FORMAT_VERSION, model_sharded_state_dict, write_marker
+
+    rank0 = ps.rank == 0
+    multi = dist.get_world_size() > 1
     used: set[str] = set()
-    if vlm:
-        materialise, by_id = vlm_materialiser(chunks, ckpt, ps, role, used)
-    else:
-        materialise, by_id = _materialiser(chunks, ckpt, spec, ps, role, used)
+    materialise, by_id = kind.materialiser(chunks, ckpt, ps, role, used)
     bar = None
     if progress and rank0:
         from tqdm import tqdm
 
         bar = tqdm(total=len(by_id), desc="hf-to-mcore", unit=" tensors")
-    t_save = time.time()
     # save_streamed writes into an empty folder; the side files join it before one rename publishes `out`. The
     # folder's name is rank 0's, unique to this run: concurrent conversions never share one.
     tmp = [unique_staging_dir(out)]
@@ -256,13 +207,10 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
                               progress=bar.update if bar is not None else None)
         if bar is not None:
             bar.close()
-        _check_all_used(ckpt, used, role, None)
+        check_all_used(ckpt, used, role, None)
         if rank0:
             write_marker(tmp, chunks, has_optimizer=False)
-            copy_side_files(hf_dir, tmp)
-            meta = dict(role=role, source=os.path.abspath(hf_dir), dtype=str(platform.dtype).replace("torch.", ""),
-                        layout=dict(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp),
-                        family=ckpt.config["model_type"] if vlm else spec.family)
+            copy_side_files(meta["source"], tmp)
             with open(os.path.join(tmp, META_FILE), "w") as f:
                 json.dump(meta, f, indent=2)
             replace_dir(tmp, out)
@@ -277,22 +225,12 @@ def hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int 
         if err is not None:
             raise err from e
         raise
-    ckpt.close()
-    total = torch.tensor([stats["bytes"]], dtype=torch.float64, device=platform.device)  # NCCL: on the GPU
-    if dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    seconds = time.time() - t0
-    summary = dict(tensors=stats["tensors"], bytes=int(total.item()), seconds=seconds, buckets=stats["buckets"],
-                   save_seconds=time.time() - t_save, out=out)
-    if rank0 and progress:
-        print(f"hf-to-mcore: {stats['tensors']} tensors on rank 0, {summary['bytes'] / 1e9:.3f} GB over all ranks "
-              f"(tp{tp} pp{pp} ep{ep}) in {seconds:.1f} s ({summary['bytes'] / 1e9 / max(seconds, 1e-9):.3f} GB/s; "
-              f"{stats['buckets']} buckets) -> {out}", flush=True)
-    return summary
+    return stats
 
 
-def _materialiser(chunks, ckpt: HFCheckpoint, spec: ModelSpec, ps: ParallelState, role: str, used: set[str]):
+def gpt_materialiser(chunks, ckpt: HFCheckpoint, ps: ParallelState, role: str, used: set[str]):
     """(materialise(meta param) -> its shard read from `ckpt`, {id(param): LocalParam}); `used` collects HF names."""
+    spec = gpt_model_spec(ckpt.config, os.path.join(ckpt.path, "config.json"))
     maps = {pm.mcore: pm for pm in param_maps(spec, role)}
     by_id = {id(lp.param): lp for lp in local_params(chunks, spec, ps, maps)}
 

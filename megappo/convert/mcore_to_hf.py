@@ -25,6 +25,7 @@ from megappo.convert.hf_io import (
     write_error,
 )
 from megappo.convert.mapping import ConversionError
+from megappo.kinds import kind_of
 
 SEQ_CLS_ARCH = {
     "llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
@@ -76,8 +77,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, fo
     it with `iter_hf_weights`, the trainer's weight-sync path. dtype: of the written tensors (default: the
     checkpoint's). Returns {tensors, bytes, seconds, out} (on rank 0).
     """
-    from megappo.convert.dist_reader import checkpoint_dtype, iter_hf_weights_from_checkpoint
-    from megappo.convert.mapping import model_spec_from_hf_config
+    from megappo.convert.dist_reader import checkpoint_dtype
     from megappo.models.checkpoint import verify_checkpoint
     from megappo.platform import parse_dtype
 
@@ -90,21 +90,16 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, *, dtype: Optional[str] = None, fo
                               f"(convert hf-to-mcore does); copy the model's config.json there")
     hf_config = read_json_object(cfg_path, "the model's Hugging Face config.json")
     role = info.get("role") or "actor"
-    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): megappo.convert.qwen2_vl
-
-    vlm = is_vlm_config(hf_config)
-    spec = None if vlm else model_spec_from_hf_config(hf_config, cfg_path)
+    kind = kind_of(hf_config)
+    kind.language_model_spec(hf_config, cfg_path)  # an unsupported config is said before anything is read
     saved = checkpoint_dtype(mcore_dir) or torch.float32
     out_dtype = parse_dtype(dtype) if dtype else saved
     if from_model:
         items, rank0, t_load = _items_from_model(mcore_dir, hf_config, role, saved, out_dtype, tp, pp, ep, etp,
                                                  bucket_bytes)
-    elif vlm:
-        from megappo.convert.qwen2_vl import iter_hf_vlm_weights_from_checkpoint
-
-        items, rank0, t_load = iter_hf_vlm_weights_from_checkpoint(mcore_dir, hf_config, role, dtype=out_dtype), True, 0.0
     else:
-        items, rank0, t_load = iter_hf_weights_from_checkpoint(mcore_dir, spec, role, dtype=out_dtype), True, 0.0
+        items = kind.iter_hf_weights_from_checkpoint(mcore_dir, hf_config, role, dtype=out_dtype)
+        rank0, t_load = True, 0.0
     summary = write_hf_dir(items, mcore_dir, out_dir, rank0, force, max_shard_bytes, progress,
                            output_config(hf_config, role, out_dtype))
     summary.update(load_seconds=t_load, total_seconds=time.time() - t0)

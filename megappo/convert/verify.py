@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megappo.convert.collectives import last_stage_output
+from megappo.kinds import kind_of
+
 if TYPE_CHECKING:  # megappo modules load when a command runs
     from megappo.parallel import ParallelState
 
@@ -68,26 +71,6 @@ def mcore_forward(model_chunks: list[nn.Module], parallel_state: ParallelState, 
         else:
             out = outs[0].float()
     return last_stage_output(out, ps, is_value, vocab_size, device)
-
-
-def last_stage_output(out: Optional[torch.Tensor], ps: ParallelState, is_value: bool, vocab_size: Optional[int],
-                      device: torch.device) -> torch.Tensor:
-    """The last pipeline stage's output (`out`, None elsewhere) on every rank, on the CPU: an LM's vocab-parallel
-    logits gathered over `tp_group` and cut to `vocab_size`, broadcast over `pp_group`. Collective."""
-    if out is not None and not is_value:
-        if ps.tp_size > 1:
-            parts = [torch.empty_like(out) for _ in range(ps.tp_size)]
-            dist.all_gather(parts, out.contiguous(), group=ps.tp_group)
-            out = torch.cat(parts, dim=-1)
-        out = (out[..., :vocab_size] if vocab_size else out).contiguous()  # gloo sends raw storage
-    if ps.pp_size > 1:
-        shape = [tuple(out.shape) if ps.is_pipeline_last_stage else None]
-        last = dist.get_global_rank(ps.pp_group, ps.pp_size - 1)
-        dist.broadcast_object_list(shape, src=last, group=ps.pp_group)
-        if out is None:
-            out = torch.empty(shape[0], dtype=torch.float32, device=device)
-        dist.broadcast(out, src=last, group=ps.pp_group)
-    return out.cpu()
 
 
 def require_local_hf_dir(hf_dir: str, flag: str = "--hf") -> None:
@@ -156,22 +139,26 @@ def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1
     ps = init_parallel(layout, platform)
     chunks = build_for_conversion(mcore_dir, role, ps, platform)
     load_model_checkpoint(chunks, mcore_dir)
-    from megappo.models.vlm.config import is_vlm_config  # VLM hook (issue 26): images through both models
+    return kind_of(mcfg).verify(hf_dir, chunks, ps, mcfg, atol=atol, dtype=parse_dtype(dtype), seed=seed,
+                                batch=batch, seq_len=seq_len, trust_remote_code=trust_remote_code)
 
-    if is_vlm_config(mcfg):
-        from megappo.convert.vlm_verify import verify_vlm
 
-        return verify_vlm(hf_dir, chunks, ps, mcfg, atol=atol, dtype=parse_dtype(dtype), seed=seed)
+def verify_gpt(hf_dir: str, chunks: list[nn.Module], ps: ParallelState, mcfg: dict, *, atol: float,
+               dtype: torch.dtype, seed: int = 0, batch: int = 2, seq_len: int = 16,
+               trust_remote_code: bool = False) -> dict[str, Any]:
+    """`verify` of a text model: random tokens through loaded megatron `chunks` and `hf_dir`; collective."""
+    role = getattr(chunks[0], "megappo_role", "actor")
+    device = next(chunks[0].parameters()).device
     ids = verify_tokens(int(mcfg["vocab_size"]), batch, seq_len, seed, avoid=mcfg.get("pad_token_id"))
     is_value = role in ("critic", "reward")
     ours = mcore_forward(chunks, ps, ids, vocab_size=int(mcfg["vocab_size"]))
     result: dict[str, Any] = dict(atol=atol, shape=tuple(ours.shape), role=role)
-    diff = torch.zeros(1, device=platform.device)  # broadcast below: on the GPU for NCCL
+    diff = torch.zeros(1, device=device)  # broadcast below: on the GPU for NCCL
     if ps.rank == 0:
-        theirs = hf_forward(hf_dir, ids, is_value, parse_dtype(dtype), trust_remote_code=trust_remote_code)
+        theirs = hf_forward(hf_dir, ids, is_value, dtype, trust_remote_code=trust_remote_code)
         if theirs.shape != ours.shape:
             raise RuntimeError(f"output shapes differ: HF {tuple(theirs.shape)} vs megatron {tuple(ours.shape)}")
-        diff = (theirs - ours).abs().max().reshape(1).to(platform.device)
+        diff = (theirs - ours).abs().max().reshape(1).to(device)
     if dist.get_world_size() > 1:
         dist.broadcast(diff, src=0)
     result.update(max_abs_diff=float(diff.item()), ok=bool(diff.item() <= atol))

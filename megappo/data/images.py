@@ -116,9 +116,10 @@ class ImageProcessing:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         from megappo.models.hf_config import load_hf_config_dict
-        from megappo.models.vlm.config import is_vlm_config, read_vlm_config
+        from megappo.kinds import kind_of
+        from megappo.kinds.qwen2_vl.config import read_vlm_config
 
-        if not is_vlm_config(model_dir):
+        if not kind_of(model_dir).multi_modal:
             return None
         args = read_vlm_config(model_dir)
         cfg = load_hf_config_dict(model_dir)

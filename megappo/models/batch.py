@@ -69,7 +69,7 @@ class ModelBatch:
     response_mask: torch.Tensor  # [B, R] 1 on response tokens to score/train, 0 on padding
     train: Optional[TrainInputs] = None
     # vision-language rows: each row's images (None: a text row), kept with the row by select / crop / pad_to;
-    # None for a text batch (see megappo.models.vlm.inputs)
+    # None for a text batch (see megappo.kinds.qwen2_vl.inputs)
     multi_modal: Optional[list[Optional["MultiModalInputs"]]] = None
 
     def __post_init__(self) -> None:

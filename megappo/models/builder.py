@@ -1,4 +1,4 @@
-"""Build the trainer's megatron-core GPTModels: actor, reference, critic and reward model.
+"""Build the trainer's megatron-core models: actor, reference, critic and reward model.
 
 `build_model(...)` returns one GPTModel per virtual pipeline stage held by this rank (a list of length 1 without
 VPP). Chunks are not wrapped in DDP: the training-step code does that. Parameters live on `platform.device` in
@@ -24,11 +24,7 @@ Parameter names (local spec, this rank's shard; layer numbers are local to the p
   The transformer-engine spec fuses the norms into `self_attention.linear_qkv.layer_norm_weight` and
   `mlp.linear_fc1.layer_norm_weight`, and grouped experts are `mlp.experts.linear_fc{1,2}.weight<E>`.
 
-Layer spec: transformer-engine's when CUDA is used and TE imports, megatron's local spec otherwise (MoE and QK norm
-follow the TransformerConfig). With sequence parallelism the local spec's norms are replaced by
-`SequenceParallelTorchNorm` (megatron's torch norm refuses SP), which makes SP, and so MoE x TP training, run on CPU.
-The local spec's core attention is `megappo.models.attention.SDPAttention` (torch's fused SDPA kernels) instead of
-megatron's `DotProductAttention`; such a chunk has `.megappo_sdpa_attention` True and needs no causal mask passed.
+See `megappo.models.chunk` for the layer spec and attention of each chunk.
 """
 from __future__ import annotations
 
@@ -38,8 +34,9 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from megappo.kinds import kind_of
+from megappo.models.chunk import build_chunk
 from megappo.models.hf_config import ModelSpecArgs, transformer_config_from_hf
-from megappo.models.value_head import ValueHead
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.platform.layout import ParallelLayout
@@ -51,112 +48,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP / Float16Module / FSDP wrappers (anything exposing `.module`) down to the GPTModel."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
-    return model
-
-
-class SequenceParallelTorchNorm:
-    """megatron's local-spec norm (torch RMSNorm/LayerNorm) usable with sequence parallelism.
-
-    megatron's `WrappedTorchNorm` refuses sequence parallelism only because it does not flag its parameters: with
-    the sequence split over TP ranks each rank sees part of the tokens, so the norm's gradients must be summed over
-    TP, which `finalize_model_grads` does for parameters with `sequence_parallel=True` (as TE/Apex norms set).
-    """
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_: Any) -> nn.Module:
-        norms = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
-        if config.normalization not in norms:
-            raise ValueError(f"normalization {config.normalization!r} unsupported; use one of {sorted(norms)}")
-        norm = norms[config.normalization](hidden_size, eps=eps)
-        for p in norm.parameters():
-            p.sequence_parallel = bool(config.sequence_parallel)
-        return norm
-
-
-def _replace_module_class(spec: Any, old: type, new: type) -> Any:
-    """Return `spec` (ModuleSpec / submodule dataclasses / lists, as megatron nests them) with class `old` -> `new`."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if spec is old:
-        return new
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=_replace_module_class(spec.module, old, new),
-                                   submodules=_replace_module_class(spec.submodules, old, new))
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(_replace_module_class(x, old, new) for x in spec)
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _replace_module_class(getattr(spec, f.name), old, new)
-                                            for f in dataclasses.fields(spec) if f.init})
-    return spec
-
-
-def _stage_flags(parallel_state: ParallelState, vp_stage: Optional[int]) -> tuple[bool, bool]:
-    """(pre_process, post_process) of this rank's chunk `vp_stage` in the (interleaved) pipeline."""
-    from megatron.core import parallel_state as mpu
-
-    if parallel_state.vpp_size is None:
-        return parallel_state.is_pipeline_first_stage, parallel_state.is_pipeline_last_stage
-    return (
-        mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-    )
-
-
-def _build_chunk(config, spec: ModelSpecArgs, role: str, parallel_state: ParallelState, platform: Platform,
-                 vp_stage: Optional[int], seed: int) -> nn.Module:
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    pre, post = _stage_flags(parallel_state, vp_stage)
-    block_spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=spec.use_transformer_engine, normalization=spec.normalization,
-        vp_stage=vp_stage, pp_rank=parallel_state.pp_rank,
-    )
-    if config.sequence_parallel and not spec.use_transformer_engine:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        block_spec = _replace_module_class(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
-    from megappo.models.attention import SDPAttention
-
-    sdpa = not spec.use_transformer_engine and SDPAttention.supports(config)
-    if sdpa:  # torch's fused attention kernels instead of megatron's baddbmm + mask + softmax (models/attention.py)
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        block_spec = _replace_module_class(block_spec, DotProductAttention, SDPAttention)
-    value_model = role in ("critic", "reward")
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec,
-        vocab_size=spec.padded_vocab_size,
-        max_sequence_length=spec.max_sequence_length,
-        pre_process=pre,
-        post_process=post,
-        parallel_output=True,  # logits stay vocab-parallel: no rank materialises the full vocabulary
-        # A value model has its own head; its embedding is never tied to it.
-        share_embeddings_and_output_weights=spec.share_embeddings_and_output_weights and not value_model,
-        position_embedding_type=spec.position_embedding_type,
-        rotary_percent=spec.rotary_percent,
-        rotary_base=spec.rotary_base,
-        rope_scaling=spec.rope_scaling,
-        rope_scaling_factor=spec.rope_scaling_factor,
-        seq_len_interpolation_factor=spec.seq_len_interpolation_factor,
-        pg_collection=parallel_state.pg_collection,
-        vp_stage=vp_stage,
-    )
-    model.megappo_sdpa_attention = sdpa  # its attention applies the causal mask itself: no mask needs passing
-    if not spec.use_transformer_engine and config.params_dtype != torch.float32:
-        # The local spec's torch norms ignore params_dtype (megatron casts them later in Float16Module, which
-        # megappo does not use): give them the model dtype like every other parameter.
-        for module in model.modules():
-            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
-                module.to(config.params_dtype)
-    if value_model and post:
-        model.output_layer = ValueHead(
-            config.hidden_size, std=config.init_method_std, dtype=config.params_dtype,
-            device=platform.device,
-            sequence_parallel=config.sequence_parallel, tp_group=parallel_state.tp_group, seed=seed + 1,
-        )
     return model
 
 
@@ -172,43 +63,30 @@ def build_model(
     make_vocab_size_divisible_by: int = 128,
     freeze_vision_tower: bool = True,
 ) -> list[nn.Module]:
-    """Build this rank's model chunks for `role` ("actor", "ref", "critic", "reward").
+    """Build this rank's model chunks for `role` ("actor", "ref", "critic", "reward"), as the model's kind builds
+    them (`megappo.kinds.kind_of`): GPTModels for the text families (`build_gpt_model`), `VLMModel`s for
+    Qwen2.5-VL / Qwen2-VL (`megappo.kinds.qwen2_vl.model`; vision tower frozen when `freeze_vision_tower`, which
+    a text model has no use for).
 
     Weights are randomly initialised by megatron from `seed` (this re-seeds torch's and megatron's model-parallel
     RNGs; same seed and layout give the same weights); load real ones with the conversion code or
     `checkpoint.load_model_checkpoint`. `layout` defaults to `parallel_state.layout`. Each chunk gets
     `.megappo_config` (TransformerConfig), `.megappo_spec` (ModelSpecArgs) and `.megappo_role` attributes.
-    Qwen2.5-VL / Qwen2-VL configs build `megappo.models.vlm.model.VLMModel` chunks (vision tower frozen when
-    `freeze_vision_tower`, the default; ignored for text-only models).
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
-    # -- vision-language models (issue 26): their own chunk class, see megappo.models.vlm --------------------------
-    from megappo.models.vlm.config import is_vlm_config
-
-    if is_vlm_config(hf_dir_or_config):
-        from megappo.models.vlm.model import build_vlm_model
-
-        return build_vlm_model(hf_dir_or_config, role, parallel_state, platform, seed=seed,
-                               config_overrides=config_overrides, freeze_vision_tower=freeze_vision_tower,
-                               make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    # -- end VLM hook ------------------------------------------------------------------------------------------------
     layout = layout or parallel_state.layout
     if layout != parallel_state.layout:
         raise ValueError(f"layout {layout} differs from the initialised parallel layout {parallel_state.layout}")
-    config, spec = transformer_config_from_hf(
-        hf_dir_or_config, layout, platform, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        **dict(config_overrides or {}),
-    )
-    from megappo.platform.layout import check_layout
+    return kind_of(hf_dir_or_config).build(
+        hf_dir_or_config, role, parallel_state, platform, seed=seed, config_overrides=config_overrides,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, freeze_vision_tower=freeze_vision_tower)
 
-    check_layout(
-        layout, parallel_state.world_size, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, num_layers=config.num_layers, num_experts=spec.num_experts,
-    )
-    from megappo.platform.layout import LayoutError
 
+def check_model_layout(layout: ParallelLayout, config: Any, spec: ModelSpecArgs, role: str) -> None:
+    """LayoutError for a layout megatron-core cannot run this model's `role` at (beyond `check_layout`'s sizes)."""
     from megappo.models.attention import SDPAttention
+    from megappo.platform.layout import LayoutError
 
     if layout.cp > 1 and not spec.use_transformer_engine and not SDPAttention.supports(config):
         # megatron's local DotProductAttention asserts context_parallel_size == 1; megappo's SDPAttention does CP
@@ -219,22 +97,40 @@ def build_model(
             "or set actor_rollout_ref.actor.megatron.context_parallel_size=1"
         )
     if spec.num_experts and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic"):
-
         # megatron-core's MoELayer refuses to run in training mode with TP>1 unless sequence parallel is on.
         raise LayoutError(
             f"training a MoE {role} with tensor_model_parallel_size={layout.tp} needs sequence parallelism "
             "(megatron-core requirement); set actor_rollout_ref.actor.megatron.sequence_parallel=true, or use "
             "expert_model_parallel_size instead of tensor parallelism"
         )
-    stages = [None] if parallel_state.vpp_size is None else list(range(parallel_state.vpp_size))
-    # Same seed and layout -> same initial weights (not across layouts: each pipeline stage draws its own layers).
+
+
+def build_gpt_model(hf_dir_or_config: Any, role: str, parallel_state: ParallelState, platform: Platform, *,
+                    seed: int = 0, config_overrides: Optional[Mapping[str, Any]] = None,
+                    make_vocab_size_divisible_by: int = 128, freeze_vision_tower: bool = True) -> list[nn.Module]:
+    """`build_model` of the text families: one GPTModel per virtual pipeline stage (`freeze_vision_tower`: no
+    tower to freeze)."""
     from megatron.core import tensor_parallel
 
+    from megappo.platform.layout import check_layout
+
+    layout = parallel_state.layout
+    config, spec = transformer_config_from_hf(
+        hf_dir_or_config, layout, platform, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        **dict(config_overrides or {}),
+    )
+    check_layout(
+        layout, parallel_state.world_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, num_layers=config.num_layers, num_experts=spec.num_experts,
+    )
+    check_model_layout(layout, config, spec, role)
+    stages = [None] if parallel_state.vpp_size is None else list(range(parallel_state.vpp_size))
+    # Same seed and layout -> same initial weights (not across layouts: each pipeline stage draws its own layers).
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     chunks = []
     for vp_stage in stages:
-        model = _build_chunk(config, spec, role, parallel_state, platform, vp_stage, seed)
+        model = build_chunk(config, spec, role, parallel_state, platform, vp_stage, seed)
         if platform.is_cuda:
             model = model.to(platform.device)
         model.megappo_config = config

@@ -13,7 +13,7 @@ everything after it (log-probs, entropy, values, the loss closures) sees the sam
 
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
 forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
-or packed [3, 1, T]) and the prompts' image-token mask (`megappo.models.vlm.inputs`). Everything after the model's
+or packed [3, 1, T]) and the prompts' image-token mask (`megappo.kinds.qwen2_vl.inputs`). Everything after the model's
 output is the text path's.
 
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
@@ -38,7 +38,7 @@ from megappo.models.builder import unwrap
 from megappo.models.layout import gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
 from megappo.models.packing import pack_lengths
-from megappo.models.vlm.inputs import is_vlm, vlm_inputs
+from megappo.kinds.qwen2_vl.inputs import is_vlm, vlm_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
@@ -143,7 +143,7 @@ def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Any]], model: nn.Mod
 
 
 def _vlm_inputs(mb: ModelBatch, layout: Any, inner: nn.Module) -> dict[str, Any]:
-    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.models.vlm.inputs)."""
+    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.kinds.qwen2_vl.inputs)."""
     if not is_vlm(inner):
         raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
     input_ids, _ = mb.left_aligned()

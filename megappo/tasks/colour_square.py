@@ -146,7 +146,7 @@ def _examples(task: ColourSquareTask, tokenizer, images, rng: random.Random, n: 
     import torch
 
     from megappo.data.images import ImageSource
-    from megappo.models.vlm.rope_index import mrope_position_ids
+    from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
 
     drawn = [task.draw(rng) for _ in range(n)]
     mm = images.inputs([ImageSource(b, None, "<warm start>", 0, "images") for b, _ in drawn])

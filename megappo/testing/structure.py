@@ -23,7 +23,7 @@ MAX_FUNCTION_LINES = 80
 # capability -> (what names it, its homes: files or folders relative to megappo/, where testing for it is its job)
 CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "vlm": (r"vlm|vision|multi_?modal|image|pixel|qwen2_vl|visual|mrope|rope_deltas",
-            ("models/kinds/qwen2_vl/", "models/vlm/", "convert/qwen2_vl.py", "convert/vlm_verify.py",
+            ("kinds/qwen2_vl/",
              "data/multimodal.py", "data/images.py", "data/geo3k.py", "rollout/sglang/cpu_vlm.py",
              "tasks/colour_square.py", "rewards/geo3k.py", "testing/")),
     "lora": (r"lora|adapter|peft", ("models/lora.py", "models/lora/", "convert/peft_io.py", "testing/")),

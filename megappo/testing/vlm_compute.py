@@ -63,7 +63,7 @@ def hf_log_probs(hf_dir: str, rows) -> list[torch.Tensor]:
     for ids, m, then in rows:
         x = torch.tensor([ids])
         kw = {}
-        if m is not None:  # as megappo.convert.vlm_verify.hf_vlm_forward: mm_token_type_ids give the mrope positions
+        if m is not None:  # as megappo.kinds.qwen2_vl.verify.hf_vlm_forward: mm_token_type_ids give the mrope positions
             kw = dict(pixel_values=m.pixel_values, image_grid_thw=m.image_grid_thw,
                       mm_token_type_ids=(x == model.config.image_token_id).int())
         with torch.no_grad():

@@ -54,7 +54,7 @@ def make_hf_vlm(out_dir: str, family: str = "qwen2_5_vl", seed: int = 0, **overr
 
 def image_batch(hf_dir_or_config: Any, sizes=((56, 84), (112, 56), (140, 112)), seed: int = 0
                 ) -> dict[str, torch.Tensor]:
-    """Images of the given (height, width) through the real image processor; see megappo.convert.vlm_verify."""
-    from megappo.convert.vlm_verify import image_batch as make
+    """Images of the given (height, width) through the real image processor; see megappo.kinds.qwen2_vl.verify."""
+    from megappo.kinds.qwen2_vl.verify import image_batch as make
 
     return make(hf_dir_or_config, sizes, seed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megappo.config import MegappoConfig
-from megappo.models.vlm.model_type import is_vlm_dir
+from megappo.kinds import kind_of
 
 
 def _synthetic_is_vlm(name: Optional[str]) -> bool:
@@ -23,7 +23,7 @@ def _synthetic_is_vlm(name: Optional[str]) -> bool:
 
 def is_vlm_run(cfg: MegappoConfig) -> bool:
     """Whether the run's actor is a vision-language model."""
-    return is_vlm_dir(cfg.actor_rollout_ref.model.path) or _synthetic_is_vlm(cfg.data.synthetic.name)
+    return kind_of(cfg.actor_rollout_ref.model.path).multi_modal or _synthetic_is_vlm(cfg.data.synthetic.name)
 
 
 def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megappo.config.schema import MegappoConfig
 from megappo.convert.export import iter_hf_weights
 from megappo.data.dataset import PromptBatch
-from megappo.models.vlm.config import is_vlm_config
+from megappo.kinds import kind_of
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.rollout import registry
@@ -131,14 +131,9 @@ class RolloutWorker:
 
         only_adapted = mode != "disk" and lora_settings(list(actor_chunks)) is not None
         lm_only = mode != "disk" and self._frozen_vision_tower(hf_config)
-        if lm_only:
-            from megappo.convert.qwen2_vl import iter_hf_vlm_weights
-
-            buckets = iter_hf_vlm_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                          dtype=self.platform.dtype, copy=keep, language_model_only=True)
-        else:
-            buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                      dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted)
+        buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
+                                  dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted,
+                                  language_model_only=lm_only)
         partial = {"partial": True} if only_adapted or lm_only else {}
         nbytes = 0
 
@@ -173,7 +168,7 @@ class RolloutWorker:
     def _frozen_vision_tower(self, hf_config) -> bool:
         """A vision-language actor with its tower frozen (actor.freeze_vision_tower) changes only its language model:
         its syncs send that, and the engines keep the tower they loaded from model.path (the same weights)."""
-        return is_vlm_config(hf_config) and self.cfg.actor_rollout_ref.actor.freeze_vision_tower
+        return kind_of(hf_config).multi_modal and self.cfg.actor_rollout_ref.actor.freeze_vision_tower
 
     def release_engine(self) -> bool:
         """rollout.free_cache_engine: free the weights of the engine this rank syncs (the in-process hybrid engine;

@@ -19,7 +19,7 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch, tp, pp):
     from megappo.convert.export import hf_state_dict
     from megappo.convert.hf_io import read_json_object
     from megappo.convert.hf_to_mcore import hf_to_mcore, load_hf_weights
-    from megappo.convert.vlm_verify import vlm_mcore_forward
+    from megappo.kinds.qwen2_vl.verify import vlm_mcore_forward
     from megappo.models.builder import build_model
     from megappo.models.checkpoint import load_model_checkpoint
     from megappo.parallel import destroy_parallel, init_parallel
@@ -45,7 +45,7 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch, tp, pp):
 def _check(tmp_path, family, via_commands):
     from safetensors.torch import load_file
 
-    from megappo.convert.vlm_verify import hf_vlm_forward
+    from megappo.kinds.qwen2_vl.verify import hf_vlm_forward
     from megappo.testing.vlm_models import image_batch, make_hf_vlm
 
     hf_dir = make_hf_vlm(str(tmp_path / family), family)

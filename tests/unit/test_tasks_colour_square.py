@@ -54,7 +54,7 @@ def test_colour_square_warm_start_and_rl_learns(tmp_path):
 
     from megappo.data import PromptDataset
     from megappo.data.images import ImageProcessing
-    from megappo.models.vlm.rope_index import mrope_position_ids
+    from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
     from megappo.rollout import HFEngine, SamplingParams
 
     files = prepare_task("colour_square", str(tmp_path / "task"), num_train_prompts=512, num_val_prompts=64)

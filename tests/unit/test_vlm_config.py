@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megappo.models.hf_config import UnsupportedModelError
-from megappo.models.vlm.config import is_vlm_config, read_vlm_config
+from megappo.kinds import kind_of
+from megappo.kinds.qwen2_vl.config import read_vlm_config
 
 # Qwen2.5-VL-3B-Instruct's config.json (the fields megappo reads)
 QWEN25_VL_3B = {
@@ -32,7 +33,7 @@ def test_released_qwen2_5_vl_config():
     t = args.text_config
     assert t["model_type"] == "qwen2" and t["mrope_section"] == [16, 24, 24] and t["tie_word_embeddings"]
     assert t["rope_parameters"] == {"rope_type": "default", "rope_theta": 1000000.0}
-    assert args.image_token_id == 151655 and is_vlm_config(QWEN25_VL_3B)
+    assert args.image_token_id == 151655 and kind_of(QWEN25_VL_3B).multi_modal
 
 
 def test_released_qwen2_vl_config_and_refusals():
@@ -44,4 +45,4 @@ def test_released_qwen2_vl_config_and_refusals():
         read_vlm_config({**QWEN25_VL_3B, "rope_scaling": {"type": "default"}})
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         read_vlm_config({**QWEN25_VL_3B, "vision_config": {**QWEN25_VL_3B["vision_config"], "hidden_act": "gelu"}})
-    assert not is_vlm_config({"model_type": "qwen2"})
+    assert not kind_of({"model_type": "qwen2"}).multi_modal

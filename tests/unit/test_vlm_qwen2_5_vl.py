@@ -20,7 +20,7 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch):
     from megappo.convert.export import hf_state_dict
     from megappo.convert.hf_io import read_json_object
     from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.convert.vlm_verify import vlm_mcore_forward
+    from megappo.kinds.qwen2_vl.verify import vlm_mcore_forward
     from megappo.models.builder import build_model
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
@@ -61,7 +61,7 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch):
 def test_vlm_matches_transformers_with_images(tmp_path, family):
     from safetensors.torch import load_file
 
-    from megappo.convert.vlm_verify import hf_vlm_forward
+    from megappo.kinds.qwen2_vl.verify import hf_vlm_forward
     from megappo.testing.vlm_models import IMAGE_TOKEN, image_batch, make_hf_vlm
 
     hf_dir = make_hf_vlm(str(tmp_path / family), family)

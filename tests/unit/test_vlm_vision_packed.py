@@ -27,7 +27,7 @@ def _segment_mask(lengths: list[int]) -> torch.Tensor:
 
 def _dense_reference(vision, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     """The tower's forward with dense [1, 1, N, N] segment masks instead of packed params (the former code)."""
-    from megappo.models.vlm.vision import vision_rotary_positions, window_index
+    from megappo.kinds.qwen2_vl.vision import vision_rotary_positions, window_index
 
     a = vision.args
     unit = a.spatial_merge_size ** 2
@@ -65,7 +65,7 @@ def _job(rank, world_size):
 
 def _compare(family: str) -> dict:
     from megappo.models.attention import SDPAttention
-    from megappo.models.vlm.vision import VisionModel, vision_args_from_hf, window_index
+    from megappo.kinds.qwen2_vl.vision import VisionModel, vision_args_from_hf, window_index
     from megappo.testing.vlm_models import tiny_vlm_config
 
     args = vision_args_from_hf(tiny_vlm_config(family).vision_config.to_dict(), family)

@@ -35,13 +35,12 @@ MultiModal = Optional[Sequence[Optional[MultiModalInputs]]]
 
 
 def _load_model(model_path: str, trust_remote_code: bool, dtype_kw: dict):
-    """The HF model of `model_path`: a causal LM, or a Qwen2(.5)-VL's conditional-generation class."""
+    """The HF model of `model_path`, by its kind's transformers auto class (`megappo.kinds`)."""
     import transformers
 
-    from megappo.models.vlm.config import is_vlm_config
+    from megappo.kinds import kind_of
 
-    auto = transformers.AutoModelForImageTextToText if is_vlm_config(model_path) else \
-        transformers.AutoModelForCausalLM
+    auto = getattr(transformers, kind_of(model_path).hf_auto_class)
     return auto.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True, **dtype_kw)
 
 
@@ -147,7 +146,7 @@ class HFEngine(RolloutEngine):
     def _vision_inputs(self, ids: torch.Tensor, mask: torch.Tensor, rows: list[tuple[int, list[int]]],
                        images: Optional[list[Optional[MultiModalInputs]]]) -> tuple[torch.Tensor, dict]:
         """(position ids [3, B, P], the prefill's pixel_values / image_grid_thw) of a vision-language batch."""
-        from megappo.models.vlm.rope_index import mrope_position_ids
+        from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
 
         mms = [images[i] for i, _ in rows] if images is not None else []
         mms = [m for m in mms if m is not None]

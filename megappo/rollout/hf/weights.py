@@ -7,7 +7,7 @@ it loads a checkpoint, so a checkpoint name is not always a parameter name:
   ([E, 2F, H]); `down_proj|w2` is `...experts.down_proj[e]` ([E, H, F]);
 - Mixtral's `block_sparse_moe.` is `mlp.`;
 - a Qwen2(.5)-VL checkpoint's `model.*` (the language model) is `model.language_model.*` and its `visual.*` is
-  `model.visual.*` (transformers 5's module tree; `megappo.convert.qwen2_vl` exports the checkpoint names).
+  `model.visual.*` (transformers 5's module tree; `megappo.kinds.qwen2_vl.convert` exports the checkpoint names).
 Every target is shape-checked, and tests compare against `from_pretrained` on the same files, which applies
 transformers' own conversion.
 """

@@ -77,9 +77,9 @@ def server_kwargs(cfg: Any, platform: Any) -> dict:
 
 def _image_token_id(model_path: str) -> Optional[int]:
     """A vision-language model's image token id (the fleet collapses each image's tokens to it), else None."""
-    from megappo.models.vlm.config import is_vlm_config, read_vlm_config
+    from megappo.kinds import kind_of
 
-    return read_vlm_config(model_path).image_token_id if is_vlm_config(model_path) else None
+    return kind_of(model_path).image_token_id(model_path)
 
 
 def deploy(cfg: Any, ps: Any, platform: Any) -> "SGLangDeployment":

@@ -43,7 +43,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Optional, Sequence
 
-from megappo.models.vlm.model_type import is_vlm_dir
+from megappo.kinds import kind_of
 from megappo.platform.job_signals import job_signals_blocked
 
 REAPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reaper.py")
@@ -327,7 +327,7 @@ class SGLangServer:
             # cores idle, 0.02 with it), which the trainer and a weight sync on the same machine then lack: with it a
             # server's weight load measured 1.5-2.5x faster on the 2-core machine (tools/bench/bench_rollout.py)
             self._args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
-            if is_vlm_dir(model_path):
+            if kind_of(model_path).multi_modal:
                 # sglang/cpu_vlm.py lets SGLang's Qwen-VL image processor import on CPU (see there); the warm-up
                 # request goes through a chat template, which a tiny test model lacks (megappo's health check is
                 # a one-token generation anyway)
@@ -335,7 +335,7 @@ class SGLangServer:
                 self._args.append("--skip-server-warmup")
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env.setdefault("OMP_NUM_THREADS", "1")
-        if is_vlm_dir(model_path):
+        if kind_of(model_path).multi_modal:
             # SGLang keeps images' vision-tower embeddings in a cache that neither a weight update nor /flush_cache
             # clears (SGLang 0.5.23), so after a sync that changed the vision tower it would answer with the old
             # tower's embeddings (measured: other tokens than an engine on the new weights); 0 MB turns it off

@@ -1,22 +1,15 @@
-"""Reading a Qwen2.5-VL / Qwen2-VL Hugging Face config (no megatron import: the builder and converters ask
-`is_vlm_config` of every model)."""
+"""Reading a Qwen2.5-VL / Qwen2-VL Hugging Face config (no megatron import)."""
 from __future__ import annotations
 
 import dataclasses
 import os
 from typing import Any, Mapping, Optional, Union
 
+from megappo.kinds import KINDS
+from megappo.kinds.qwen2_vl.vision import VisionArgs, vision_args_from_hf
 from megappo.models.hf_config import UnsupportedModelError, load_hf_config_dict
-from megappo.models.vlm.model_type import VLM_MODEL_TYPES
-from megappo.models.vlm.vision import VisionArgs, vision_args_from_hf
 
-
-def is_vlm_config(hf_dir_or_config: Any) -> bool:
-    """Whether a HF config (directory, path, dict or PretrainedConfig) is one of VLM_MODEL_TYPES."""
-    try:
-        return load_hf_config_dict(hf_dir_or_config).get("model_type") in VLM_MODEL_TYPES
-    except (OSError, ValueError, TypeError):
-        return False
+VLM_MODEL_TYPES = next(kind.model_types for kind in KINDS if kind.name == "qwen2_vl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,3 +42,8 @@ def read_vlm_config(hf_dir_or_config: Union[str, os.PathLike, Mapping[str, Any],
     return VLMArgs(family=family, vision=vision_args_from_hf(dict(cfg["vision_config"]), family),
                    image_token_id=int(cfg.get("image_token_id", text.get("image_token_id", 151655))),
                    video_token_id=cfg.get("video_token_id"), text_config=text)
+
+
+def image_token_id(hf_dir_or_config: Any) -> int:
+    """The image placeholder's (`<|image_pad|>`) token id."""
+    return read_vlm_config(hf_dir_or_config).image_token_id

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL / Qwen2-VL <-> megatron (`megappo.models.vlm`): the name/tensor mapping, streaming load and export.
+"""Qwen2.5-VL / Qwen2-VL <-> megatron (`megappo.kinds.qwen2_vl.model`): the name/tensor mapping, streaming load and
+export.
 
 HF names are those of the released checkpoints, which transformers 5 still writes (`model.layers.*`, `visual.*`,
 `lm_head.weight`); transformers 5's in-memory names (`model.language_model.*`, `model.visual.*`) are read too.
@@ -10,22 +11,25 @@ the first pipeline stage):
 - the SwiGLU fc1 is [gate; up] (`glu`, as the LM's), fc2 / proj split by columns; RowParallel biases whole.
 - merger: ln_q, then `merger.projection.encoder.linear_fc{1,2}` = HF `merger.mlp.{0,2}`.
 
-`load_hf_vlm_weights` / `iter_hf_vlm_weights` mirror `hf_to_mcore.load_hf_weights` / `export.iter_hf_weights`
-(each rank reads only its own rows; export broadcasts from the owning stage and all-gathers TP shards), which
-dispatch here for these model types.
+`load_hf_vlm_weights` / `iter_hf_vlm_weights` are this kind's `hf_to_mcore.load_hf_weights` /
+`export.iter_hf_weights` (each rank reads only its own rows; export broadcasts from the owning stage and all-gathers
+TP shards).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
+from megappo.convert.collectives import Meta, all_gather, broadcast_from, bucketed, gather_owners, hf_tensors
 from megappo.convert.mapping import (
-    VALUE_HEAD, ConversionError, ParamMap, canonical_name, merge_to_hf, model_spec_from_hf_config, param_maps,
-    shard_from_hf,
+    VALUE_HEAD, ConversionError, ModelSpec, ParamMap, canonical_name, merge_to_hf, model_spec_from_hf_config,
+    param_maps, shard_from_hf,
 )
+from megappo.convert.params import check_all_used, model_role
+from megappo.kinds.qwen2_vl.config import read_vlm_config
+from megappo.models.builder import unwrap
 
 LM_PREFIX, VISION_PREFIX = "language_model.", "vision_model."
 _HF_VISION = "visual."
@@ -72,13 +76,16 @@ def vision_param_maps(args) -> list[ParamMap]:
 
 def vlm_param_maps(hf_config: Any, role: str = "actor"):
     """(text ModelSpec, VLMArgs, ParamMaps): vision tower first, then the language model, in export order."""
-    from megappo.models.vlm.config import read_vlm_config
-
     args = read_vlm_config(hf_config)
     spec = model_spec_from_hf_config(args.text_config)
     lm = [ParamMap(LM_PREFIX + pm.mcore, pm.hf, pm.kind, pm.tp_dim, pm.expert, pm.layer)
           for pm in param_maps(spec, role)]
     return spec, args, vision_param_maps(args) + lm
+
+
+def language_model_spec(hf_config: Any, source: Optional[str] = None) -> ModelSpec:
+    """The conversion's ModelSpec of the language model (`source`: the config's path, for error messages)."""
+    return model_spec_from_hf_config(read_vlm_config(hf_config).text_config, source)
 
 
 # -- tensor arithmetic of the vision qkv ---------------------------------------------------------------------------
@@ -114,8 +121,6 @@ def merge_for(pm: ParamMap, spec, args, shards: list[torch.Tensor]) -> list[tupl
 # -- this rank's parameters under canonical names ------------------------------------------------------------------
 def vlm_local_params(model_chunks: list[nn.Module], spec, maps: dict[str, ParamMap], parallel_state):
     """[(canonical name, parameter, tp_rank, tp_size)] of this rank; raises ConversionError for an unknown one."""
-    from megappo.models.builder import unwrap
-
     out = []
     for chunk in model_chunks:
         m = unwrap(chunk)
@@ -160,10 +165,9 @@ class _Reader:
 
 @torch.no_grad()
 def load_hf_vlm_weights(model_chunks: list[nn.Module], ckpt, parallel_state, *, strict: bool = True,
-                        role: Optional[str] = None, world_group: Any = None) -> dict[str, int]:
-    """`load_hf_weights` for a VLM: copy the HF checkpoint `ckpt` (an open HFCheckpoint) into this rank's chunks."""
-    from megappo.convert.hf_to_mcore import _check_all_used, model_role
-
+                        role: Optional[str] = None, world_group: Any = None, progress: bool = False) -> dict[str, int]:
+    """`load_hf_weights` for a VLM: copy the HF checkpoint `ckpt` (an open HFCheckpoint) into this rank's chunks
+    (`progress`: a small model's load shows none)."""
     role = role or model_role(model_chunks)
     spec, args, ordered = vlm_param_maps(ckpt.config, role)
     maps = {pm.mcore: pm for pm in ordered}
@@ -177,20 +181,20 @@ def load_hf_vlm_weights(model_chunks: list[nn.Module], ckpt, parallel_state, *, 
         n_tensors += 1
         n_bytes += shard.numel() * shard.element_size()
     if strict:
-        _check_all_used(ckpt, read.used, role, world_group)
+        check_all_used(ckpt, read.used, role, world_group)
     return {"tensors": n_tensors, "bytes": n_bytes}
 
 
 @torch.no_grad()
 def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config: Any, *,
                         bucket_bytes: int = 512 << 20, role: Optional[str] = None,
-                        dtype: Optional[torch.dtype] = None, copy: bool = True,
+                        dtype: Optional[torch.dtype] = None, copy: bool = True, only_adapted: bool = False,
                         language_model_only: bool = False) -> Iterator[list]:
     """`iter_hf_weights` for a VLM: buckets of (HF name, full tensor), vision tower first. Collective.
-    `language_model_only`: the language model's weights only (a frozen tower's never change: weight sync)."""
-    from megappo.convert.export import _Meta, _all_gather, _broadcast, _gather_owners, bucketed, hf_tensors
-    from megappo.convert.hf_to_mcore import model_role
-
+    `language_model_only`: the language model's weights only (a frozen tower's never change: weight sync).
+    `only_adapted`: LoRA adapters are not supported on these models."""
+    if only_adapted:
+        raise ValueError("only_adapted: the model has no LoRA adapters")
     role = role or model_role(model_chunks)
     spec, args, ordered = vlm_param_maps(hf_config, role)
     maps = {pm.mcore: pm for pm in ordered}
@@ -199,7 +203,7 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
     ps = parallel_state
     mine = {n: p for n, p, _, _ in vlm_local_params(model_chunks, spec, maps, ps)}
     device = next(iter(mine.values())).device if mine else torch.device("cpu")
-    owners = _gather_owners({n: _Meta(tuple(p.shape), p.dtype) for n, p in mine.items()}, ps.pp_group)
+    owners = gather_owners({n: Meta(tuple(p.shape), p.dtype) for n, p in mine.items()}, ps.pp_group)
 
     def groups():
         for pm in ordered:
@@ -209,8 +213,8 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
             src, meta = owners[pm.mcore]
             on_owner = ps.pp_rank == src if ps.pp_group is not None and ps.pp_size > 1 else True
             local = mine.get(pm.mcore)
-            shard = _broadcast(local.data if local is not None and on_owner else None, meta, src, ps.pp_group, device)
-            shards = _all_gather(shard, ps.tp_group) if pm.tp_dim is not None else [shard]
+            shard = broadcast_from(local.data if local is not None and on_owner else None, meta, src, ps.pp_group, device)
+            shards = all_gather(shard, ps.tp_group) if pm.tp_dim is not None else [shard]
             yield hf_tensors(merge_for(pm, spec, args, shards), shards, dtype, copy)
 
     yield from bucketed(groups(), bucket_bytes)
@@ -258,7 +262,3 @@ def hf_vlm_state_dict(model_chunks, parallel_state, hf_config, **kw) -> dict[str
     return {n: t for b in iter_hf_vlm_weights(model_chunks, parallel_state, hf_config, **kw) for n, t in b}
 
 
-def hf_dir_config(hf_dir: str) -> dict:
-    from megappo.convert.hf_io import read_json_object
-
-    return read_json_object(os.path.join(hf_dir, "config.json"), "the model's config.json")

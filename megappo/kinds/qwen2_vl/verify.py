@@ -12,6 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megappo.convert.collectives import last_stage_output
+from megappo.kinds.qwen2_vl.config import read_vlm_config
+from megappo.models.hf_config import load_hf_config_dict
+
 DEFAULT_SIZES = ((56, 84), (112, 56), (140, 112))  # (height, width) in pixels: 4x6, 8x4, 10x8 patches of 14
 
 
@@ -23,10 +27,6 @@ def image_batch(hf_config: Any, sizes=DEFAULT_SIZES, seed: int = 0, max_pixels: 
     attention_mask [B, T], pixel_values [N, 3 * tp * p * p] float32, image_grid_thw [B, 3].
     """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from megappo.models.vlm.config import read_vlm_config
-
-    from megappo.models.hf_config import load_hf_config_dict
 
     args = read_vlm_config(hf_config)
     v = args.vision
@@ -69,8 +69,6 @@ def vlm_mcore_forward(model_chunks: list[nn.Module], parallel_state, batch: dict
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megappo.convert.verify import last_stage_output
-
     ps = parallel_state
     device = next(model_chunks[0].parameters()).device
     b, t = batch["input_ids"].shape
@@ -111,10 +109,9 @@ def hf_vlm_forward(hf_dir: str, batch: dict[str, torch.Tensor], dtype: torch.dty
 
 
 def verify_vlm(hf_dir: str, chunks: list[nn.Module], ps, mcfg: dict, *, atol: float, dtype: torch.dtype,
-               seed: int = 0) -> dict[str, Any]:
-    """Compare loaded megatron `chunks` with `hf_dir` on an image batch; collective. {max_abs_diff, atol, ok, ...}"""
-    from megappo.models.vlm.config import read_vlm_config
-
+               seed: int = 0, **_text_only: Any) -> dict[str, Any]:
+    """Compare loaded megatron `chunks` with `hf_dir` on an image batch; collective. {max_abs_diff, atol, ok, ...}
+    (`_text_only`: a text model's batch, seq_len and trust_remote_code; the image batch has its own sizes)"""
     role = getattr(chunks[0], "megappo_role", "actor")
     if role != "actor" and role != "ref":
         raise NotImplementedError(f"verify of a {role} VLM: only causal-LM checkpoints are compared")

@@ -1,13 +1,13 @@
 """Qwen2.5-VL / Qwen2-VL on megatron-core: the vision tower (first pipeline stage) feeding a `GPTModel` with
 multimodal rotary positions (`position_embedding_type="mrope"`).
 
-`build_vlm_model(hf_dir_or_config, role, parallel_state, platform)` is what `megappo.models.builder.build_model`
-dispatches to for these model types; it returns one `VLMModel` per pipeline chunk. The language model is built by
-the builder's own `_build_chunk` (same layer spec, SDPA attention, value head for critic/reward), so everything
-megappo does to a GPTModel holds for `chunk.language_model`.
+`build_vlm_model(hf_dir_or_config, role, parallel_state, platform)` is this kind's `build` (`megappo.kinds`); it
+returns one `VLMModel` per pipeline chunk. The language model is a text model's chunk (`megappo.models.chunk`: same
+layer spec, SDPA attention, value head for critic/reward), so everything megappo does to a GPTModel holds for
+`chunk.language_model`.
 
 Parameter names: `language_model.<GPTModel names>` and, on the first stage, `vision_model.<VisionModel names>`
-(see megappo.models.vlm.vision).
+(see megappo.kinds.qwen2_vl.vision).
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from torch import nn
 
 from megatron.core.transformer.module import MegatronModule
 
-from megappo.models.hf_config import UnsupportedModelError
-from megappo.models.vlm.config import VLM_MODEL_TYPES, VLMArgs, is_vlm_config, read_vlm_config  # noqa: F401
-from megappo.models.vlm.rope_index import mrope_position_ids
-from megappo.models.vlm.vision import VisionModel
+from megappo.kinds.qwen2_vl.config import VLMArgs, read_vlm_config
+from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
+from megappo.kinds.qwen2_vl.vision import VisionModel
+from megappo.models.chunk import build_chunk
+from megappo.models.hf_config import UnsupportedModelError, transformer_config_from_hf
 
 class VLMModel(MegatronModule):
     """One pipeline chunk: `vision_model` (first stage only) + `language_model` (a GPTModel with mrope).
@@ -85,8 +86,6 @@ class VLMModel(MegatronModule):
 
 def vlm_transformer_config(hf_dir_or_config, layout, platform, **overrides):
     """(TransformerConfig, ModelSpecArgs, VLMArgs) of the language model."""
-    from megappo.models.hf_config import transformer_config_from_hf
-
     args = read_vlm_config(hf_dir_or_config)
     if layout.sequence_parallel or layout.cp > 1:
         raise UnsupportedModelError(f"{args.family}: sequence and context parallelism are not supported yet")
@@ -103,7 +102,6 @@ def build_vlm_model(hf_dir_or_config, role: str, parallel_state, platform, *, se
     """This rank's `VLMModel` chunks for `role`; the vision tower (and merger) frozen when `freeze_vision_tower`."""
     from megatron.core import tensor_parallel
 
-    from megappo.models.builder import _build_chunk
     from megappo.platform.layout import check_layout
 
     layout = parallel_state.layout
@@ -118,7 +116,7 @@ def build_vlm_model(hf_dir_or_config, role: str, parallel_state, platform, *, se
         raise UnsupportedModelError(f"{args.family}: virtual pipeline stages are not supported yet")
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    lm = _build_chunk(config, spec, role, parallel_state, platform, None, seed)
+    lm = build_chunk(config, spec, role, parallel_state, platform, None, seed)
     vision = None
     if lm.pre_process:
         vision = VisionModel(args.vision, layout.tp, config.params_dtype, use_cpu_init=not platform.is_cuda)

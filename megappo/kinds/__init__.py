@@ -1,0 +1,130 @@
+"""Model kinds: how each kind of Hugging Face model is built, loaded, exported, verified and fed, chosen once from
+its `config.json`'s `model_type` (`kind_of`). The trainer, the conversion code and the engines ask the kind; none of
+them asks which model it has.
+
+    kind = kind_of(hf_dir_or_config)       # a ModelKind: `gpt` for the text families, `qwen2_vl` for Qwen2/2.5-VL
+    kind.multi_modal, kind.hf_auto_class   # plain answers, no import
+    kind.build(...), kind.load_hf_weights(...), kind.iter_hf_weights(...), kind.verify(...)   # imported when asked
+
+Light to import (no torch): the table names each kind's implementations as "module:function" strings, imported when
+called, so the preflight checks and the SGLang launcher can ask a model directory's kind before torch loads.
+
+Adding a kind is one folder (`megappo/kinds/<name>/`, its model, conversion and verification) and one entry in
+`KINDS`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """One kind of model. Each `impl` value is "module:function"; the methods below call them.
+
+    build(hf_dir_or_config, role, parallel_state, platform, **kw) -> this rank's model chunks
+    load_hf_weights(chunks, ckpt: HFCheckpoint, parallel_state, *, strict, role, world_group, progress) -> counts
+    iter_hf_weights(chunks, parallel_state, hf_config, **kw) -> buckets of (HF name, full tensor); collective
+    iter_hf_weights_from_checkpoint(mcore_dir, hf_config, role, *, dtype) -> (HF name, tensor), no model built
+    materialiser(chunks, ckpt, parallel_state, role, used) -> (materialise(meta param) -> shard, {id(param): ...})
+    language_model_spec(hf_config, role) -> the conversion's ModelSpec of the (language) model
+    verify(hf_dir, chunks, parallel_state, hf_config, **kw) -> {max_abs_diff, atol, ok, ...}; collective
+    image_token_id(hf_dir_or_config) -> the image placeholder's token id (multi-modal kinds)
+    """
+
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type values of this kind (empty: every other one)
+    multi_modal: bool  # prompts carry images (engines feed them, batches keep them per row)
+    hf_auto_class: str  # the transformers auto class that loads a causal LM of this kind
+    impl: Mapping[str, str] = field(default_factory=dict)
+
+    def _call(self, what: str) -> Callable[..., Any]:
+        target = self.impl.get(what)
+        if target is None:
+            raise NotImplementedError(f"model kind {self.name!r} has no {what}")
+        module, function = target.split(":")
+        return getattr(importlib.import_module(module), function)
+
+    def build(self, *args: Any, **kw: Any) -> Any:
+        return self._call("build")(*args, **kw)
+
+    def load_hf_weights(self, *args: Any, **kw: Any) -> Any:
+        return self._call("load_hf_weights")(*args, **kw)
+
+    def iter_hf_weights(self, *args: Any, **kw: Any) -> Any:
+        return self._call("iter_hf_weights")(*args, **kw)
+
+    def iter_hf_weights_from_checkpoint(self, *args: Any, **kw: Any) -> Any:
+        return self._call("iter_hf_weights_from_checkpoint")(*args, **kw)
+
+    def materialiser(self, *args: Any, **kw: Any) -> Any:
+        return self._call("materialiser")(*args, **kw)
+
+    def language_model_spec(self, *args: Any, **kw: Any) -> Any:
+        return self._call("language_model_spec")(*args, **kw)
+
+    def verify(self, *args: Any, **kw: Any) -> Any:
+        return self._call("verify")(*args, **kw)
+
+    def image_token_id(self, hf_dir_or_config: Any) -> Optional[int]:
+        return self._optional("image_token_id", hf_dir_or_config)
+
+    def _optional(self, what: str, *args: Any) -> Any:
+        """What an implementation this kind may lack answers (None when it has none)."""
+        return self._call(what)(*args) if what in self.impl else None
+
+
+_CONVERT = "megappo.convert"
+_VL = "megappo.kinds.qwen2_vl"
+KINDS: tuple[ModelKind, ...] = (
+    ModelKind("qwen2_vl", ("qwen2_5_vl", "qwen2_vl"), multi_modal=True,
+              hf_auto_class="AutoModelForImageTextToText", impl={
+                  "build": f"{_VL}.model:build_vlm_model",
+                  "load_hf_weights": f"{_VL}.convert:load_hf_vlm_weights",
+                  "iter_hf_weights": f"{_VL}.convert:iter_hf_vlm_weights",
+                  "iter_hf_weights_from_checkpoint": f"{_VL}.convert:iter_hf_vlm_weights_from_checkpoint",
+                  "materialiser": f"{_VL}.convert:vlm_materialiser",
+                  "language_model_spec": f"{_VL}.convert:language_model_spec",
+                  "verify": f"{_VL}.verify:verify_vlm",
+                  "image_token_id": f"{_VL}.config:image_token_id",
+              }),
+    # the text families (llama, qwen2, qwen3, their MoE variants, mixtral): megatron-core's GPTModel
+    ModelKind("gpt", (), multi_modal=False, hf_auto_class="AutoModelForCausalLM", impl={
+        "build": "megappo.models.builder:build_gpt_model",
+        "load_hf_weights": f"{_CONVERT}.hf_to_mcore:load_gpt_weights",
+        "iter_hf_weights": f"{_CONVERT}.export:iter_gpt_weights",
+        "iter_hf_weights_from_checkpoint": f"{_CONVERT}.dist_reader:iter_gpt_weights_from_checkpoint",
+        "materialiser": f"{_CONVERT}.hf_to_mcore:gpt_materialiser",
+        "language_model_spec": f"{_CONVERT}.hf_to_mcore:gpt_model_spec",
+        "verify": f"{_CONVERT}.verify:verify_gpt",
+    }),
+)
+GPT = KINDS[-1]
+_BY_TYPE = {t: kind for kind in KINDS for t in kind.model_types}
+
+
+def model_type(hf_dir_or_config: Any) -> Optional[str]:
+    """`model_type` of a model directory (its config.json), a config.json path, a dict or a PretrainedConfig; None
+    when there is none to read (no path, no readable config, no model_type in it)."""
+    if isinstance(hf_dir_or_config, Mapping):
+        return hf_dir_or_config.get("model_type")
+    if isinstance(hf_dir_or_config, (str, os.PathLike)) and hf_dir_or_config:
+        path = os.path.expanduser(os.fspath(hf_dir_or_config))
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return getattr(hf_dir_or_config, "model_type", None)
+
+
+def kind_of(hf_dir_or_config: Any) -> ModelKind:
+    """The kind of a model directory, config.json path, config dict or PretrainedConfig: the `gpt` kind for every
+    model type no other kind claims (and for a config that cannot be read: the gpt builder and converters then say
+    what is wrong with it)."""
+    return _BY_TYPE.get(model_type(hf_dir_or_config), GPT)
