@@ -101,7 +101,8 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                            kl_ctrl=algos.build_kl_controller(kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl,
                                                              horizon=kl.horizon),
                            guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
-        run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
+        run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles,
+                  rollout=RolloutWorker(cfg, ps, platform, roles.actor.adapter),
                   scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
                   pad_token_id=loader.dataset.pad_token_id, batching=settings.batching(cfg),
                   sampling=settings.sampling(cfg), actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
