@@ -16,6 +16,7 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
+from megappo.models.lora.checks import SGLANG_CPU_LORA, check_lora  # noqa: F401 - SGLANG_CPU_LORA: the servers' refusal
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -66,11 +67,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_rewards(cfg, errors, check_files)
     _check_multi_turn(cfg, errors, check_files)
     _check_dapo(cfg, errors)
-    for prefix, model in (("actor_rollout_ref.model.lora", cfg.actor_rollout_ref.model),
-                          ("critic.model.lora", cfg.critic.model)):
-        _check_lora(prefix, model.lora, errors, check_files)
-    _check_shared_critic_base(cfg, errors)
-    _check_lora_sync(cfg, errors)
+    check_lora(cfg, errors, check_files)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):
         _check_optim(prefix, optim, errors)
@@ -462,73 +459,3 @@ def _lookup(cfg: MegappoConfig, key: str):
     for part in key.split("."):
         node = getattr(node, part)
     return node
-
-
-_LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-
-
-# measured with SGLang 0.5.23's CPU backend (--enable-lora, any --lora-backend): the server dies loading the LoRA
-# layers, whose wrappers allocate pinned host buffers (torch.tensor(..., pin_memory=True) in sglang/srt/lora/layers.py)
-SGLANG_CPU_LORA = ("SGLang's CPU backend cannot serve LoRA adapters (SGLang 0.5.23 dies at start with --enable-lora: "
-                   "'pin_memory=True requires a CUDA or other accelerator backend'); use "
-                   "actor_rollout_ref.rollout.lora_sync=merged (the default) on CPU")
-
-
-def _check_lora_sync(cfg, errors: list[str]) -> None:
-    """rollout.lora_sync=adapter: a LoRA actor served by SGLang on GPU."""
-    arr = cfg.actor_rollout_ref
-    if arr.rollout.lora_sync != "adapter":
-        return
-    key = "actor_rollout_ref.rollout.lora_sync=adapter"
-    if arr.model.lora.rank <= 0:
-        errors.append(f"{key} sends a LoRA actor's adapters: set actor_rollout_ref.model.lora.rank > 0 or "
-                      "lora_sync=merged")
-    if arr.rollout.name != "sglang":
-        errors.append(f"{key} needs rollout.name=sglang (SGLang's LoRA serving), got {arr.rollout.name!r}; use "
-                      "lora_sync=merged")
-    if cfg.trainer.device == "cpu":
-        errors.append(f"{key}: {SGLANG_CPU_LORA}")
-
-
-def _check_shared_critic_base(cfg, errors: list[str]) -> None:
-    """critic.model.lora.share_actor_base: the critic's base must be the actor's model, loaded the same way."""
-    actor, critic = cfg.actor_rollout_ref.model, cfg.critic.model
-    if actor.lora.share_actor_base:
-        errors.append("actor_rollout_ref.model.lora.share_actor_base: only critic.model.lora takes it (the critic "
-                      "shares the actor's base)")
-    if not critic.lora.share_actor_base or not cfg.critic.enable:
-        return
-    key = "critic.model.lora.share_actor_base=true"
-    if actor.lora.rank <= 0 or critic.lora.rank <= 0:
-        errors.append(f"{key} needs LoRA on both models (actor_rollout_ref.model.lora.rank={actor.lora.rank}, "
-                      f"critic.model.lora.rank={critic.lora.rank}): a full-parameter model trains its base; set "
-                      "both ranks > 0 or share_actor_base=false")
-    a_path, c_path = (os.path.abspath(os.path.expanduser(p)) if p else p for p in (actor.path, critic.path))
-    if c_path != a_path:
-        errors.append(f"{key}: critic.model.path={critic.path} is not the actor's model ({actor.path}); drop "
-                      "critic.model.path or set share_actor_base=false")
-    for name in ("override_config", "dtype"):
-        if getattr(critic, name) != getattr(actor, name) and getattr(critic, name) is not None:
-            errors.append(f"{key}: critic.model.{name}={getattr(critic, name)!r} differs from the actor's "
-                          f"({getattr(actor, name)!r}): the shared base is built once, as the actor's; make them "
-                          "equal or set share_actor_base=false")
-
-
-def _check_lora(prefix: str, lora, errors: list[str], check_files: bool) -> None:
-    """model.lora: the adapter shape (megappo/models/lora.py)."""
-    if lora.rank < 0:
-        errors.append(f"{prefix}.rank={lora.rank}: use 0 (no LoRA) or a positive rank such as 8, 16, 64")
-    if lora.rank == 0:
-        return
-    if lora.alpha <= 0:
-        errors.append(f"{prefix}.alpha={lora.alpha}: must be > 0 (adapters are scaled by alpha / rank)")
-    if not 0.0 <= lora.dropout < 1.0:
-        errors.append(f"{prefix}.dropout={lora.dropout}: must be in [0, 1)")
-    bad = [t for t in lora.target_modules if t not in _LORA_TARGETS]
-    if bad or not lora.target_modules:
-        errors.append(f"{prefix}.target_modules={list(lora.target_modules)}: choose among {list(_LORA_TARGETS)} "
-                      "(megatron's layer names)")
-    if check_files and lora.adapter_path and not os.path.isfile(
-            os.path.join(os.path.expanduser(lora.adapter_path), "adapter_model.safetensors")):
-        errors.append(f"{prefix}.adapter_path={lora.adapter_path}: no adapter_model.safetensors there; point it at "
-                      "a PEFT adapter directory (megappo convert mcore-to-hf --lora-only writes one)")

@@ -72,12 +72,10 @@ def iter_gpt_weights(model_chunks: list[nn.Module], parallel_state: ParallelStat
     ordered = param_maps(spec, role)
     maps = {pm.mcore: pm for pm in ordered}
     if only_adapted:
-        from megappo.models.lora import is_lora_target_weight, lora_settings
+        from megappo.models.lora import adapted_weight_filter
 
-        lora = lora_settings(model_chunks)
-        if lora is None:
-            raise ValueError("only_adapted: the model has no LoRA adapters")
-        ordered = [pm for pm in ordered if is_lora_target_weight(pm.mcore, lora)]
+        adapted = adapted_weight_filter(model_chunks)
+        ordered = [pm for pm in ordered if adapted(pm.mcore)]
     ps = parallel_state
     mine = {lp.canonical: lp for lp in local_params(model_chunks, spec, ps, maps, merge_lora=True)}
     device = next(iter(mine.values())).param.device if mine else torch.device("cpu")

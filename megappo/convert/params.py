@@ -40,7 +40,7 @@ def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state:
     adapted layer's weight is given as its merged shard (a new tensor) instead of the parameter.
     Raises ConversionError for a megatron parameter the mapping does not know (a spec/config mismatch).
     """
-    from megappo.models.lora import is_adapter_param, merged_weights
+    from megappo.models.lora import base_parameters
 
     ep_size = parallel_state.ep_size
     num_local = spec.num_experts // ep_size if spec.num_experts else 0
@@ -48,11 +48,7 @@ def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state:
     for chunk in model_chunks:
         m = unwrap(chunk)
         layer_numbers = [layer.layer_number for layer in m.decoder.layers] if hasattr(m, "decoder") else []
-        merged = merged_weights(m) if merge_lora else {}
-        for local, p in m.named_parameters():
-            if is_adapter_param(local):
-                continue
-            p = merged.get(id(p), p)
+        for local, p in base_parameters(m, merged=merge_lora):
             name = canonical_name(local, layer_numbers, parallel_state.ep_rank * num_local)
             if name == "output_layer.weight" and spec.tied_embeddings and name not in maps:
                 name = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding (PP > 1)

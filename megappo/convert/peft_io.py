@@ -28,21 +28,11 @@ from megappo.convert.mapping import ConversionError, ParamMap, merge_to_hf, mode
 PEFT_PREFIX = "base_model.model."
 
 
-def _adapted(model_chunks: list[nn.Module], spec: Any, ps: Any) -> list[tuple[str, Any]]:
-    """(canonical weight name, adapter) of this rank's adapted layers (global layer numbers)."""
-    from megappo.convert.mapping import canonical_name
-    from megappo.models.builder import unwrap
-    from megappo.models.lora import LoRAAdapter
+def _adapted(model_chunks: list[nn.Module]) -> list[tuple[str, Any]]:
+    """(canonical weight name, adapter) of this rank's adapted layers (global layer and expert numbers)."""
+    from megappo.models.lora import adapters
 
-    out = []
-    num_local = spec.num_experts // ps.ep_size if spec.num_experts else 0
-    for chunk in model_chunks:
-        m = unwrap(chunk)
-        numbers = [layer.layer_number for layer in m.decoder.layers]
-        for name, module in m.named_modules():
-            if isinstance(getattr(module, "lora", None), LoRAAdapter) and not name.endswith(".lora"):
-                out.append((canonical_name(f"{name}.weight", numbers, ps.ep_rank * num_local), module.lora))
-    return out
+    return [(ad.name, ad) for ad in adapters(model_chunks)]
 
 
 def _gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
@@ -68,7 +58,7 @@ def peft_state_dict(model_chunks: list[nn.Module], ps: Any, hf_config: Any,
     maps = {pm.mcore: pm for pm in param_maps(spec, "actor")}
     out: dict[str, torch.Tensor] = {}
     expert_keys: set[str] = set()
-    for canonical, ad in _adapted(model_chunks, spec, ps):
+    for canonical, ad in _adapted(model_chunks):
         pm: ParamMap = maps[canonical]
         group = ps.expert_tp_group if pm.expert else ps.tp_group
         if pm.expert:
@@ -119,12 +109,13 @@ def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, ba
 def write_peft_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -> str:
     from safetensors.torch import save_file
 
-    from megappo.trainer.files import as_if_created
-
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "adapter_model.safetensors")
     save_file({k: v.cpu() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
-    as_if_created(weights)  # as adapter_config.json beside it
+    # the mode a plain open() gives, as adapter_config.json beside it has: safetensors' save_file writes 0600
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return out_dir
@@ -147,7 +138,7 @@ def load_peft_adapter(model_chunks: list[nn.Module], adapter_dir: str, ps: Any, 
     spec = model_spec_from_hf_config(hf_config)
     maps = {pm.mcore: pm for pm in param_maps(spec, "actor")}
     n = 0
-    for canonical, ad in _adapted(model_chunks, spec, ps):
+    for canonical, ad in _adapted(model_chunks):
         if abs(cfg["lora_alpha"] / cfg["r"] - ad.scaling) > 1e-9 or cfg["r"] != ad.lora_A.shape[0]:
             raise ConversionError(f"{adapter_dir}: r={cfg['r']} lora_alpha={cfg['lora_alpha']} differ from "
                                   f"model.lora (rank {ad.lora_A.shape[0]}, alpha/rank {ad.scaling:g})")
@@ -187,14 +178,13 @@ def write_sync_adapter(model_chunks: list[nn.Module], ps: Any, hf_config: Any, o
 
 
 def read_lora_base(ckpt_dir: str) -> dict:
-    from megappo.trainer.checkpointing import LORA_BASE_FILE
+    from megappo.models.lora import LORA_BASE_FILE, read_lora_base as read_record
 
-    path = os.path.join(ckpt_dir, LORA_BASE_FILE)
-    if not os.path.isfile(path):
-        raise ConversionError(f"{path}: missing; --merge-lora / --lora-only need a LoRA role's trainer checkpoint "
-                              "(global_step_N/actor of a run with model.lora.rank > 0)")
-    with open(path) as f:
-        return json.load(f)
+    record = read_record(ckpt_dir)
+    if record is None:
+        raise ConversionError(f"{os.path.join(ckpt_dir, LORA_BASE_FILE)}: missing; --merge-lora / --lora-only need "
+                              "a LoRA role's trainer checkpoint (global_step_N/actor of a run with model.lora.rank > 0)")
+    return record
 
 
 def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Optional[str] = None,

@@ -29,22 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megappo.models.builder import unwrap
+from megappo.models.checkpoint_errors import CheckpointError, SaveAbandoned
 from megappo.models.optim_state import ensure_state, fresh_state, is_fresh, load_state, reset_to_fresh
 from megappo.parallel import lost_peer, reduce_over_ranks, union_over_ranks
 
 MARKER_FILE = "megappo_checkpoint.json"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A missing, incomplete or mismatching checkpoint; the message names the directory/file/tensor."""
-
-
-class SaveAbandoned(CheckpointError):
-    """This rank's part of a collective save failed where the other ranks cannot see it (megatron's rank-0 writes
-    of common.pt and metadata.json, say): they wait in one of the save's collectives that this rank will never join.
-    The catcher must enter no further collective (it would hang, or pair with the wrong one): report and leave the
-    process (`megappo.parallel.leave_run`), which fails the collectives the others wait in."""
 
 
 def rank0_step(fn: Any, what: str) -> None:
@@ -87,14 +77,12 @@ def _metadata(dp_cp_group: Any) -> dict[str, Any]:
 
 
 def _chunk_sharded_state_dict(chunk: nn.Module, metadata: dict) -> dict[str, Any]:
-    """A chunk's sharded state dict; a LoRA model's holds only what it trains (adapters, a critic's value head):
-    its frozen base is the Hugging Face checkpoint it was built from (`megappo.models.lora`)."""
+    """A chunk's sharded state dict, or of it the entries its `megappo_checkpoint_keys` keeps (a chunk that trains
+    part of itself over a frozen base, which the Hugging Face checkpoint it was built from holds)."""
     m = unwrap(chunk)
     sd = m.sharded_state_dict(metadata=metadata)
-    if getattr(m, "megappo_lora", None) is None:
-        return sd
-    head = m.output_layer.weight.requires_grad if getattr(m, "output_layer", None) is not None else False
-    return {k: v for k, v in sd.items() if ".lora." in k or (head and k.startswith("output_layer."))}
+    keep = getattr(m, "megappo_checkpoint_keys", None)
+    return sd if keep is None else {k: v for k, v in sd.items() if keep(k)}
 
 
 def _model_sharded_state_dict(model_chunks: list[nn.Module], metadata: dict) -> dict[str, Any]:
@@ -381,7 +369,7 @@ def load_model_checkpoint(
         )
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        partial = getattr(unwrap(chunk), "megappo_lora", None) is not None  # adapters only: the base stays
+        partial = getattr(unwrap(chunk), "megappo_checkpoint_keys", None) is not None  # a part: the rest stays
         unwrap(chunk).load_state_dict(loaded[key], strict=not missing and not partial)
     if fresh:
         reset_to_fresh(optimizer, loaded.get("optimizer_fresh"))

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megappo.models.checkpoint_errors import CheckpointError
 from megappo.parallel import reduce_over_ranks
 
 __all__ = ["is_fresh", "fresh_state", "reset_to_fresh", "ensure_state", "load_state"]
@@ -83,8 +84,6 @@ def load_state(optimizer: Any, state: Any) -> None:
     load, each DistributedOptimizer instance copies only the keys the checkpoint has.
     2. See below: the restored "step" tensor is shared by all parameters.
     """
-    from megappo.models.checkpoint import CheckpointError
-
     patched = []
     for opt in _parts(optimizer):
         original = getattr(opt, "_set_main_param_and_optimizer_states", None)

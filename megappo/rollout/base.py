@@ -81,6 +81,12 @@ class RolloutEngine(ABC):
         """Load a Hugging Face directory of the same architecture as `version` (rollout.weight_sync=disk)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load weights from disk")
 
+    def load_lora_adapter(self, adapter_dir: str, *, version: int) -> int:
+        """Serve the PEFT adapter directory `adapter_dir` (on a filesystem the engine reads) over the base weights
+        it loaded, as `version`, in place of the adapter it served; returns the version (rollout.lora_sync=adapter).
+        Called between `pause` and `resume`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
+
     def check_version(self, version: int) -> None:
         """Raise when the engine does not serve `version` after an update (a server that missed it)."""
 

@@ -97,7 +97,8 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         roles = build_roles(cfg, ps, platform, total)
         state = TrainState(0, total, loader, val_loader, local_dir=local_dir, lock=lock,
                            kl_ctrl=settings.kl_controller(cfg), guard=KLGuard(t.guard, can_roll_back=t.save_freq > 0))
-        run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles, rollout=RolloutWorker(cfg, ps, platform),
+        run = Run(cfg=cfg, ps=ps, platform=platform, roles=roles,
+                  rollout=RolloutWorker(cfg, ps, platform, roles.actor.adapter),
                   scorer=None if cfg.reward_model.enable else _scorer(cfg), tokenizer=tokenizer,
                   pad_token_id=loader.dataset.pad_token_id, batching=settings.batching(cfg),
                   sampling=settings.sampling(cfg), actor_loss=actor_loss_fn(settings.actor_loss(cfg)),

@@ -33,7 +33,6 @@ from megappo.trainer.files import fsync_dir, fsync_tree, write_atomic
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
-LORA_BASE_FILE = "lora_base.json"  # a LoRA role's checkpoint: {"path", "sha256"} of its frozen base
 PREFIX = "global_step_"
 
 
@@ -105,8 +104,9 @@ def save(run: Any, local_dir: str, step: int, trainer_state: dict, max_keep: Opt
             if role is not None:
                 save_model_checkpoint(role.chunks, os.path.join(tmp, role.name), optimizer=role.optimizer,
                                       scheduler_state=role.scheduler.state_dict(), dp_cp_group=run.ps.dp_cp_group)
-                if role.lora_base is not None and rank == 0:  # adapters only: name the base they belong to
-                    write_atomic(os.path.join(tmp, role.name, LORA_BASE_FILE), json.dumps(role.lora_base, indent=1))
+                if rank == 0:
+                    for name, text in role.adapter.checkpoint_files().items():
+                        write_atomic(os.path.join(tmp, role.name, name), text)
         torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if rank == 0:
             meta = {"step": step, "world_size": dist.get_world_size(), **trainer_state}
@@ -242,7 +242,7 @@ def load(run: Any, directory: str) -> dict:
         saved = json.load(f)
     for role in (run.roles.actor, run.roles.critic):
         if role is not None:
-            check_lora_base(os.path.join(directory, role.name), role.lora_base)
+            role.adapter.check_checkpoint(os.path.join(directory, role.name))
             loaded = load_model_checkpoint(role.chunks, os.path.join(directory, role.name), optimizer=role.optimizer,
                                            dp_cp_group=run.ps.dp_cp_group)
             if loaded.scheduler_state is not None:
@@ -254,28 +254,6 @@ def load(run: Any, directory: str) -> dict:
         print(f"megappo train: {directory} was saved by {saved.get('world_size')} ranks, this run has "
               f"{dist.get_world_size()}: RNG states not restored", file=sys.stderr)
     return saved
-
-
-def check_lora_base(role_dir: str, lora_base: Optional[dict]) -> None:
-    """Refuse a LoRA checkpoint whose adapters belong to another base model than this run's (by checksum), and a
-    LoRA checkpoint for a full model or the other way round."""
-    path = os.path.join(role_dir, LORA_BASE_FILE)
-    saved = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
-    if saved is None and lora_base is None:
-        return
-    if saved is None or lora_base is None:
-        what = "LoRA adapters" if saved is not None else "full weights (no LoRA)"
-        raise CheckpointError(f"{role_dir} holds {what}, this run's {os.path.basename(role_dir)} "
-                              f"{'is a full model' if lora_base is None else 'trains LoRA adapters'}: set model.lora "
-                              "as the run that saved it did")
-    if saved.get("sha256") != lora_base["sha256"]:
-        raise CheckpointError(
-            f"{role_dir} holds LoRA adapters of the base model {saved.get('path')} (sha256 "
-            f"{str(saved.get('sha256'))[:12]}...), this run's base {lora_base['path']} differs (sha256 "
-            f"{lora_base['sha256'][:12]}...): resume with the base model the adapters were trained on")
 
 
 def export_actor(run: Any, out_dir: str) -> str:

@@ -10,6 +10,7 @@ from typing import Optional
 
 from megappo.config import MegappoConfig
 from megappo.kinds import kind_of
+from megappo.models.lora.checks import refuse_lora
 
 
 def _synthetic_is_vlm(name: Optional[str]) -> bool:
@@ -59,8 +60,7 @@ def check_vision_language(cfg: MegappoConfig, errors: list[str]) -> None:
             errors.append(f"{role}.megatron.context_parallel_size={meg.context_parallel_size}: {what}; set it to 1")
         if meg.virtual_pipeline_model_parallel_size:
             errors.append(f"{role}.megatron.virtual_pipeline_model_parallel_size: {what}; set it to null")
-    if arr.model.lora.rank > 0 or (cfg.critic.enable and cfg.critic.model.lora.rank > 0):
-        errors.append(f"actor_rollout_ref.model.lora.rank: LoRA {what}; set lora.rank=0 (full fine-tuning)")
+    errors += refuse_lora(cfg, what)
     if arr.rollout.multi_turn.enable:
         errors.append(f"actor_rollout_ref.rollout.multi_turn.enable: multi-turn rollouts {what}; set it to false")
     engine = _engine_without_images(cfg)

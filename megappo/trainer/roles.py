@@ -6,7 +6,6 @@ megatron's optimizer and LR schedule. On GPU the frozen reference is offloaded t
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -14,8 +13,10 @@ from torch import nn
 
 from megappo.config.schema import MegappoConfig, ModelConfig
 from megappo.convert.hf_to_mcore import load_hf_weights
+from megappo.convert.peft_io import load_peft_adapter
 from megappo.models.builder import build_model, model_config_summary, offload_to_cpu, reload
 from megappo.models.hf_config import load_hf_config_dict
+from megappo.models.lora.adapter import AdaptersOff, FullParameters, for_role
 from megappo.models.optim import build_optimizer, build_scheduler, release_grad_buffers, wrap_ddp
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
@@ -30,10 +31,8 @@ class Role:
     optimizer: Any = None
     scheduler: Any = None
     offloaded: bool = field(default=False, repr=False)
-    # a LoRA reference: the actor's chunks, run with the adapters off (no second copy of the model)
-    adapters_off: bool = False
-    # a LoRA role: {"path", "sha256"} of the frozen base its checkpoints hold the adapters of
-    lora_base: Optional[dict] = None
+    # what its adapters mean to checkpoints, the reference and the weight sync (`megappo.models.lora.adapter`)
+    adapter: FullParameters = field(default_factory=FullParameters)
     # the learning rates as built, before anything loads or scales them: each param group's (max_lr, min_lr), and
     # the schedule's (max_lr, min_lr, init_lr)
     base_lrs: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -83,11 +82,11 @@ def _architecture(model_cfg, path: str) -> tuple[dict, dict]:
 
 
 def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int,
-           base: Optional[list[nn.Module]] = None, freeze_vision_tower: bool = True) -> list[nn.Module]:
-    """`base`: a LoRA actor's chunks whose frozen base the (LoRA critic's) model shares instead of loading its own."""
+           adapter: FullParameters, base: Optional[list[nn.Module]] = None,
+           freeze_vision_tower: bool = True) -> list[nn.Module]:
+    """`base`: the actor's chunks whose frozen base the critic's model shares instead of loading its own."""
     hf, tc = _architecture(model_cfg, path)
-    if name in ("actor", "critic") and model_cfg.lora.rank > 0:
-        tc["use_transformer_engine"] = False  # adapters hook megatron's own linear layers (models/lora.py)
+    tc.update(adapter.build_overrides())
     # vision-language models: actor.freeze_vision_tower (the reference's tower is always frozen; text models ignore it)
     chunks = build_model(hf, name, ps, platform, seed=seed, config_overrides=tc,
                          freeze_vision_tower=freeze_vision_tower)
@@ -98,42 +97,29 @@ def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfor
         share_base(chunks, base)
     else:
         load_hf_weights(chunks, path, ps)
-    if name in ("actor", "critic") and model_cfg.lora.rank > 0:
-        from megappo.models.lora import LoRASettings, apply_lora
-
-        # a critic trains its fresh value head along with the adapters
-        apply_lora(chunks, LoRASettings.from_config(model_cfg.lora, seed=seed),
-                   trainable=("output_layer",) if name == "critic" else ())
-        if model_cfg.lora.adapter_path:
-            from megappo.convert.peft_io import load_peft_adapter
-
-            load_peft_adapter(chunks, os.path.expanduser(model_cfg.lora.adapter_path), ps, hf)
+    adapter.convert(chunks, ps, hf)
     return chunks
 
 
 def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
-               total_steps: int, seed: int, base: Optional[list[nn.Module]] = None) -> Role:
+               total_steps: int, seed: int, actor: Optional[Role] = None) -> Role:
+    """`actor`: the actor's role, whose base a critic may share (`critic.model.lora.share_actor_base`)."""
+    adapter = for_role(name, model_cfg.lora, path, seed, load_adapter=load_peft_adapter)
+    base = adapter.shared_base(actor.chunks) if actor is not None else None
     # the critic's vision tower trains or stays fixed as the actor's does (one switch for the run's towers)
-    chunks = _build(name, path, model_cfg, ps, platform, seed, base,
+    chunks = _build(name, path, model_cfg, ps, platform, seed, adapter, base,
                     cfg.actor_rollout_ref.actor.freeze_vision_tower)
     opt = settings.optim_settings(cfg, name, optimizer_steps(cfg, total_steps, name))
     ddp = wrap_ddp(chunks, opt, platform, pg_collection=ps.pg_collection)
     optimizer = build_optimizer(ddp, opt, platform)
     release_grad_buffers(ddp)  # allocated by each update (phases.update_actor/critic), free between them
-    role = Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt))
-    if model_cfg.lora.rank > 0:
-        from megappo.models.lora import base_checksum
-
-        lc = model_cfg.lora  # what `convert mcore-to-hf --merge-lora/--lora-only` rebuilds the adapters with
-        role.lora_base = {"path": os.path.abspath(path), "sha256": base_checksum(path),
-                          "lora": {"rank": lc.rank, "alpha": lc.alpha, "target_modules": list(lc.target_modules),
-                                   "exclude_modules": list(lc.exclude_modules)}}
+    role = Role(name, ddp, path, optimizer, build_scheduler(optimizer, opt), adapter=adapter)
     role.remember_lrs()
     return role
 
 
 def _frozen(name: str, path: str, model_cfg, ps: ParallelState, platform: Platform, seed: int) -> Role:
-    role = Role(name, _build(name, path, model_cfg, ps, platform, seed), path)
+    role = Role(name, _build(name, path, model_cfg, ps, platform, seed, FullParameters()), path)
     if platform.is_cuda:
         offload_to_cpu(role.chunks)
         role.offloaded = True
@@ -144,21 +130,15 @@ def build_roles(cfg: MegappoConfig, ps: ParallelState, platform: Platform, total
     arr, seed = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor.megatron.seed
     path = arr.model.path
     actor = _trainable("actor", path, arr.model, cfg, ps, platform, total_steps, seed)
-    uses_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     ref = None
-    if uses_ref and arr.model.lora.rank > 0:  # the reference is the actor's base: the actor with adapters off
-        ref = Role("ref", actor.chunks, path, adapters_off=True)
-    elif uses_ref:
-        ref = _frozen("ref", path, arr.model, ps, platform, seed)
+    if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        own = actor.adapter.reference_chunks(actor.chunks)  # a LoRA actor's base: the actor with adapters off
+        ref = Role("ref", own, path, adapter=AdaptersOff()) if own is not None else \
+            _frozen("ref", path, arr.model, ps, platform, seed)
     critic = None
     if cfg.critic.enable:
-        from megappo.models.builder import unwrap
-
-        # critic.model.lora.share_actor_base: the critic runs on the actor's frozen base tensors (validated: same
-        # model, both LoRA); the unwrapped chunks, since DDP's wrapper adds no parameters of its own
-        shared = [unwrap(c) for c in actor.chunks] if cfg.critic.model.lora.share_actor_base else None
         critic = _trainable("critic", cfg.critic.model.path, cfg.critic.model, cfg, ps, platform, total_steps,
-                            seed + 1, shared)
+                            seed + 1, actor)
     reward = None
     if cfg.reward_model.enable:
         reward = _frozen("reward", cfg.reward_model.path, ModelConfig(), ps, platform, seed)
@@ -170,22 +150,18 @@ class on_device:  # noqa: N801 - used as a context manager, like torch.no_grad
 
     def __init__(self, role: Role, platform: Platform):
         self.role, self.platform = role, platform
-        self.off = None
+        self.active = None
 
     def __enter__(self) -> Role:
         if self.role.offloaded:
             reload(self.role.chunks, self.platform.device)
-        if self.role.adapters_off:
-            from megappo.models.lora import adapters_disabled
-
-            self.off = adapters_disabled(self.role.chunks)
-            self.off.__enter__()
+        self.active = self.role.adapter.active(self.role.chunks)
+        self.active.__enter__()
         return self.role
 
     def __exit__(self, *exc: Any) -> None:
-        if self.off is not None:
-            self.off.__exit__(*exc)
-            self.off = None
+        self.active.__exit__(*exc)
+        self.active = None
         if self.role.offloaded:
             offload_to_cpu(self.role.chunks)
 
@@ -193,19 +169,16 @@ class on_device:  # noqa: N801 - used as a context manager, like torch.no_grad
 def describe(roles: Roles, ps: ParallelState) -> list[str]:
     out = []
     for role in (roles.actor, roles.ref, roles.critic, roles.reward):
-        if role is not None and role.adapters_off:
-            out.append("ref: the actor with its LoRA adapters off (no separate copy)")
-        elif role is not None:
-            out.append(model_config_summary(role.chunks, ps))
-            if role.name == "critic" and roles.critic is not None and _shares_base(roles.critic, roles.actor):
-                out.append("critic: its adapters and value head over the actor's base (one copy of the base)")
-            if role.lora_base is not None:
-                from megappo.models.lora import trainable_summary
-
-                trained, total = trainable_summary(role.chunks)
-                out.append(f"{role.name} LoRA: {trained:,} of {total:,} parameters trainable on this rank "
-                           f"({100 * trained / max(total, 1):.2f}%)")
+        if role is not None:
+            out += role.adapter.describe(role.name, role.chunks, lambda role=role: _summary(role, roles, ps))
     return out
+
+
+def _summary(role: Role, roles: Roles, ps: ParallelState) -> list[str]:
+    lines = [model_config_summary(role.chunks, ps)]
+    if role.name == "critic" and _shares_base(role, roles.actor):
+        lines.append("critic: its adapters and value head over the actor's base (one copy of the base)")
+    return lines
 
 
 def _shares_base(critic: Role, actor: Role) -> bool:

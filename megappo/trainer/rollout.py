@@ -6,13 +6,12 @@ every replica shares. Each replica's first rank (the holder) generates for its r
 completions go to the replica's other ranks and then to every rank (`Samples`, token lists: small), so every rank
 sees the whole step.
 
-Weight sync exports the actor with the conversion code (`iter_hf_weights`, collective over every rank) and loads
-the buckets into the engine each rank is the sync target of (a holder's own engine; the servers' from global rank
-0), paused around it and checked for the new version after.
+Weight sync is the run's strategy (`megappo.trainer.weight_sync`, chosen once): it exports the actor with the
+conversion code (collective over every rank) into the engine each rank is the sync target of (a holder's own
+engine; the servers' from global rank 0), paused around it and checked for the new version after.
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future
 from typing import Any, Optional, Sequence
@@ -21,14 +20,14 @@ import torch
 import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
-from megappo.convert.export import iter_hf_weights
 from megappo.data.dataset import PromptBatch
-from megappo.kinds import kind_of
+from megappo.models.lora.adapter import FullParameters
 from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.rollout import registry
 from megappo.rollout.base import RolloutDeployment, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.trainer import weight_sync
 from megappo.trainer.experience import Samples
 
 
@@ -47,17 +46,21 @@ def _dp_slice(n: int, ps: ParallelState) -> slice:
 class RolloutWorker:
     """Generates a step's responses and takes the actor's weights after each update."""
 
-    def __init__(self, cfg: MegappoConfig, ps: ParallelState, platform: Platform):
+    def __init__(self, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
+                 actor_adapter: Optional[FullParameters] = None):
+        """`actor_adapter`: the actor role's adapter object (`Role.adapter`; default: a full-parameter actor)."""
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
         self.deployment: RolloutDeployment = registry.deploy(cfg, ps, platform)
+        self.inner: Optional[RolloutEngine] = None  # the engine under the multi-turn loop
         if self.rollout.multi_turn.enable and self.deployment.engine is not None:
             from megappo.multi_turn.loop import build_multi_turn
             from megappo.trainer.settings import multi_turn
 
             # the holder runs the tool-calling loop over its share; weights still go to the engine itself
-            self.deployment.engine = build_multi_turn(multi_turn(cfg), self.deployment.engine)
-        self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
+            self.inner = self.deployment.engine
+            self.deployment.engine = build_multi_turn(multi_turn(cfg), self.inner)
+        self.weights = weight_sync.choose(cfg, ps, platform.dtype, actor_adapter or FullParameters())
         self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 
     @property
@@ -111,48 +114,11 @@ class RolloutWorker:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def sync_weights(self, actor_chunks: Sequence[torch.nn.Module], hf_config: dict, version: int) -> dict[str, float]:
-        """Load the actor's current weights into the engine(s) as `version`; collective over every rank. Engines are
-        paused around it and must report the version afterwards."""
+        """Load the actor's current weights into the engine(s) as `version` (`self.weights`, the run's strategy);
+        collective over every rank. Engines are paused around it and must report the version afterwards."""
         t0 = time.perf_counter()
         health = self.deployment.prepare_sync()
-        mode, target = self.sync_mode, self.deployment.sync_target
-        if self.rollout.lora_sync == "adapter":
-            nbytes = self._sync_adapter(actor_chunks, hf_config, version, target)
-            self._set_version(version)
-            seconds = time.perf_counter() - t0
-            return {"rollout/weight_version": float(version), "rollout/weight_sync_bytes": float(nbytes),
-                    "perf/weight_sync_gbps": nbytes / 1e9 / max(seconds, 1e-9), **health}
-        # views of the parameters (no export copy) for engines that copy each bucket away at once; the disk writer
-        # and an engine that keeps the tensors (CUDA IPC hands over their memory) get copies
-        keep = mode == "disk" or (target is not None and target.needs_copies(mode))
-        # a LoRA actor changes only its adapted layers (sent merged); the engines keep the rest of the base they
-        # loaded. The disk mode writes a complete directory.
-        from megappo.models.lora import lora_settings
-
-        only_adapted = mode != "disk" and lora_settings(list(actor_chunks)) is not None
-        lm_only = mode != "disk" and self._frozen_vision_tower(hf_config)
-        buckets = iter_hf_weights(list(actor_chunks), self.ps, hf_config, bucket_bytes=self.bucket_bytes,
-                                  dtype=self.platform.dtype, copy=keep, only_adapted=only_adapted,
-                                  language_model_only=lm_only)
-        partial = {"partial": True} if only_adapted or lm_only else {}
-        nbytes = 0
-
-        def counted():
-            nonlocal nbytes
-            for bucket in buckets:
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                yield bucket
-
-        if mode == "disk":
-            directory = self._write_sync_dir(counted(), hf_config)  # every rank takes part in the export
-            if target is not None:
-                self._around_sync(target, version, lambda: target.update_weights_from_disk(directory, version=version))
-        elif target is not None:
-            self._around_sync(target, version, lambda: target.load_weights(counted(), version=version, mode=mode,
-                                                                                 **partial))
-        else:
-            for _ in counted():  # every rank takes part in the gathers that build each bucket
-                pass
+        nbytes = self.weights.send(list(actor_chunks), hf_config, version, self.deployment.sync_target)
         self._set_version(version)
         self.engine_released = False
         seconds = time.perf_counter() - t0
@@ -165,22 +131,15 @@ class RolloutWorker:
         if self.engine is not None:
             self.engine.weight_version = version
 
-    def _frozen_vision_tower(self, hf_config) -> bool:
-        """A vision-language actor with its tower frozen (actor.freeze_vision_tower) changes only its language model:
-        its syncs send that, and the engines keep the tower they loaded from model.path (the same weights)."""
-        return kind_of(hf_config).multi_modal and self.cfg.actor_rollout_ref.actor.freeze_vision_tower
-
     def release_engine(self) -> bool:
         """rollout.free_cache_engine: free the weights of the engine this rank syncs (the in-process hybrid engine;
         a server's memory is not this process's) until the step's weight sync refills them; returns whether this
-        rank freed any. Only for an actor whose syncs send it whole (not a LoRA actor's, which send its adapted
-        layers, nor a frozen-tower vision-language actor's, which send its language model: the engine keeps the
-        rest). Call it once the step is done with the engine (after its rollout) and only in a
-        step that syncs."""
+        rank freed any. Only for a strategy that sends the engine every weight (`WeightSync.releases_engine`: not a
+        LoRA actor's adapted layers, nor a frozen-tower vision-language actor's language model, which leave the
+        engine the rest). Call it once the step is done with the engine (after its rollout) and only in a step that
+        syncs."""
         target = self.deployment.sync_target
-        if not self.rollout.free_cache_engine or target is None or self.cfg.actor_rollout_ref.model.lora.rank > 0:
-            return False
-        if self._frozen_vision_tower(self.cfg.actor_rollout_ref.model.path):  # its syncs send the LM only
+        if not self.rollout.free_cache_engine or target is None or not self.weights.releases_engine:
             return False
         self.engine_released = target.release_weights()
         return self.engine_released
@@ -199,55 +158,10 @@ class RolloutWorker:
         """Global rank 0: each engine's log p(token_ids[k] | token_ids[:k]) for k >= 1 (rollout.verify_sync)."""
         return self.deployment.sync_target.prompt_log_probs(token_ids)
 
-    @property
-    def sync_mode(self) -> str:
-        """rollout.weight_sync, "auto" resolved to the engine's first transport (agreed by every rank: the engine
-        class is the same everywhere, whichever ranks hold one)."""
-        auto = registry.sync_modes(self.rollout.name)[0]
-        return self.rollout.weight_sync if self.rollout.weight_sync != "auto" else auto
-
-    @staticmethod
-    def _around_sync(engine: RolloutEngine, version: int, send) -> None:
-        engine.pause()
-        try:
-            send()
-        finally:
-            engine.resume()
-        engine.check_version(version)
-
-    def _sync_adapter(self, actor_chunks, hf_config: dict, version: int, target) -> int:
-        """rollout.lora_sync=adapter: the actor's adapters as a PEFT directory (`weight_sync_dir/lora_v<version>`,
-        rank 0 writes, collective) that the servers load in place of the previous one. Returns the bytes written."""
-        from megappo.convert.peft_io import write_sync_adapter
-
-        root = os.path.abspath(os.path.expanduser(
-            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync")))
-        lora = self.cfg.actor_rollout_ref.model.lora
-        directory, nbytes = write_sync_adapter(list(actor_chunks), self.ps, hf_config, os.path.join(
-            root, f"lora_v{version}"), lora, self.cfg.actor_rollout_ref.model.path, self.platform.dtype)
-        if target is not None:
-            self._around_sync(target, version, lambda: target.load_lora_adapter(directory, version=version))
-        previous, self._adapter_dir = getattr(self, "_adapter_dir", None), directory
-        if dist.get_rank() == 0 and previous not in (None, directory):  # unloaded by the servers: not needed
-            import shutil
-
-            shutil.rmtree(previous, ignore_errors=True)
-        return nbytes
-
-    def _write_sync_dir(self, buckets, hf_config: dict) -> str:
-        """disk mode: the actor as a Hugging Face directory the servers reload (rank 0 writes it)."""
-        from megappo.trainer.checkpointing import write_actor_hf_dir
-
-        directory = os.path.abspath(os.path.expanduser(
-            self.rollout.weight_sync_dir or os.path.join(self.cfg.trainer.default_local_dir, "weight_sync")))
-        return write_actor_hf_dir(buckets, hf_config, self.cfg.actor_rollout_ref.model.path, directory,
-                                  self.platform.dtype)
-
     def close(self) -> None:
-        engine = self.deployment.engine
-        if engine is not None and hasattr(engine, "loop"):  # the multi-turn wrapper: its loop, then the engine
-            engine.close()
-            self.deployment.engine = engine.inner
+        if self.inner is not None:  # the multi-turn loop, then the engine
+            self.deployment.engine.close()
+            self.deployment.engine, self.inner = self.inner, None
         self.deployment.close()
 
 

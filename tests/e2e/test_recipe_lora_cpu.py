@@ -17,7 +17,7 @@ def test_lora_recipe_learns(tmp_path):
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
     from megappo.models.checkpoint import CheckpointError
-    from megappo.trainer.checkpointing import check_lora_base
+    from megappo.models.lora import check_lora_base
 
     out = tmp_path / "tiny_ppo_lora"
     rows = run_recipe("recipes/cpu/tiny_ppo_lora.yaml", out)

@@ -34,7 +34,7 @@ def _job(rank, world_size, hf_dir, tmp):
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
-    from megappo.trainer.checkpointing import LORA_BASE_FILE
+    from megappo.models.lora import LORA_BASE_FILE
 
     plat = detect_platform()
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
@@ -139,7 +139,7 @@ def _layout_job(rank, world_size, hf_dir, tmp, layout):
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
-    from megappo.trainer.checkpointing import LORA_BASE_FILE
+    from megappo.models.lora import LORA_BASE_FILE
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout), plat, seed=0)

@@ -23,12 +23,13 @@ def _job(rank, world_size, hf_dir, local_dir):
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
+    from megappo.models.lora import FullParameters
     from megappo.trainer import checkpointing
 
     platform = detect_platform()
     ps = init_parallel(ParallelLayout(), platform, seed=0)  # DP2
     actor = SimpleNamespace(name="actor", chunks=build_model(hf_dir, "actor", ps, platform, seed=3), optimizer=None,
-                            lora_base=None, scheduler=SimpleNamespace(state_dict=lambda: {"step": 0}))
+                            adapter=FullParameters(), scheduler=SimpleNamespace(state_dict=lambda: {"step": 0}))
     run = SimpleNamespace(roles=SimpleNamespace(actor=actor, critic=None), ps=ps)
     checkpointing.save(run, local_dir, 1, {"data": 1}, max_keep=None)
     if rank == 0:  # rank 0 alone writes megatron's common.pt: its disk filling up is invisible to rank 1

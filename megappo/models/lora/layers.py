@@ -19,24 +19,26 @@ over TP before B (so B's gradient is whole). With sequence parallelism the same 
 scattered along the sequence, and the replicated factor is flagged `sequence_parallel` so megatron sums its
 gradient over TP. A merged weight shard is `W_i + scaling * B_i A_i` on each rank without communication.
 
+Each adapted chunk carries `megappo_checkpoint_keys` (`saved_key`): `megappo.models.checkpoint` saves and loads only
+the entries it keeps, the adapters and a critic's value head.
+
 `adapters_disabled(chunks)` turns the adapters off: the base model, i.e. the reference policy, without a copy.
 `share_base(critic, actor)` gives a LoRA critic the actor's frozen base tensors (`critic.model.lora.share_actor_base`).
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import math
-import os
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from megappo.models.lora.checks import TARGETS
 COLUMN, ROW = "column", "row"
 
 
@@ -221,13 +223,10 @@ def apply_lora(model_chunks: Sequence[nn.Module], settings: LoRASettings,
     """Freeze every parameter of the (unwrapped) chunks, then attach an adapter to each targeted linear layer.
     `trainable`: module names kept trainable besides the adapters (a critic's `output_layer`). Each chunk gets
     `.megappo_lora` (the settings). Call before wrapping in DDP and building the optimizer."""
-    import functools
-
-    from megappo.models.builder import unwrap
-
     from megatron.core import parallel_state as mpu
 
-    from megappo.convert.mapping import canonical_name
+    from megappo.models.builder import unwrap
+    from megappo.models.naming import canonical_name
 
     settings.validate()
     adapters = []
@@ -259,6 +258,7 @@ def apply_lora(model_chunks: Sequence[nn.Module], settings: LoRASettings,
             module.sharded_state_dict = functools.partial(_sharded_state_dict, module, module.sharded_state_dict)
             adapters.append(module.lora)
         m.megappo_lora = settings
+        m.megappo_checkpoint_keys = functools.partial(saved_key, m)
     if not adapters:
         raise ValueError(f"model.lora.target_modules {list(settings.target_modules)} (excluding "
                          f"{list(settings.exclude_modules)}) matched no linear layer")
@@ -341,6 +341,28 @@ def merged_weights(model: nn.Module) -> dict[int, torch.Tensor]:
     return out
 
 
+def saved_key(model: nn.Module, key: str) -> bool:
+    """Whether a LoRA model's checkpoint holds the sharded state-dict entry `key`: what the model trains (adapters, a
+    critic's value head); its frozen base is the Hugging Face checkpoint it was built from."""
+    head = model.output_layer.weight.requires_grad if getattr(model, "output_layer", None) is not None else False
+    return ".lora." in key or (head and key.startswith("output_layer."))
+
+
+def base_parameters(model: nn.Module, merged: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) of the unwrapped `model` but its adapter factors; `merged`: an adapted layer's weight as
+    its merged shard (a new tensor; its own weight where the adapter is off)."""
+    weights = merged_weights(model) if merged else {}
+    return [(n, weights.get(id(p), p)) for n, p in model.named_parameters() if not is_adapter_param(n)]
+
+
+def adapted_weight_filter(model_chunks: Sequence[nn.Module]) -> Callable[[str], bool]:
+    """Whether a canonical weight name is one of the chunks' adapted layers' (ValueError: the model has none)."""
+    settings = lora_settings(model_chunks)
+    if settings is None:
+        raise ValueError("only_adapted: the model has no LoRA adapters")
+    return functools.partial(is_lora_target_weight, settings=settings)
+
+
 def is_adapter_param(name: str) -> bool:
     return ".lora.lora_A" in name or ".lora.lora_B" in name
 
@@ -351,19 +373,6 @@ def is_lora_target_weight(canonical: str, settings: LoRASettings) -> bool:
         return False
     module = canonical[: -len(".weight")]
     return settings.targets(module)
-
-
-def base_checksum(path: str) -> str:
-    """sha256 over the base model directory's config.json and weight files (names, sizes and bytes)."""
-    h = hashlib.sha256()
-    names = sorted(n for n in os.listdir(path) if n == "config.json" or n.endswith((".safetensors", ".bin")))
-    for n in names:
-        full = os.path.join(path, n)
-        h.update(f"{n}\0{os.path.getsize(full)}\0".encode())
-        with open(full, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 def trainable_summary(model_chunks: Sequence[nn.Module]) -> tuple[int, int]:
