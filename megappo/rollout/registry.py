@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 ENGINES: dict[str, dict[str, Any]] = {
     # in-process transformers model, one per data-parallel replica (the CPU default)
-    "hf": {"deploy": "megappo.rollout.hf.engine:deploy", "sync_modes": ("tensor",), "partial_rollout": True},
+    "hf": {"deploy": "megappo.rollout.hf.deploy:deploy", "sync_modes": ("tensor",), "partial_rollout": True},
     # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
     "sglang": {"deploy": "megappo.rollout.sglang.deploy:deploy", "preflight": "megappo.rollout.sglang.deploy:preflight",
                "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True},

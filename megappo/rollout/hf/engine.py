@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from megappo.data.multimodal import MultiModalInputs
-from megappo.rollout.base import LocalDeployment, RolloutEngine
+from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
 from megappo.rollout.seeds import row_seeds
@@ -317,22 +317,3 @@ class HFEngine(RolloutEngine):
     def close(self) -> None:
         self.shutdown_submitter()
         self.model = None
-
-
-def deploy(cfg, ps, platform) -> LocalDeployment:
-    """rollout.name=hf: one engine per data-parallel replica, on its first rank, loaded from the actor's Hugging
-    Face directory; each holder loads the weights into its own engine. In the trainer's process
-    (actor_rollout_ref.hybrid_engine, the default), else in a process of its own beside it (`hf/process.py`), which
-    generates while the trainer trains (async_training)."""
-    import torch.distributed as dist
-
-    arr = cfg.actor_rollout_ref
-    if not arr.hybrid_engine:
-        from megappo.rollout.hf import process as hf_process
-
-        return hf_process.deploy(cfg, ps, platform)
-    return LocalDeployment(
-        dist.get_rank(ps.mp_group) == 0,
-        lambda: HFEngine(arr.model.path, dtype=platform.dtype, device=platform.device,
-                         max_num_seqs=arr.rollout.max_num_seqs, seed=cfg.data.seed,
-                         trust_remote_code=arr.model.trust_remote_code))
