@@ -467,13 +467,6 @@ def _lookup(cfg: MegappoConfig, key: str):
 _LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-# measured with SGLang 0.5.23's CPU backend (--enable-lora, any --lora-backend): the server dies loading the LoRA
-# layers, whose wrappers allocate pinned host buffers (torch.tensor(..., pin_memory=True) in sglang/srt/lora/layers.py)
-SGLANG_CPU_LORA = ("SGLang's CPU backend cannot serve LoRA adapters (SGLang 0.5.23 dies at start with --enable-lora: "
-                   "'pin_memory=True requires a CUDA or other accelerator backend'); use "
-                   "actor_rollout_ref.rollout.lora_sync=merged (the default) on CPU")
-
-
 def _check_lora_sync(cfg, errors: list[str]) -> None:
     """rollout.lora_sync=adapter: a LoRA actor served by SGLang on GPU."""
     arr = cfg.actor_rollout_ref
@@ -487,6 +480,8 @@ def _check_lora_sync(cfg, errors: list[str]) -> None:
         errors.append(f"{key} needs rollout.name=sglang (SGLang's LoRA serving), got {arr.rollout.name!r}; use "
                       "lora_sync=merged")
     if cfg.trainer.device == "cpu":
+        from megappo.rollout.sglang.deploy import SGLANG_CPU_LORA
+
         errors.append(f"{key}: {SGLANG_CPU_LORA}")
 
 

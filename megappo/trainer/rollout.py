@@ -51,18 +51,19 @@ class RolloutWorker:
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
         self.deployment: RolloutDeployment = registry.deploy(cfg, ps, platform)
+        self.multi_turn: Optional[RolloutEngine] = None  # the tool-calling loop's engine wrapper (holders only)
         if self.rollout.multi_turn.enable and self.deployment.engine is not None:
             from megappo.multi_turn.loop import build_multi_turn
 
             # the holder runs the tool-calling loop over its share; weights still go to the engine itself
-            self.deployment.engine = build_multi_turn(cfg, self.deployment.engine)
+            self.multi_turn = build_multi_turn(cfg, self.deployment.engine)
         self.bucket_bytes = self.rollout.weight_sync_bucket_mb << 20
         self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 
     @property
     def engine(self) -> RolloutEngine | None:
         """This rank's engine (holders only)."""
-        return self.deployment.engine
+        return self.multi_turn or self.deployment.engine
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, params: SamplingParams, prompt_offset: int = 0) -> Samples:
@@ -248,10 +249,8 @@ class RolloutWorker:
                                   self.platform.dtype)
 
     def close(self) -> None:
-        engine = self.deployment.engine
-        if engine is not None and hasattr(engine, "loop"):  # the multi-turn wrapper: its loop, then the engine
-            engine.close()
-            self.deployment.engine = engine.inner
+        if self.multi_turn is not None:  # the wrapper's loop, then the engine
+            self.multi_turn.close()
         self.deployment.close()
 
 

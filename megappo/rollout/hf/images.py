@@ -12,17 +12,17 @@ import torch
 
 from megappo.data.multimodal import MultiModalInputs
 
-Packed = Optional[list]  # per prompt: None (text) or (pixel_values, image_grid_thw) as numpy arrays
+PipeImages = Optional[list]  # per prompt: None (text) or (pixel_values, image_grid_thw) as numpy arrays
 
 
-def pack_images(prompts: Optional[Sequence[Optional[MultiModalInputs]]]) -> Packed:
+def images_to_pipe(prompts: Optional[Sequence[Optional[MultiModalInputs]]]) -> PipeImages:
     if prompts is None:
         return None
     return [None if m is None else (m.pixel_values.detach().cpu().numpy(), m.image_grid_thw.cpu().numpy())
             for m in prompts]
 
 
-def unpack_images(packed: Packed) -> Optional[list[Optional[MultiModalInputs]]]:
-    if packed is None:
+def images_from_pipe(arrays: PipeImages) -> Optional[list[Optional[MultiModalInputs]]]:
+    if arrays is None:
         return None
-    return [None if m is None else MultiModalInputs(torch.from_numpy(m[0]), torch.from_numpy(m[1])) for m in packed]
+    return [None if m is None else MultiModalInputs(torch.from_numpy(m[0]), torch.from_numpy(m[1])) for m in arrays]

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 from megappo.platform.child_process import spawn_child, unpickled_error
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.child import aborted_completions, child_main
-from megappo.rollout.hf.images import pack_images
+from megappo.rollout.hf.images import images_to_pipe
 from megappo.rollout.sampling import Completion, SamplingParams
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ class HFProcessEngine(RolloutEngine):
         handle = GenerationHandle()
         if multi_modal is not None and len(multi_modal) != len(prompts):
             raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
-        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), pack_images(multi_modal))
+        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), images_to_pipe(multi_modal))
         with channel.send_lock:
             if self._paused:
                 channel.check()
@@ -384,7 +384,7 @@ class HFProcessEngine(RolloutEngine):
     def prompt_log_probs(self, token_ids: Sequence[int], *, multi_modal: Optional[MultiModalInputs] = None
                          ) -> list[list[float]]:
         """[log p(token_ids[k] | token_ids[:k]) for k >= 1], computed in the child (after the requests sent before)."""
-        images = pack_images(None if multi_modal is None else [multi_modal])
+        images = images_to_pipe(None if multi_modal is None else [multi_modal])
         return self._channel.request("prompt_log_probs", [int(t) for t in token_ids], images)[1].result()
 
     # -- life --------------------------------------------------------------------------------------------------

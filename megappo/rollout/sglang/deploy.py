@@ -17,10 +17,16 @@ import sys
 from typing import Any, Optional
 
 from megappo.rollout.base import RolloutDeployment
+from megappo.rollout.sglang.http_client import read_api_key_file
 
 SGLANG_INSTALL = 'pip install "megappo[sglang]"'
 SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
 SERVER_KWARGS = ("dtype", "max_total_tokens", "extra_args", "port", "host", "api_key")
+# measured with SGLang 0.5.23's CPU backend (--enable-lora, any --lora-backend): the server dies loading the LoRA
+# layers, whose wrappers allocate pinned host buffers (torch.tensor(..., pin_memory=True) in sglang/srt/lora/layers.py)
+SGLANG_CPU_LORA = ("SGLang's CPU backend cannot serve LoRA adapters (SGLang 0.5.23 dies at start with --enable-lora: "
+                   "'pin_memory=True requires a CUDA or other accelerator backend'); use "
+                   "actor_rollout_ref.rollout.lora_sync=merged (the default) on CPU")
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,21 +49,30 @@ def sglang_missing(python: str) -> Optional[str]:
     return None
 
 
-def preflight(cfg: Any) -> Optional[str]:
-    """The servers the trainer starts (no server_urls) run on server_python: it must have SGLang. Servers given by
-    URL are someone else's."""
-    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
-    if r.server_urls:
-        return None
-    python = r.server_python or sys.executable
+def preflight(cfg: Any) -> list[str]:
+    """The servers the trainer starts (no server_urls) run on server_python: it must have SGLang (servers given by
+    URL are someone else's); an API key file must hold a key."""
+    r = cfg.actor_rollout_ref.rollout
+    problems = [] if r.server_urls else _python_problems(r.server_python)
+    if r.api_key_file:
+        try:
+            read_api_key_file(r.api_key_file)
+        except ValueError as e:
+            problems.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
+    return problems
+
+
+def _python_problems(server_python: Optional[str]) -> list[str]:
+    key = "actor_rollout_ref.rollout.server_python"
+    python = server_python or sys.executable
     problem = sglang_missing(python)
     if not problem:
-        return None
-    which = key if r.server_python else f"{key} (unset: this python)"
-    return (f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
+        return []
+    which = key if server_python else f"{key} (unset: this python)"
+    return [f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
             f"install it there (`{python} -m {SGLANG_INSTALL}`), or set {key}=PYTHON to a python that has it "
             f"(on CPU, `{SGLANG_CPU_VENV}` makes one and prints the line to use), or use "
-            "actor_rollout_ref.rollout.name=hf")
+            "actor_rollout_ref.rollout.name=hf"]
 
 
 def server_kwargs(cfg: Any, platform: Any) -> dict:

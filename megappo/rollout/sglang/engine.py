@@ -28,7 +28,8 @@ import torch
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
-from megappo.rollout.sglang.server import _http, free_port, http_json, register_api_key
+from megappo.rollout.sglang.http_client import _http, http_json, register_api_key
+from megappo.rollout.sglang.server import free_port
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs

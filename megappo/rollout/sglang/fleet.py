@@ -29,7 +29,8 @@ from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
                                            begin_update, broadcast_buckets, end_update, sglang_prompts)
 from megappo.rollout.sglang.weight_staging import SharedStaging
-from megappo.rollout.sglang.server import free_port, http_json, is_healthy
+from megappo.rollout.sglang.http_client import http_json, is_healthy
+from megappo.rollout.sglang.server import free_port
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs

@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megappo.config.schema import MegappoConfig
 from megappo.platform.device import Platform
-from megappo.rollout.sglang.server import SGLangServer, is_healthy, read_api_key_file
+from megappo.rollout.sglang.http_client import is_healthy, read_api_key_file
+from megappo.rollout.sglang.server import SGLangServer
 
 
 def _all_gather(obj: Any) -> list:
@@ -47,7 +47,7 @@ def configured_api_key(rollout: Any) -> Optional[str]:
 class ServerSet:
     """The run's servers as every rank agrees on them: `urls` (node order), `alive`, `api_key`, `router_url`."""
 
-    def __init__(self, cfg: MegappoConfig, platform: Platform, server_kwargs: dict):
+    def __init__(self, cfg: Any, platform: Platform, server_kwargs: dict):
         self.r = cfg.actor_rollout_ref.rollout
         self.model_path = cfg.actor_rollout_ref.model.path
         self.platform, self.server_kwargs = platform, server_kwargs
@@ -206,7 +206,7 @@ class ServerSet:
 
 
 
-def lora_server_args(cfg: MegappoConfig, platform: Platform) -> list[str]:
+def lora_server_args(cfg: Any, platform: Platform) -> list[str]:
     """SGLang's LoRA flags for rollout.lora_sync=adapter: the adapter's rank, the HF linear layers it targets (the
     names `megappo.convert.peft_io` writes), room for two adapters (the new one loads before the old one unloads).
     Refused on CPU (`SGLANG_CPU_LORA`)."""
@@ -214,7 +214,7 @@ def lora_server_args(cfg: MegappoConfig, platform: Platform) -> list[str]:
     if arr.rollout.lora_sync != "adapter":
         return []
     if not platform.is_cuda:
-        from megappo.config.validate import SGLANG_CPU_LORA
+        from megappo.rollout.sglang.deploy import SGLANG_CPU_LORA
 
         raise ValueError(f"actor_rollout_ref.rollout.lora_sync=adapter: {SGLANG_CPU_LORA}")
     targets = sorted({hf for t in arr.model.lora.target_modules for hf in LORA_HF_TARGETS[t]})
