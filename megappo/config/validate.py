@@ -480,7 +480,7 @@ def _check_lora_sync(cfg, errors: list[str]) -> None:
         errors.append(f"{key} needs rollout.name=sglang (SGLang's LoRA serving), got {arr.rollout.name!r}; use "
                       "lora_sync=merged")
     if cfg.trainer.device == "cpu":
-        from megappo.rollout.sglang.deploy import SGLANG_CPU_LORA
+        from megappo.rollout.sglang.limits import SGLANG_CPU_LORA
 
         errors.append(f"{key}: {SGLANG_CPU_LORA}")
 

@@ -20,7 +20,7 @@ import torch
 
 from megappo.platform.child_process import enter_child, pickled_error
 from megappo.rollout.hf.engine import HFEngine
-from megappo.rollout.hf.images import images_from_pipe
+from megappo.rollout.hf import vlm
 from megappo.rollout.sampling import Completion
 
 _UPDATE_MESSAGES = ("bucket", "update_end", "update_cancel")
@@ -122,7 +122,7 @@ class EngineChild:
         try:
             if skip:
                 return aborted_completions(len(prompts), params.n, self.engine.weight_version)
-            return self.engine.generate(prompts, params, prompt_offset=offset, multi_modal=images_from_pipe(images))
+            return self.engine.generate(prompts, params, prompt_offset=offset, multi_modal=vlm.from_pipe(images))
         finally:
             with self.lock:
                 self.running = None
@@ -142,8 +142,7 @@ class EngineChild:
         return self.engine.update_weights_from_disk(model_path, version=version)
 
     def on_prompt_log_probs(self, rid: int, token_ids, images) -> list[list[float]]:
-        images = images_from_pipe(images)
-        return self.engine.prompt_log_probs(token_ids, multi_modal=images[0] if images else None)
+        return self.engine.prompt_log_probs(token_ids, multi_modal=vlm.one_from_pipe(images))
 
     # -- a weight update's stream ----------------------------------------------------------------------------------
     def _update_stream(self, rid: int, ended: list) -> Iterator[Any]:

@@ -5,7 +5,7 @@ builds an `HFEngine` with its own torch thread budget (`threads`), and talks to 
 
 - `submit(prompts, params)` returns a `GenerationHandle` at once (`result(timeout)`, `done()`); `generate` is
   `submit(...).result()`. Completions are the in-process engine's, token for token (same seeds, same code). A
-  vision-language prompt's images (`multi_modal`) cross the pipe as plain arrays (`images.py`).
+  vision-language prompt's images (`multi_modal`) cross the pipe as plain arrays (`vlm.to_pipe`).
 - `abort()` ends the generation in flight and every one queued behind it: each returns at once with the tokens it
   has (finish_reason "abort"); requests queued but not started return empty ones.
 - `update_weights(buckets, version=...)` stages each bucket in shared memory (`weight_staging.SharedStaging`, two
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 from megappo.platform.child_process import spawn_child, unpickled_error
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.child import aborted_completions, child_main
-from megappo.rollout.hf.images import images_to_pipe
+from megappo.rollout.hf import vlm
 from megappo.rollout.sampling import Completion, SamplingParams
 
 if TYPE_CHECKING:
@@ -261,9 +261,8 @@ class HFProcessEngine(RolloutEngine):
         _check_prompts(prompts)
         channel = self._channel
         handle = GenerationHandle()
-        if multi_modal is not None and len(multi_modal) != len(prompts):
-            raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
-        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), images_to_pipe(multi_modal))
+        images = vlm.to_pipe(multi_modal, len(prompts))
+        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), images)
         with channel.send_lock:
             if self._paused:
                 channel.check()
@@ -384,7 +383,7 @@ class HFProcessEngine(RolloutEngine):
     def prompt_log_probs(self, token_ids: Sequence[int], *, multi_modal: Optional[MultiModalInputs] = None
                          ) -> list[list[float]]:
         """[log p(token_ids[k] | token_ids[:k]) for k >= 1], computed in the child (after the requests sent before)."""
-        images = images_to_pipe(None if multi_modal is None else [multi_modal])
+        images = vlm.one_to_pipe(multi_modal)
         return self._channel.request("prompt_log_probs", [int(t) for t in token_ids], images)[1].result()
 
     # -- life --------------------------------------------------------------------------------------------------

@@ -22,11 +22,6 @@ from megappo.rollout.sglang.http_client import read_api_key_file
 SGLANG_INSTALL = 'pip install "megappo[sglang]"'
 SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
 SERVER_KWARGS = ("dtype", "max_total_tokens", "extra_args", "port", "host", "api_key")
-# measured with SGLang 0.5.23's CPU backend (--enable-lora, any --lora-backend): the server dies loading the LoRA
-# layers, whose wrappers allocate pinned host buffers (torch.tensor(..., pin_memory=True) in sglang/srt/lora/layers.py)
-SGLANG_CPU_LORA = ("SGLang's CPU backend cannot serve LoRA adapters (SGLang 0.5.23 dies at start with --enable-lora: "
-                   "'pin_memory=True requires a CUDA or other accelerator backend'); use "
-                   "actor_rollout_ref.rollout.lora_sync=merged (the default) on CPU")
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,13 +85,6 @@ def server_kwargs(cfg: Any, platform: Any) -> dict:
             "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
 
 
-def _image_token_id(model_path: str) -> Optional[int]:
-    """A vision-language model's image token id (the fleet collapses each image's tokens to it), else None."""
-    from megappo.models.vlm.config import is_vlm_config, read_vlm_config
-
-    return read_vlm_config(model_path).image_token_id if is_vlm_config(model_path) else None
-
-
 def deploy(cfg: Any, ps: Any, platform: Any) -> "SGLangDeployment":
     return SGLangDeployment(cfg, ps, platform)
 
@@ -109,6 +97,7 @@ class SGLangDeployment(RolloutDeployment):
 
         from megappo.rollout.sglang.fleet import SGLangFleet
         from megappo.rollout.sglang.server_set import ServerSet
+        from megappo.rollout.sglang.vlm import image_token_id
 
         r = cfg.actor_rollout_ref.rollout
         self.servers = ServerSet(cfg, platform, server_kwargs(cfg, platform))
@@ -119,7 +108,7 @@ class SGLangDeployment(RolloutDeployment):
                 fleet = SGLangFleet(
                     self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
                     engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s,
-                                   "image_token_id": _image_token_id(cfg.actor_rollout_ref.model.path)},
+                                   "image_token_id": image_token_id(cfg.actor_rollout_ref.model.path)},
                     master_address=r.weight_sync_master_address or r.server_host,
                     backend="nccl" if platform.is_cuda else "gloo", router_url=self.servers.router_url,
                     health_check_interval_s=r.health_check_interval_s,

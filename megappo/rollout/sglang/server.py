@@ -21,7 +21,8 @@ still interrupts the caller, whose `stop()` or death then ends it.
 Identity: `/health` answers without a key and whoever holds the port answers it, so a server counts as started only
 when this process's watchdog is alive, its log shows no failed bind, and the server takes its API key and refuses
 another. Each server gets a random API key unless one is given; it reaches SGLang in a 0600 config file, not on the
-command line (which every local user can read), and `http_client.http_json` sends it to that server's URL on every request.
+command line (which every local user can read), and `http_client.http_json` sends it to that server's URL on every
+request.
 """
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from megappo.models.vlm.model_type import is_vlm_dir
 from megappo.platform.job_signals import job_signals_blocked
 from megappo.rollout.sglang.http_client import http_status, register_api_key
+from megappo.rollout.sglang.vlm import server_options
 
 REAPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reaper.py")
 # runs `python -m sglang.launch_server ...` (or a router's `-c` launcher) with the job-wide signals ignored for good
@@ -78,9 +79,6 @@ def _port_is_free(host: str, port: int) -> bool:
     return True
 
 
-_CPU_VLM_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_vlm.py")
-
-
 class SGLangServer:
     """One `python -m sglang.launch_server` process under a watchdog; a context manager that stops it.
 
@@ -111,19 +109,13 @@ class SGLangServer:
             # cores idle, 0.02 with it), which the trainer and a weight sync on the same machine then lack: with it a
             # server's weight load measured 1.5-2.5x faster on the 2-core machine (tools/bench/bench_rollout.py)
             self._args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
-            if is_vlm_dir(model_path):
-                # sglang/cpu_vlm.py lets SGLang's Qwen-VL image processor import on CPU (see there); the warm-up
-                # request goes through a chat template, which a tiny test model lacks (megappo's health check is
-                # a one-token generation anyway)
-                self._launcher = ["-c", f"import runpy; runpy.run_path({_CPU_VLM_LAUNCHER!r}, run_name='__main__')"]
-                self._args.append("--skip-server-warmup")
             self.env["SGLANG_USE_CPU_ENGINE"] = "1"
             self.env.setdefault("OMP_NUM_THREADS", "1")
-        if is_vlm_dir(model_path):
-            # SGLang keeps images' vision-tower embeddings in a cache that neither a weight update nor /flush_cache
-            # clears (SGLang 0.5.23), so after a sync that changed the vision tower it would answer with the old
-            # tower's embeddings (measured: other tokens than an engine on the new weights); 0 MB turns it off
-            self.env.setdefault("SGLANG_VLM_CACHE_SIZE_MB", "0")
+        options = server_options(model_path, cuda)  # what the model's kind adds (a vision-language model's)
+        self._launcher = options.launcher or self._launcher
+        self._args += options.args
+        for key, value in options.env.items():
+            self.env.setdefault(key, value)
         self.env["PYTHONPATH"] = ""  # the server's own environment, not the caller's
         self.proc: Optional[subprocess.Popen] = None  # the watchdog
         self.failed = False  # something went wrong: the log is kept
