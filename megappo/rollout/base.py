@@ -11,8 +11,8 @@ with (`engine`: the first rank of each model-parallel group, the "holder") and w
 (`sync_target`), and runs the collective steps around a sync (restarting dead servers).
 
 Adding an engine (vLLM, say) is one file and one line: `megappo/rollout/vllm_engine.py` defines the engine class and
-`deploy(cfg, ps, platform) -> RolloutDeployment` (`LocalDeployment` for an engine each holder runs itself), and
-`ENGINES` in `megappo/rollout/registry.py` maps "vllm" to `"megappo.rollout.vllm_engine"`. Its config knobs go in
+`deploy(settings, ps, platform) -> RolloutDeployment` (settings: the plain `megappo.rollout.settings.RolloutSettings`;
+`LocalDeployment` for an engine each holder runs itself), and `ENGINES` in `megappo/rollout/registry.py` maps "vllm" to `"megappo.rollout.vllm_engine"`. Its config knobs go in
 `rollout.engine_kwargs`; `preflight(cfg) -> list[str]` in the same file may refuse a run before anything starts.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The rollout engines by `actor_rollout_ref.rollout.name`: for each, `deploy(cfg, ps, platform)` (a
-`RolloutDeployment`, collective) and, optionally, `preflight(cfg) -> list[str]`, its reasons to refuse the run
-before anything starts (a missing package). "module:function" strings, imported when used: naming an engine does not
+"""The rollout engines by `actor_rollout_ref.rollout.name`: for each, `deploy(settings, ps, platform)` (a
+`RolloutDeployment`, collective, from the plain `RolloutSettings`) and, optionally, `preflight(cfg) -> list[str]`,
+its reasons to refuse the run before anything starts (a missing package). "module:function" strings, imported when used: naming an engine does not
 import the others, and the config's checks import no torch."""
 from __future__ import annotations
 
@@ -62,9 +62,10 @@ def multi_modal(name: str) -> bool:
     return bool(ENGINES.get(name, {}).get("multi_modal", False))
 
 
-def deploy(cfg: Any, ps: Any, platform: Any) -> Any:
-    """The `RolloutDeployment` of `cfg.actor_rollout_ref.rollout.name` over the trainer's ranks; collective."""
-    return _entry(cfg.actor_rollout_ref.rollout.name, "deploy")(cfg, ps, platform)
+def deploy(settings: Any, ps: Any, platform: Any) -> Any:
+    """The `RolloutDeployment` of engine `settings.name` (`megappo.rollout.settings.RolloutSettings`) over the
+    trainer's ranks; collective."""
+    return _entry(settings.name, "deploy")(settings, ps, platform)
 
 
 def preflight(cfg: Any) -> list[str]:

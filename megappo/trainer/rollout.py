@@ -30,6 +30,7 @@ from megappo.rollout import registry
 from megappo.rollout.base import RolloutDeployment, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.trainer.experience import Samples
+from megappo.trainer.settings import rollout_settings
 
 
 def _broadcast_objects(objs: list, group: Any, src_group_rank: int = 0) -> list:
@@ -50,7 +51,7 @@ class RolloutWorker:
     def __init__(self, cfg: MegappoConfig, ps: ParallelState, platform: Platform):
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
-        self.deployment: RolloutDeployment = registry.deploy(cfg, ps, platform)
+        self.deployment: RolloutDeployment = registry.deploy(rollout_settings(cfg), ps, platform)
         self.multi_turn: Optional[RolloutEngine] = None  # the tool-calling loop's engine wrapper (holders only)
         if self.rollout.multi_turn.enable and self.deployment.engine is not None:
             from megappo.multi_turn.loop import build_multi_turn
