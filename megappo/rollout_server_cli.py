@@ -53,7 +53,8 @@ def _publish(path: str, record: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megappo.rollout.sglang.server import SGLangServer, read_api_key_file
+    from megappo.rollout.sglang.http_client import read_api_key_file
+    from megappo.rollout.sglang.server import SGLangServer
 
     if args.tp < 1:
         print(f"megappo rollout-server: --tp must be >= 1 (got {args.tp})", file=sys.stderr)

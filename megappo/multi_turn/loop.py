@@ -349,11 +349,6 @@ class MultiTurnEngine(RolloutEngine):
         self.shutdown_submitter()
         self.loop.close()
 
-    def __getattr__(self, name: str):  # engine-specific attributes (a fleet's servers, ...)
-        if name in ("inner", "loop"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
 
 def build_multi_turn(settings: MultiTurnSettings, engine: RolloutEngine) -> MultiTurnEngine:
     """The holder's engine wrapped in the loop of `actor_rollout_ref.rollout.multi_turn` (enable must be set)."""

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import signal
 import sys
 from typing import Any, Callable, NamedTuple
 
-from megappo.platform.job_signals import ignore_job_signals
+from megappo.platform.child_process import enter_child
+
 
 class Outcome(NamedTuple):
     """One sample's result, small enough to send over a pipe."""
@@ -63,28 +62,15 @@ def evaluate(fn: Callable, item: tuple) -> Outcome:
         return Outcome(False, 0.0, {}, f"{type(e).__name__}: {e}"[:500])
 
 
-def _die_with_parent() -> None:
-    # A worker stuck inside a reward function never reads the pipe's EOF, so ask Linux to kill it with the parent.
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
-def worker_main(conn, fn: Callable) -> None:
+def worker_main(conn, parent_pid: int, fn: Callable) -> None:
     """Loop of a process-backend worker: receive `(task_id, item)`, send `(task_id, Outcome)`; None or EOF ends it.
 
     The worker leads its own process group so that killing a hung one also kills whatever it started (a sandbox,
     a compiler). It announces itself with ("ready", None) once the function is loaded, or ("load_error", msg).
     It ignores the job-wide signals (started with them blocked): the trainer stops it, with SIGKILL at the latest.
+    A worker stuck inside a reward function never reads the pipe's EOF, so the kernel kills it with the parent.
     """
-    ignore_job_signals()
-    os.setpgrp()
-    _die_with_parent()
+    enter_child(parent_pid, own_group=True)
     # The parent handles Ctrl-C and closes workers; a worker in its own group does not see the terminal's SIGINT.
     try:
         if hasattr(fn, "load"):  # a user's file is imported here, before the worker takes tasks

@@ -31,6 +31,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
+from megappo.platform.child_process import spawn_child
 from megappo.platform.job_signals import JOB_SIGNALS, job_signals_blocked
 from megappo.rewards._worker import Outcome, evaluate, worker_main
 from megappo.rewards.registry import RewardFunctionError, default_compute_score
@@ -183,11 +184,7 @@ class RewardScorer:
 # ---------------------------------------------------------------------------------------------------------------
 class _Worker:
     def __init__(self, ctx, fn: Callable):
-        self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker_main, args=(child_conn, fn), daemon=True, name="megappo-reward")
-        with job_signals_blocked():  # until worker_main ignores them
-            self.proc.start()
-        child_conn.close()  # so the parent's end reads EOF when the worker dies
+        self.proc, self.conn = spawn_child(worker_main, (fn,), "megappo-reward", ctx)
         self.ready = False
         self.started_at = time.monotonic()
         self.task: int | None = None  # index of the sample it is scoring

@@ -11,15 +11,15 @@ with (`engine`: the first rank of each model-parallel group, the "holder") and w
 (`sync_target`), and runs the collective steps around a sync (restarting dead servers).
 
 Adding an engine (vLLM, say) is one file and one line: `megappo/rollout/vllm_engine.py` defines the engine class and
-`deploy(cfg, ps, platform) -> RolloutDeployment` (`LocalDeployment` for an engine each holder runs itself), and
-`ENGINES` in `megappo/rollout/registry.py` maps "vllm" to `"megappo.rollout.vllm_engine"`. Its config knobs go in
-`rollout.engine_kwargs`; `preflight(cfg) -> Optional[str]` in the same file may refuse a run before anything starts.
+`deploy(settings, ps, platform) -> RolloutDeployment` (settings: the plain `megappo.rollout.settings.RolloutSettings`;
+`LocalDeployment` for an engine each holder runs itself), and `ENGINES` in `megappo/rollout/registry.py` maps "vllm" to `"megappo.rollout.vllm_engine"`. Its config knobs go in
+`rollout.engine_kwargs`; `preflight(cfg) -> list[str]` in the same file may refuse a run before anything starts.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 if TYPE_CHECKING:  # light to import: the trainer's preflight reads the SGLang deployment's module before torch
     import torch
@@ -45,18 +45,16 @@ class RolloutEngine(ABC):
         (`PromptBatch.multi_modal`; None for a text prompt) when the model is a vision-language one; the prompts'
         ids already hold the image tokens."""
 
-    def submit(self, prompts: Sequence[Sequence[int]], params: "SamplingParams", *, prompt_offset: int = 0,
-               multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]] = None
+    def submit(self, prompts: Sequence[Sequence[int]], params: "SamplingParams", **request: Any
                ) -> "Future[list[list[Completion]]]":
-        """`generate` without waiting: the answer is the future's `result()`. Generations run one after another, in
-        the order submitted. By default in a thread of this process (enough for an engine whose work happens
-        elsewhere: servers); an engine that computes in this process runs them in a process of its own."""
+        """`generate(prompts, params, **request)` without waiting (request: its keywords as given, so an engine
+        whose registry entry does not say `multi_modal` is never asked about images): the answer is the future's
+        `result()`. Generations run one after another, in the order submitted. By default in a thread of this
+        process (enough for an engine whose work happens elsewhere: servers); an engine that computes in this
+        process runs them in a process of its own."""
         if getattr(self, "_submitter", None) is None:
             self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megappo-rollout")
-        if multi_modal is None:  # engines written before images keep working for text
-            return self._submitter.submit(self.generate, prompts, params, prompt_offset=prompt_offset)
-        return self._submitter.submit(self.generate, prompts, params, prompt_offset=prompt_offset,
-                                      multi_modal=multi_modal)
+        return self._submitter.submit(self.generate, prompts, params, **request)
 
     def abort(self) -> None:
         """End every generation in flight: each returns at once with the tokens it has (finish_reason "abort"), so

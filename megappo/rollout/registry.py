@@ -1,6 +1,6 @@
-"""The rollout engines by `actor_rollout_ref.rollout.name`: for each, `deploy(cfg, ps, platform)` (a
-`RolloutDeployment`, collective) and, optionally, `preflight(cfg) -> Optional[str]`, its reason to refuse the run
-before anything starts (a missing package). "module:function" strings, imported when used: naming an engine does not
+"""The rollout engines by `actor_rollout_ref.rollout.name`: for each, `deploy(settings, ps, platform)` (a
+`RolloutDeployment`, collective, from the plain `RolloutSettings`) and, optionally, `preflight(cfg) -> list[str]`,
+its reasons to refuse the run before anything starts (a missing package). "module:function" strings, imported when used: naming an engine does not
 import the others, and the config's checks import no torch."""
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from typing import Any, Optional
 
 ENGINES: dict[str, dict[str, Any]] = {
     # in-process transformers model, one per data-parallel replica (the CPU default)
-    "hf": {"deploy": "megappo.rollout.hf.engine:deploy", "sync_modes": ("tensor",), "partial_rollout": True},
+    "hf": {"deploy": "megappo.rollout.hf.deploy:deploy", "sync_modes": ("tensor",), "partial_rollout": True,
+           "multi_modal": True},
     # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
     "sglang": {"deploy": "megappo.rollout.sglang.deploy:deploy", "preflight": "megappo.rollout.sglang.deploy:preflight",
-               "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True},
+               "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True, "multi_modal": True},
 }
 # sync_modes: the values of rollout.weight_sync the engine's `load_weights` takes ("disk": `update_weights_from_disk`);
 # "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
-# (async_training.partial_rollout continues them); False when absent
+# (async_training.partial_rollout continues them); False when absent. multi_modal: its `generate` takes the prompts'
+# images (`multi_modal=`, vision-language models); False when absent
 
 
 def engine_names() -> list[str]:
@@ -55,12 +57,18 @@ def partial_rollout(name: str) -> bool:
     return bool(ENGINES.get(name, {}).get("partial_rollout", False))
 
 
-def deploy(cfg: Any, ps: Any, platform: Any) -> Any:
-    """The `RolloutDeployment` of `cfg.actor_rollout_ref.rollout.name` over the trainer's ranks; collective."""
-    return _entry(cfg.actor_rollout_ref.rollout.name, "deploy")(cfg, ps, platform)
+def multi_modal(name: str) -> bool:
+    """Whether the engine's `generate` takes prompts' images (a vision-language actor)."""
+    return bool(ENGINES.get(name, {}).get("multi_modal", False))
 
 
-def preflight(cfg: Any) -> Optional[str]:
-    """The engine's reason to refuse this run (a missing package, say), or None."""
+def deploy(settings: Any, ps: Any, platform: Any) -> Any:
+    """The `RolloutDeployment` of engine `settings.name` (`megappo.rollout.settings.RolloutSettings`) over the
+    trainer's ranks; collective."""
+    return _entry(settings.name, "deploy")(settings, ps, platform)
+
+
+def preflight(cfg: Any) -> list[str]:
+    """The engine's reasons to refuse this run (a missing package, say); none: it may run."""
     check = _entry(cfg.actor_rollout_ref.rollout.name, "preflight")
-    return check(cfg) if check is not None else None
+    return list(check(cfg)) if check is not None else []

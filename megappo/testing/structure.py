@@ -25,6 +25,7 @@ CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "vlm": (r"vlm|vision|multi_?modal|image|pixel|qwen2_vl|visual|mrope|rope_deltas",
             ("kinds/qwen2_vl/",
              "data/multimodal.py", "data/images.py", "data/geo3k.py", "rollout/sglang/cpu_vlm.py",
+             "rollout/sglang/vlm.py", "rollout/hf/vlm.py",
              "tasks/colour_square.py", "rewards/geo3k.py", "testing/")),
     "lora": (r"lora|adapter|peft", ("models/lora.py", "models/lora/", "convert/peft_io.py", "testing/")),
     "packing": (r"pack|remove_padding|cu_seqlens", ("models/packing.py", "models/layout.py", "testing/")),

@@ -67,7 +67,6 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
         errors += _output_dir_errors(cfg)
         if known_engine:
             _check_engine(cfg, errors)
-        _check_api_key_file(cfg.actor_rollout_ref.rollout.api_key_file, errors)
         if not uses_synthetic_task(cfg):
             _check_parquet_schemas(cfg, errors)
         _check_custom_reward_function(cfg, errors)
@@ -254,22 +253,11 @@ def _check_rollout_correction(cfg: MegappoConfig, errors: list[str]) -> None:
 
 
 def _check_engine(cfg: MegappoConfig, errors: list[str]) -> None:
-    """The rollout engine's own check (`rollout.registry.preflight`: SGLang's servers need a python with SGLang)."""
+    """The rollout engine's own checks (`rollout.registry.preflight`: SGLang's servers need a python with SGLang
+    and a readable API key file)."""
     from megappo.rollout.registry import preflight as engine_preflight
 
-    problem = engine_preflight(cfg)
-    if problem:
-        errors.append(problem)
-
-
-def _check_api_key_file(path: Optional[str], errors: list[str]) -> None:
-    if path:
-        from megappo.rollout.sglang.server import read_api_key_file
-
-        try:
-            read_api_key_file(path)
-        except ValueError as e:
-            errors.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
+    errors += engine_preflight(cfg)
 
 
 def _check_parallel_and_batches(cfg: MegappoConfig, world: int, errors: list[str], check_files: bool) -> None:

@@ -28,20 +28,12 @@ def is_vlm_run(cfg: MegappoConfig) -> bool:
 
 
 def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
-    """The engine class this run deploys when its `generate` has no `multi_modal` keyword (None: it has one, or the
-    engine is unknown: preflight's own error)."""
-    import importlib
-    import inspect
+    """The engine this run deploys when its registry entry does not say `multi_modal` (None: it does, or the engine
+    is unknown: preflight's own error)."""
+    from megappo.rollout.registry import multi_modal, unknown_engine
 
-    ro, arr = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref
-    classes = {"hf": ("megappo.rollout.hf.engine", "HFEngine") if arr.hybrid_engine else
-               ("megappo.rollout.hf.process", "HFProcessEngine"),
-               "sglang": ("megappo.rollout.sglang.engine", "SGLangEngine")}
-    if ro.name not in classes:
-        return None
-    module, name = classes[ro.name]
-    cls = getattr(importlib.import_module(module), name)
-    return None if "multi_modal" in inspect.signature(cls.generate).parameters else name
+    name = cfg.actor_rollout_ref.rollout.name
+    return None if unknown_engine(name) or multi_modal(name) else name
 
 
 def check_vision_language(cfg: MegappoConfig, errors: list[str]) -> None:

@@ -29,6 +29,7 @@ from megappo.rollout.base import RolloutDeployment, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.trainer import weight_sync
 from megappo.trainer.experience import Samples
+from megappo.trainer.settings import multi_turn, rollout_settings
 
 
 def _broadcast_objects(objs: list, group: Any, src_group_rank: int = 0) -> list:
@@ -51,22 +52,20 @@ class RolloutWorker:
         """`actor_adapter`: the actor role's adapter object (`Role.adapter`; default: a full-parameter actor)."""
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
-        self.deployment: RolloutDeployment = registry.deploy(cfg, ps, platform)
-        self.inner: Optional[RolloutEngine] = None  # the engine under the multi-turn loop
+        self.deployment: RolloutDeployment = registry.deploy(rollout_settings(cfg), ps, platform)
+        self.multi_turn: Optional[RolloutEngine] = None  # the tool-calling loop's engine wrapper (holders only)
         if self.rollout.multi_turn.enable and self.deployment.engine is not None:
             from megappo.multi_turn.loop import build_multi_turn
-            from megappo.trainer.settings import multi_turn
 
             # the holder runs the tool-calling loop over its share; weights still go to the engine itself
-            self.inner = self.deployment.engine
-            self.deployment.engine = build_multi_turn(multi_turn(cfg), self.inner)
+            self.multi_turn = build_multi_turn(multi_turn(cfg), self.deployment.engine)
         self.weights = weight_sync.choose(cfg, ps, platform.dtype, actor_adapter or FullParameters())
         self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 
     @property
     def engine(self) -> RolloutEngine | None:
         """This rank's engine (holders only)."""
-        return self.deployment.engine
+        return self.multi_turn or self.deployment.engine
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, params: SamplingParams, prompt_offset: int = 0) -> Samples:
@@ -159,9 +158,8 @@ class RolloutWorker:
         return self.deployment.sync_target.prompt_log_probs(token_ids)
 
     def close(self) -> None:
-        if self.inner is not None:  # the multi-turn loop, then the engine
-            self.deployment.engine.close()
-            self.deployment.engine, self.inner = self.inner, None
+        if self.multi_turn is not None:  # the wrapper's loop, then the engine
+            self.multi_turn.close()
         self.deployment.close()
 
 

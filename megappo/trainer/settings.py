@@ -19,6 +19,7 @@ from megappo.models.losses import ActorLossSettings, CriticLossSettings
 from megappo.models.optim import OptimSettings
 from megappo.multi_turn.loop import MultiTurnSettings
 from megappo.rollout.sampling import SamplingParams
+from megappo.rollout.settings import AdapterServing, RolloutSettings
 
 
 def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.0) -> ActorLossSettings:
@@ -145,3 +146,22 @@ def multi_turn(cfg: MegappoConfig) -> MultiTurnSettings:
         tool_response_truncate_side=mt.tool_response_truncate_side,
         tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode, tool_backend=mt.tool_backend,
         tool_workers=mt.tool_workers, tool_timeout_s=mt.tool_timeout_s)
+
+
+def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
+    """The rollout engine's deployment settings (`megappo.rollout.settings`)."""
+    arr = cfg.actor_rollout_ref
+    r, model = arr.rollout, arr.model
+    adapter = AdapterServing(model.lora.rank, tuple(model.lora.target_modules)) if r.lora_sync == "adapter" else None
+    return RolloutSettings(
+        name=r.name, model_path=model.path, trust_remote_code=model.trust_remote_code, seed=cfg.data.seed,
+        hybrid_engine=arr.hybrid_engine, max_num_seqs=r.max_num_seqs, engine_kwargs=dict(r.engine_kwargs or {}),
+        dtype=r.dtype, tensor_model_parallel_size=r.tensor_model_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization, server_urls=tuple(r.server_urls),
+        servers_per_node=r.servers_per_node, server_python=r.server_python, server_host=r.server_host,
+        server_start_timeout_s=r.server_start_timeout_s, request_timeout_s=r.request_timeout_s,
+        health_check_interval_s=r.health_check_interval_s, health_check_timeout_s=r.health_check_timeout_s,
+        restart_failed_servers=r.restart_failed_servers, router=r.router, router_policy=r.router_policy,
+        router_python=r.router_python, api_key=r.api_key, api_key_file=r.api_key_file,
+        sync_timeout_s=r.sync_timeout_s, weight_sync_master_address=r.weight_sync_master_address,
+        lora_adapter=adapter)

@@ -53,8 +53,8 @@ TOY = textwrap.dedent('''
             return self.inner.prompt_log_probs(token_ids)
 
 
-    def deploy(cfg, ps, platform):
-        return LocalDeployment(dist.get_rank(ps.mp_group) == 0, lambda: ToyEngine(cfg.actor_rollout_ref.model.path))
+    def deploy(settings, ps, platform):
+        return LocalDeployment(dist.get_rank(ps.mp_group) == 0, lambda: ToyEngine(settings.model_path))
 ''')
 OVERRIDES = ["trainer.total_training_steps=2", "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.logger=[]",
              "trainer.val_before_train=false", "data.synthetic.warm_start_steps=20"]

@@ -1,6 +1,6 @@
 """Why rollout.lora_sync=adapter is refused on CPU: SGLang's CPU backend dies at start with --enable-lora (its LoRA
 layer wrappers allocate pinned host memory, which needs an accelerator). Should a later SGLang start, this fails
-and says to lift the refusal (megappo/models/lora/checks.py SGLANG_CPU_LORA, sglang/server_set.lora_server_args)."""
+and says to lift the refusal (megappo/rollout/sglang/limits.py SGLANG_CPU_LORA, server_set.lora_server_args)."""
 from __future__ import annotations
 
 import pytest

@@ -28,7 +28,8 @@ import pytest
 
 from megappo.rollout import SamplingParams
 from megappo.rollout.sglang.engine import SGLangEngine
-from megappo.rollout.sglang.server import SGLangServer, free_port, http_json
+from megappo.rollout.sglang.http_client import http_json
+from megappo.rollout.sglang.server import SGLangServer, free_port
 
 SGLANG = [pytest.mark.e2e, pytest.mark.sglang]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)

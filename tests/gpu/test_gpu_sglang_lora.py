@@ -66,7 +66,9 @@ def test_sglang_serves_the_synced_adapter(hf_model_dir, tmp_path):
                                                           "actor_rollout_ref.rollout.name=sglang",
                                                           "actor_rollout_ref.rollout.lora_sync=adapter",
                                                           "trainer.device=cuda"])
-    flags = lora_server_args(cfg, detect_platform())
+    from megappo.trainer.settings import rollout_settings
+
+    flags = lora_server_args(rollout_settings(cfg), detect_platform())
     assert flags[:3] == ["--enable-lora", "--max-lora-rank", "4"]
     first, second = (_peft_dir(model, str(tmp_path / f"a{s}"), s) for s in (1, 2))
     with SGLangServer(model, python=python, cuda=True, dtype="bfloat16",

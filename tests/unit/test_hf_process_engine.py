@@ -319,25 +319,24 @@ def test_a_child_that_cannot_load_the_model_raises_its_error_here(tmp_path):
 def test_deploy_takes_the_thread_budget_from_engine_kwargs(monkeypatch):
     from types import SimpleNamespace
 
-    import megappo.rollout.hf.process as hf_process
+    import megappo.rollout.hf.deploy as hf_deploy
 
     built = []
-    monkeypatch.setattr(hf_process, "HFProcessEngine", lambda path, **kw: built.append((path, kw)) or "engine")
+    monkeypatch.setattr(hf_deploy, "HFProcessEngine", lambda path, **kw: built.append((path, kw)) or "engine")
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
-    rollout = SimpleNamespace(engine_kwargs={"threads": 3}, max_num_seqs=8)
-    cfg = SimpleNamespace(actor_rollout_ref=SimpleNamespace(
-        model=SimpleNamespace(path="/m", trust_remote_code=False), rollout=rollout), data=SimpleNamespace(seed=4))
+    settings = SimpleNamespace(engine_kwargs={"threads": 3}, max_num_seqs=8, model_path="/m", trust_remote_code=False,
+                               seed=4)
     platform = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
-    deployment = hf_process.deploy(cfg, SimpleNamespace(mp_group=None), platform)
+    deployment = hf_deploy.deploy_process(settings, SimpleNamespace(mp_group=None), platform)
     assert deployment.engine == deployment.sync_target == "engine"
     assert built == [("/m", dict(threads=3, dtype=torch.float32, device=torch.device("cpu"), max_num_seqs=8, seed=4,
                                  trust_remote_code=False))]
-    rollout.engine_kwargs = {}
-    hf_process.deploy(cfg, SimpleNamespace(mp_group=None), platform)
+    settings.engine_kwargs = {}
+    hf_deploy.deploy_process(settings, SimpleNamespace(mp_group=None), platform)
     assert built[-1][1]["threads"] == 1
-    rollout.engine_kwargs = {"thread": 2}
+    settings.engine_kwargs = {"thread": 2}
     with pytest.raises(ValueError, match="thread"):
-        hf_process.deploy(cfg, SimpleNamespace(mp_group=None), platform)
+        hf_deploy.deploy_process(settings, SimpleNamespace(mp_group=None), platform)
 
 
 def test_a_closed_engine_leaves_nothing_for_the_resource_tracker_to_report(hf_model_dir, tmp_path):

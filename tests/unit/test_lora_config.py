@@ -83,18 +83,20 @@ def test_adapter_sync_needs_a_lora_actor_on_gpu_sglang(overrides, words):
 def test_sglang_lora_flags_and_cpu_refusal():
     from megappo.platform import detect_platform
     from megappo.rollout.sglang.server_set import lora_server_args
+    from megappo.trainer.settings import rollout_settings
 
     cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.lora_sync=adapter",
                                "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_fc2]"])
     cpu = detect_platform(device="cpu")
     with pytest.raises(ValueError, match="pin_memory"):
-        lora_server_args(cfg, cpu)
+        lora_server_args(rollout_settings(cfg), cpu)
     import dataclasses
 
     import torch
 
     gpu = dataclasses.replace(cpu, device=torch.device("cuda"))  # the flags a GPU server gets (nothing starts)
-    assert lora_server_args(cfg, gpu) == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
-                                          "down_proj", "k_proj", "q_proj", "v_proj", "--max-loras-per-batch", "2"]
+    assert lora_server_args(rollout_settings(cfg), gpu) == [
+        "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "down_proj", "k_proj", "q_proj", "v_proj",
+        "--max-loras-per-batch", "2"]
     cfg.actor_rollout_ref.rollout.lora_sync = "merged"
-    assert lora_server_args(cfg, gpu) == []
+    assert lora_server_args(rollout_settings(cfg), gpu) == []

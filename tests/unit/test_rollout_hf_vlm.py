@@ -128,7 +128,7 @@ def test_sglang_requests_carry_one_image_token_per_image_and_the_images():
 
     from PIL import Image
 
-    from megappo.rollout.sglang.engine import sglang_prompts
+    from megappo.rollout.sglang.vlm import sglang_prompts
 
     prompts, mms = _inputs()
     for m in mms[:2]:

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megappo.rollout.sglang import server as sglang_server
+from megappo.rollout.sglang import http_client
 from megappo.rollout.sglang.fleet import SGLangFleet
 
 
@@ -63,9 +63,9 @@ class _LoRAServer:
 
 @pytest.fixture()
 def pool(monkeypatch):
-    monkeypatch.setattr(sglang_server, "_POOL", sglang_server._Pool())
-    sglang_server._POOL.max_idle_s = 0.0  # no kept connection outlives the process it went to
-    return sglang_server._POOL
+    monkeypatch.setattr(http_client, "_POOL", http_client._Pool())
+    http_client._POOL.max_idle_s = 0.0  # no kept connection outlives the process it went to
+    return http_client._POOL
 
 
 def test_a_restarted_server_gets_the_current_adapter_and_the_next_sync_works(pool, tmp_path):

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megappo.rollout.sglang import server as sglang_server
-from megappo.rollout.sglang.server import http_json
+from megappo.rollout.sglang import http_client
+from megappo.rollout.sglang.http_client import http_json
 
 
 class _Server:
@@ -84,8 +84,8 @@ class _Server:
 
 @pytest.fixture()
 def pool(monkeypatch):
-    monkeypatch.setattr(sglang_server, "_POOL", sglang_server._Pool())
-    return sglang_server._POOL
+    monkeypatch.setattr(http_client, "_POOL", http_client._Pool())
+    return http_client._POOL
 
 
 def test_back_to_back_requests_share_one_connection(pool):
@@ -135,7 +135,7 @@ def test_a_server_that_is_gone_raises(pool):
 
 
 def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
-    from megappo.rollout.sglang.server import _direct
+    from megappo.rollout.sglang.http_client import _direct
 
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy",
                 "ALL_PROXY"):
@@ -155,7 +155,7 @@ def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
     (b'{"text": "a", "output_ids": [7]}', False),  # not a stream
 ])
 def test_the_health_probe_is_one_streamed_token_and_wants_the_whole_stream(pool, stream, healthy):
-    from megappo.rollout.sglang.server import is_healthy
+    from megappo.rollout.sglang.http_client import is_healthy
 
     server = _Server()
     server.stream = stream

@@ -103,7 +103,8 @@ def test_the_trainer_rollout_passes_the_config_key(remote_dir):
         worker = RolloutWorker(cfg, ps, platform)
         assert type(worker.engine.model).__name__ == "EvilForCausalLM" and marker.exists()
         from megappo.rollout.sglang.deploy import server_kwargs
+        from megappo.trainer.settings import rollout_settings
 
-        assert server_kwargs(cfg, platform)["trust_remote_code"] is True  # what an SGLang server would be started with
+        assert server_kwargs(rollout_settings(cfg), platform)["trust_remote_code"] is True  # what an SGLang server would be started with
     finally:
         destroy_parallel(destroy_process_group=True)

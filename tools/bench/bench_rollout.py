@@ -329,7 +329,8 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.rollout import SamplingParams, sglang_engine, sglang_fleet
     from megappo.rollout.sglang.fleet import SGLangFleet
-    from megappo.rollout.sglang.server import SGLangServer, is_healthy
+    from megappo.rollout.sglang.http_client import is_healthy
+    from megappo.rollout.sglang.server import SGLangServer
     from megappo.testing.hf_models import make_hf_model
     from megappo.trainer.checkpointing import write_actor_hf_dir
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from megappo.rollout.sglang.limits import SGLANG_CPU_LORA  # standard library only: no torch for the config's checks
+
 
 def check_lora(cfg, errors: list[str], check_files: bool) -> None:
     """Every LoRA rule of `cfg`, appended to `errors`."""
@@ -15,13 +17,6 @@ def check_lora(cfg, errors: list[str], check_files: bool) -> None:
 
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's linear layers an adapter fits
-
-
-# measured with SGLang 0.5.23's CPU backend (--enable-lora, any --lora-backend): the server dies loading the LoRA
-# layers, whose wrappers allocate pinned host buffers (torch.tensor(..., pin_memory=True) in sglang/srt/lora/layers.py)
-SGLANG_CPU_LORA = ("SGLang's CPU backend cannot serve LoRA adapters (SGLang 0.5.23 dies at start with --enable-lora: "
-                   "'pin_memory=True requires a CUDA or other accelerator backend'); use "
-                   "actor_rollout_ref.rollout.lora_sync=merged (the default) on CPU")
 
 
 def refuse_lora(cfg, what: str) -> list[str]:

@@ -10,10 +10,9 @@ own generator, seeded with the sample's seed (`megappo.rollout.seeds`: the reque
 step's batch and the sample's index), so a row's tokens and log-probs do not depend on what it was batched with, nor
 on how the batch was split over requests (up to float summation order).
 
-A Qwen2-VL / Qwen2.5-VL directory loads as its `...ForConditionalGeneration` class: prompts with images
-(`multi_modal`, one `MultiModalInputs` or None per prompt, the prompts' ids already holding the image tokens) go
-through the vision tower in the prefill, positions are the multimodal rotary ones (`mrope_position_ids`, the
-trainer's), and decoding goes on from the KV cache as for text.
+A Qwen2-VL / Qwen2.5-VL directory loads as its `...ForConditionalGeneration` class; what its prompts' images
+(`multi_modal`, one `MultiModalInputs` or None per prompt, the prompts' ids already holding the image tokens) add to
+a forward batch is the model's prompt inputs' (`vlm.prompt_inputs`, chosen once).
 """
 from __future__ import annotations
 
@@ -25,13 +24,13 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 from megappo.data.multimodal import MultiModalInputs
-from megappo.rollout.base import LocalDeployment, RolloutEngine
+from megappo.rollout.base import RolloutEngine
+from megappo.rollout.hf.vlm import MultiModal, prompt_inputs
 from megappo.rollout.hf.weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
 from megappo.rollout.seeds import row_seeds
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-MultiModal = Optional[Sequence[Optional[MultiModalInputs]]]
 
 
 def _load_model(model_path: str, trust_remote_code: bool, dtype_kw: dict):
@@ -73,10 +72,7 @@ class HFEngine(RolloutEngine):
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         self.model = _load_model(model_path, trust_remote_code, {dtype_kw: dtype})
         self.model.to(self.device).eval()
-        self.vision = None  # (image token id, spatial merge size) of a vision-language model
-        config = self.model.config
-        if getattr(config, "vision_config", None) is not None:
-            self.vision = (int(config.image_token_id), int(config.vision_config.spatial_merge_size))
+        self.inputs = prompt_inputs(self.model)  # what a prompt's images add to a forward batch
         self.eos_ids = _eos_ids(self.model)
         self.pad_id = next(iter(sorted(self.eos_ids)), 0)  # any id: padded positions are masked
         self.max_num_seqs = max_num_seqs
@@ -108,7 +104,7 @@ class HFEngine(RolloutEngine):
         if seed is None and not params.is_greedy:
             seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator, device=self.generator.device))
         seeds = row_seeds(seed, len(prompts), params.n, prompt_offset)
-        images = self._check_images(prompts, multi_modal)
+        images = self.inputs.check(prompts, multi_modal)
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         self._abort.clear()  # an abort() before this call ended an earlier one
         done: list[Completion] = []
@@ -123,39 +119,6 @@ class HFEngine(RolloutEngine):
         for c in done:
             grouped[c.prompt_index].append(c)
         return grouped
-
-    def _check_images(self, prompts: Sequence[Sequence[int]], multi_modal: MultiModal
-                      ) -> Optional[list[Optional[MultiModalInputs]]]:
-        """`multi_modal` checked against the prompts and the model (None when no prompt has images)."""
-        if multi_modal is None or all(m is None for m in multi_modal):
-            return None
-        if len(multi_modal) != len(prompts):
-            raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
-        if self.vision is None:
-            raise ValueError(f"prompts with images were sent to a {type(self.model).__name__}, which has no vision "
-                             "tower; use a vision-language model (Qwen2-VL / Qwen2.5-VL)")
-        image_token, merge = self.vision
-        for k, (p, m) in enumerate(zip(prompts, multi_modal)):
-            want = 0 if m is None else int(m.image_grid_thw.prod(-1).sum()) // merge ** 2
-            have = sum(1 for t in p if t == image_token)
-            if have != want:
-                raise ValueError(f"prompt {k} holds {have} image tokens but its images need {want}; the prompt ids "
-                                 "and the images must come from the same data loader batch")
-        return list(multi_modal)
-
-    def _vision_inputs(self, ids: torch.Tensor, mask: torch.Tensor, rows: list[tuple[int, list[int]]],
-                       images: Optional[list[Optional[MultiModalInputs]]]) -> tuple[torch.Tensor, dict]:
-        """(position ids [3, B, P], the prefill's pixel_values / image_grid_thw) of a vision-language batch."""
-        from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
-
-        mms = [images[i] for i, _ in rows] if images is not None else []
-        mms = [m for m in mms if m is not None]
-        grid = torch.cat([m.image_grid_thw for m in mms]) if mms else None
-        pos = mrope_position_ids(ids.cpu(), grid, self.vision[0], self.vision[1], mask.cpu()).to(self.device)
-        if not mms:
-            return pos, {}
-        pixels = torch.cat([m.pixel_values for m in mms]).to(self.device, self.model.dtype)
-        return pos, {"pixel_values": pixels, "image_grid_thw": grid.to(self.device)}
 
     def abort(self) -> None:
         """End the generation in flight (call it from another thread): its unfinished rows return at the next decode
@@ -189,10 +152,7 @@ class HFEngine(RolloutEngine):
             ids[r, p - len(prompt):] = torch.tensor(prompt)
             mask[r, p - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        vision_kw: dict = {}
-        if self.vision is not None:  # multimodal rotary positions [3, B, P]; decoding continues on all three axes
-            pos, vision_kw = self._vision_inputs(ids, mask, rows, images)
+        pos, vision_kw = self.inputs.prefill(ids, mask, rows, images, self.model)
         # ignore_eos ignores every stop token, as SGLang does
         stops = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
         stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
@@ -305,33 +265,10 @@ class HFEngine(RolloutEngine):
         images of a vision-language prompt."""
         self._check_weights()
         ids = torch.tensor([list(token_ids)], device=self.device)
-        kw: dict = {}
-        if self.vision is not None:
-            images = self._check_images([token_ids], [multi_modal])
-            kw["position_ids"], vision_kw = self._vision_inputs(ids, torch.ones_like(ids), [(0, [])], images)
-            kw.update(vision_kw)
+        kw = self.inputs.scoring(ids, token_ids, multi_modal, self.model)
         logits = self.model(input_ids=ids, **kw).logits[0, :-1].float()
         return [torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()]
 
     def close(self) -> None:
         self.shutdown_submitter()
         self.model = None
-
-
-def deploy(cfg, ps, platform) -> LocalDeployment:
-    """rollout.name=hf: one engine per data-parallel replica, on its first rank, loaded from the actor's Hugging
-    Face directory; each holder loads the weights into its own engine. In the trainer's process
-    (actor_rollout_ref.hybrid_engine, the default), else in a process of its own beside it (`hf/process.py`), which
-    generates while the trainer trains (async_training)."""
-    import torch.distributed as dist
-
-    arr = cfg.actor_rollout_ref
-    if not arr.hybrid_engine:
-        from megappo.rollout.hf import process as hf_process
-
-        return hf_process.deploy(cfg, ps, platform)
-    return LocalDeployment(
-        dist.get_rank(ps.mp_group) == 0,
-        lambda: HFEngine(arr.model.path, dtype=platform.dtype, device=platform.device,
-                         max_num_seqs=arr.rollout.max_num_seqs, seed=cfg.data.seed,
-                         trust_remote_code=arr.model.trust_remote_code))

@@ -5,7 +5,7 @@ builds an `HFEngine` with its own torch thread budget (`threads`), and talks to 
 
 - `submit(prompts, params)` returns a `GenerationHandle` at once (`result(timeout)`, `done()`); `generate` is
   `submit(...).result()`. Completions are the in-process engine's, token for token (same seeds, same code). A
-  vision-language prompt's images (`multi_modal`) cross the pipe as plain arrays (`_pack_images`).
+  vision-language prompt's images (`multi_modal`) cross the pipe as plain arrays (`vlm.to_pipe`).
 - `abort()` ends the generation in flight and every one queued behind it: each returns at once with the tokens it
   has (finish_reason "abort"); requests queued but not started return empty ones.
 - `update_weights(buckets, version=...)` stages each bucket in shared memory (`weight_staging.SharedStaging`, two
@@ -24,240 +24,29 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import multiprocessing
 import multiprocessing.util  # noqa: F401  (its exit hook is registered before ours: ours runs first)
-import os
-import pickle
 import queue
 import signal
-import sys
 import threading
 import time
-import traceback
 import weakref
 from concurrent.futures import Future
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
-import torch
-
-from megappo.data.multimodal import MultiModalInputs
-from megappo.rollout.base import LocalDeployment, RolloutEngine
-from megappo.rollout.hf.engine import HFEngine
+from megappo.platform.child_process import spawn_child, unpickled_error
+from megappo.rollout.base import RolloutEngine
+from megappo.rollout.hf.child import aborted_completions, child_main
+from megappo.rollout.hf import vlm
 from megappo.rollout.sampling import Completion, SamplingParams
 
-PARENT_POLL_S = 0.2  # the child's getppid() watch
+if TYPE_CHECKING:
+    from megappo.data.multimodal import MultiModalInputs
 CLOSE_GRACE_S = 10.0  # close(): how long the child may take to exit before SIGKILL
-
-
-def _aborted(num_prompts: int, n: int, version: int) -> list[list[Completion]]:
-    """The completions of a request aborted before it started: empty, finish_reason "abort"."""
-    return [[Completion(prompt_index=i, output_ids=[], log_probs=[], finish_reason="abort", weight_version=version)
-             for _ in range(n)] for i in range(num_prompts)]
-
-
-def _pack_images(multi_modal: Optional[Sequence[Optional[MultiModalInputs]]]) -> Optional[list]:
-    """Prompts' images as numpy arrays: pickled through the pipe by value, where tensors would go through torch's
-    shared-memory file descriptors (one per tensor, each a resource the child must take before the parent moves
-    on). The PIL images stay here: the child's engine uses the processed pixels."""
-    if multi_modal is None:
-        return None
-    return [None if m is None else (m.pixel_values.detach().cpu().numpy(), m.image_grid_thw.cpu().numpy())
-            for m in multi_modal]
-
-
-def _unpack_images(packed: Optional[list]) -> Optional[list[Optional[MultiModalInputs]]]:
-    if packed is None:
-        return None
-    return [None if m is None else MultiModalInputs(torch.from_numpy(m[0]), torch.from_numpy(m[1])) for m in packed]
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-
-
-class _ChildTraceback(Exception):
-    """The traceback of an exception raised in the engine's child process (the __cause__ of the re-raised one)."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# child side
-# ---------------------------------------------------------------------------------------------------------------
-class _ChildEngine(HFEngine):
-    """HFEngine that re-checks, at each forward batch, whether its request was aborted: an abort that came between
-    the request's start and `generate`'s clearing of the abort flag would otherwise be lost."""
-
-    def __init__(self, *args, aborted, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._request_aborted = aborted
-
-    def _generate_batch(self, rows, params, seeds, images=None):
-        if self._request_aborted():
-            self.abort()
-        return super()._generate_batch(rows, params, seeds, images)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)
-
-
-def _child_main(conn, parent_pid: int, arm_pdeathsig: bool, threads: int, model_path: str, kwargs: dict) -> None:
-    from megappo.platform.child_reaper import die_with_parent
-    from megappo.platform.job_signals import ignore_job_signals
-
-    ignore_job_signals()  # started with them blocked: a pending one is discarded here
-    if arm_pdeathsig:
-        die_with_parent(parent_pid)  # exits now if the parent is already gone
-    elif os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="megappo-parent-watch", daemon=True).start()
-    torch.set_num_threads(threads)
-
-    lock = threading.Lock()
-    state = {"aborted_upto": 0, "running": None}  # request ids: every one <= aborted_upto is aborted
-
-    def request_aborted() -> bool:
-        with lock:
-            return state["running"] is not None and state["running"] <= state["aborted_upto"]
-
-    try:
-        engine = _ChildEngine(model_path, aborted=request_aborted, **kwargs)
-    except BaseException as e:
-        conn.send(("fatal", _pickled_error(e)))
-        return
-    conn.send(("ready", engine.weight_version))
-
-    inbox: "queue.Queue[tuple]" = queue.Queue()
-
-    def receive() -> None:  # aborts act at once; everything else runs on the main thread, in order
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the parent is gone (close() sends "close" and waits first)
-                os._exit(1)
-            if msg[0] == "abort":
-                with lock:
-                    state["aborted_upto"] = max(state["aborted_upto"], msg[1])
-                    if state["running"] is not None and state["running"] <= state["aborted_upto"]:
-                        engine.abort()
-            else:
-                inbox.put(msg)
-
-    threading.Thread(target=receive, name="megappo-engine-receive", daemon=True).start()
-    deferred: list[tuple] = []  # requests that came during a weight update's stream, run after it
-
-    def next_msg() -> tuple:
-        return deferred.pop(0) if deferred else inbox.get()
-
-    def update_stream(rid: int, ended: list):
-        """The buckets of weight update `rid` as they arrive; each is acknowledged once the next one is asked for
-        (its slot may then be refilled)."""
-        count = 0
-        while True:
-            msg = inbox.get()
-            if msg[0] == "bucket" and msg[1] == rid:
-                staged = pickle.loads(msg[2])
-                yield staged
-                del staged
-                count += 1
-                conn.send(("ack", rid, count))
-            elif msg[0] == "update_end" and msg[1] == rid:
-                ended.append(True)
-                return
-            elif msg[0] == "update_cancel" and msg[1] == rid:
-                ended.append(True)
-                raise RuntimeError("the weight update was cancelled by the trainer (its export failed)")
-            else:
-                deferred.append(msg)
-
-    def drain_update(rid: int) -> None:
-        """After a failed update: consume (and release) the buckets still on their way, up to its end."""
-        while True:
-            msg = inbox.get()
-            if msg[0] == "bucket" and msg[1] == rid:
-                pickle.loads(msg[2])
-            elif msg[0] in ("update_end", "update_cancel") and msg[1] == rid:
-                return
-            else:
-                deferred.append(msg)
-
-    while True:
-        msg = next_msg()
-        kind, rid = msg[0], msg[1] if len(msg) > 1 else None
-        if kind == "close":  # leave without the interpreter's slow teardown (~1 s), but release what
-            # multiprocessing registered in this process (a semaphore of the child's start-up), which its resource
-            # tracker would otherwise report as leaked when the trainer exits
-            import multiprocessing.util
-
-            multiprocessing.util._run_finalizers(0)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        if kind in ("bucket", "update_end", "update_cancel"):  # of an update already answered
-            if kind == "bucket":
-                pickle.loads(msg[2])  # releases its shared-memory handle
-            continue
-        started = time.monotonic()
-        try:
-            if kind == "generate":
-                prompts, params, offset, images = msg[2:]
-                with lock:
-                    skip = rid <= state["aborted_upto"]
-                    state["running"] = None if skip else rid
-                try:
-                    if skip:
-                        result = _aborted(len(prompts), params.n, engine.weight_version)
-                    else:
-                        result = engine.generate(prompts, params, prompt_offset=offset,
-                                                 multi_modal=_unpack_images(images))
-                finally:
-                    with lock:
-                        state["running"] = None
-            elif kind == "update_begin":
-                ended: list = []
-                try:
-                    result = engine.update_weights(update_stream(rid, ended), version=msg[2],
-                                                   complete=not (len(msg) > 3 and msg[3]))
-                except Exception as e:  # answer at once (the trainer stops streaming), then drop the rest
-                    conn.send(("error", rid, _pickled_error(e)))
-                    if not ended:
-                        drain_update(rid)
-                    continue
-            elif kind == "update_from_disk":
-                result = engine.update_weights_from_disk(msg[2], version=msg[3])
-            elif kind == "prompt_log_probs":
-                images = _unpack_images(msg[3])
-                result = engine.prompt_log_probs(msg[2], multi_modal=images[0] if images else None)
-            else:
-                raise ValueError(f"unknown request {kind!r}")
-        except Exception as e:
-            conn.send(("error", rid, _pickled_error(e)))
-        else:
-            conn.send(("result", rid, result, (started, time.monotonic())))
-
-
-def _pickled_error(e: BaseException) -> tuple[Optional[bytes], str]:
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        return pickle.dumps(e), tb
-    except Exception:
-        return None, tb
-
-
-def _unpickled_error(payload: tuple[Optional[bytes], str]) -> BaseException:
-    blob, tb = payload
-    err: Optional[BaseException] = None
-    if blob is not None:
-        try:
-            err = pickle.loads(blob)
-        except Exception:
-            err = None
-    if not isinstance(err, BaseException):
-        err = RuntimeError(f"the rollout engine's child process failed:\n{tb}")
-    err.__cause__ = _ChildTraceback(f"\n(in the engine's child process)\n{tb}")
-    return err
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,7 +165,7 @@ class _Channel:
             if kind == "result":
                 fut.set_result(msg[2])
             else:
-                fut.set_exception(_unpickled_error(msg[2]))
+                fut.set_exception(_child_error(msg[2]))
 
     def shutdown(self, grace: float = CLOSE_GRACE_S) -> None:
         """Abort what runs, ask the child to exit, SIGKILL it after `grace` seconds; idempotent."""
@@ -402,6 +191,11 @@ class _Channel:
             pass
 
 
+def _child_error(payload: tuple[Optional[bytes], str]) -> BaseException:
+    return unpickled_error(payload, failed="the rollout engine's child process failed",
+                           where="in the engine's child process")
+
+
 _LIVE: "weakref.WeakSet[_Channel]" = weakref.WeakSet()
 
 
@@ -424,16 +218,8 @@ class HFProcessEngine(RolloutEngine):
             raise ValueError(f"threads must be >= 1, got {threads}")
         if "device" in kwargs:
             kwargs["device"] = str(kwargs["device"])
-        from megappo.platform.job_signals import job_signals_blocked
-
-        ctx = multiprocessing.get_context("spawn")
-        conn, child_conn = ctx.Pipe(duplex=True)
         main_thread = threading.current_thread() is threading.main_thread()
-        proc = ctx.Process(target=_child_main, name="megappo-hf-engine", daemon=True,
-                           args=(child_conn, os.getpid(), main_thread, threads, str(model_path), kwargs))
-        with job_signals_blocked():  # until the child ignores them
-            proc.start()
-        child_conn.close()  # so this end reads EOF when the child dies
+        proc, conn = spawn_child(child_main, (main_thread, threads, str(model_path), kwargs), "megappo-hf-engine")
         self._channel = channel = _Channel(conn, proc)
         _LIVE.add(channel)
         self._finalizer = weakref.finalize(self, channel.shutdown)
@@ -465,7 +251,7 @@ class HFProcessEngine(RolloutEngine):
             raise RuntimeError(f"the rollout engine's child process exited with code {channel.exit_code()} before "
                                f"it was ready; see its output above") from None
         if kind == "fatal":
-            raise _unpickled_error(payload)
+            raise _child_error(payload)
         return payload
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -475,9 +261,8 @@ class HFProcessEngine(RolloutEngine):
         _check_prompts(prompts)
         channel = self._channel
         handle = GenerationHandle()
-        if multi_modal is not None and len(multi_modal) != len(prompts):
-            raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
-        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), _pack_images(multi_modal))
+        images = vlm.to_pipe(multi_modal, len(prompts))
+        args = ([list(map(int, p)) for p in prompts], params, int(prompt_offset), images)
         with channel.send_lock:
             if self._paused:
                 channel.check()
@@ -500,7 +285,7 @@ class HFProcessEngine(RolloutEngine):
             held, self._held = self._held, []
             upto = channel.last_rid
         for handle, (prompts, params, *_) in held:
-            handle.set_result(_aborted(len(prompts), params.n, self.weight_version))
+            handle.set_result(aborted_completions(len(prompts), params.n, self.weight_version))
         if upto and channel.error is None:
             try:
                 channel.send(("abort", upto))
@@ -598,7 +383,7 @@ class HFProcessEngine(RolloutEngine):
     def prompt_log_probs(self, token_ids: Sequence[int], *, multi_modal: Optional[MultiModalInputs] = None
                          ) -> list[list[float]]:
         """[log p(token_ids[k] | token_ids[:k]) for k >= 1], computed in the child (after the requests sent before)."""
-        images = _pack_images([multi_modal]) if multi_modal is not None else None
+        images = vlm.one_to_pipe(multi_modal)
         return self._channel.request("prompt_log_probs", [int(t) for t in token_ids], images)[1].result()
 
     # -- life --------------------------------------------------------------------------------------------------
@@ -620,21 +405,3 @@ class HFProcessEngine(RolloutEngine):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def deploy(cfg, ps, platform) -> LocalDeployment:
-    """One HFProcessEngine per data-parallel replica, on its first rank, loaded from the actor's Hugging Face
-    directory, with `rollout.engine_kwargs.threads` torch threads (default 1) in its child process."""
-    import torch.distributed as dist
-
-    arr = cfg.actor_rollout_ref
-    kw = dict(arr.rollout.engine_kwargs or {})
-    unknown = sorted(set(kw) - {"threads"})
-    if unknown:
-        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not arguments of the hf engine "
-                         f"in its own process (actor_rollout_ref.hybrid_engine=false; it takes: threads)")
-    return LocalDeployment(
-        dist.get_rank(ps.mp_group) == 0,
-        lambda: HFProcessEngine(arr.model.path, threads=int(kw.get("threads", 1)), dtype=platform.dtype,
-                                device=platform.device, max_num_seqs=arr.rollout.max_num_seqs, seed=cfg.data.seed,
-                                trust_remote_code=arr.model.trust_remote_code))

@@ -3,8 +3,8 @@ client per data-parallel replica, weights streamed by global rank 0 into every s
 
 Each replica's first rank (the holder) generates through an `SGLangFleet` over all the run's servers (itself, or
 through sglang-router); global rank 0's fleet is the sync target. Before each sync, dead servers are restarted (or
-dropped) collectively (`ServerSet.heal`, sglang/server_set.py) and every client is told, so the sync that follows gives a
-restarted server the current weights.
+dropped) collectively (`ServerSet.heal`, sglang/server_set.py) and every client is told, so the sync that follows
+gives a restarted server the current weights.
 
 Light to import: the trainer's preflight calls `preflight` before torch is loaded.
 """
@@ -17,6 +17,8 @@ import sys
 from typing import Any, Optional
 
 from megappo.rollout.base import RolloutDeployment
+from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.sglang.http_client import read_api_key_file
 
 SGLANG_INSTALL = 'pip install "megappo[sglang]"'
 SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
@@ -43,60 +45,61 @@ def sglang_missing(python: str) -> Optional[str]:
     return None
 
 
-def preflight(cfg: Any) -> Optional[str]:
-    """The servers the trainer starts (no server_urls) run on server_python: it must have SGLang. Servers given by
-    URL are someone else's."""
-    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
-    if r.server_urls:
-        return None
-    python = r.server_python or sys.executable
+def preflight(cfg: Any) -> list[str]:
+    """The servers the trainer starts (no server_urls) run on server_python: it must have SGLang (servers given by
+    URL are someone else's); an API key file must hold a key."""
+    r = cfg.actor_rollout_ref.rollout
+    problems = [] if r.server_urls else _python_problems(r.server_python)
+    if r.api_key_file:
+        try:
+            read_api_key_file(r.api_key_file)
+        except ValueError as e:
+            problems.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
+    return problems
+
+
+def _python_problems(server_python: Optional[str]) -> list[str]:
+    key = "actor_rollout_ref.rollout.server_python"
+    python = server_python or sys.executable
     problem = sglang_missing(python)
     if not problem:
-        return None
-    which = key if r.server_python else f"{key} (unset: this python)"
-    return (f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
+        return []
+    which = key if server_python else f"{key} (unset: this python)"
+    return [f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
             f"install it there (`{python} -m {SGLANG_INSTALL}`), or set {key}=PYTHON to a python that has it "
             f"(on CPU, `{SGLANG_CPU_VENV}` makes one and prints the line to use), or use "
-            "actor_rollout_ref.rollout.name=hf")
+            "actor_rollout_ref.rollout.name=hf"]
 
 
-def server_kwargs(cfg: Any, platform: Any) -> dict:
+def server_kwargs(r: RolloutSettings, platform: Any) -> dict:
     """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
     extra_args: a list of further launch_server flags)."""
     from megappo.rollout.sglang.server_set import configured_api_key
 
-    r = cfg.actor_rollout_ref.rollout
     dtype = r.dtype or str(platform.dtype).replace("torch.", "")
     unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
     if unknown:
         raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
                          f"use {SERVER_KWARGS} (pass other launch_server flags as extra_args: [--flag, value])")
-    return {"dtype": dtype, "trust_remote_code": cfg.actor_rollout_ref.model.trust_remote_code,
+    return {"dtype": dtype, "trust_remote_code": r.trust_remote_code,
             "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
 
 
-def _image_token_id(model_path: str) -> Optional[int]:
-    """A vision-language model's image token id (the fleet collapses each image's tokens to it), else None."""
-    from megappo.kinds import kind_of
-
-    return kind_of(model_path).image_token_id(model_path)
-
-
-def deploy(cfg: Any, ps: Any, platform: Any) -> "SGLangDeployment":
-    return SGLangDeployment(cfg, ps, platform)
+def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> "SGLangDeployment":
+    return SGLangDeployment(settings, ps, platform)
 
 
 class SGLangDeployment(RolloutDeployment):
     """The run's servers (`ServerSet`, on every rank) and the holders' fleet clients."""
 
-    def __init__(self, cfg: Any, ps: Any, platform: Any):
+    def __init__(self, r: RolloutSettings, ps: Any, platform: Any):
         import torch.distributed as dist
 
         from megappo.rollout.sglang.fleet import SGLangFleet
         from megappo.rollout.sglang.server_set import ServerSet
+        from megappo.rollout.sglang.vlm import image_token_id
 
-        r = cfg.actor_rollout_ref.rollout
-        self.servers = ServerSet(cfg, platform, server_kwargs(cfg, platform))
+        self.servers = ServerSet(r, platform, server_kwargs(r, platform))
         self.servers.start()
         fleet = None
         try:
@@ -104,7 +107,7 @@ class SGLangDeployment(RolloutDeployment):
                 fleet = SGLangFleet(
                     self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
                     engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s,
-                                   "image_token_id": _image_token_id(cfg.actor_rollout_ref.model.path)},
+                                   "image_token_id": image_token_id(r.model_path)},
                     master_address=r.weight_sync_master_address or r.server_host,
                     backend="nccl" if platform.is_cuda else "gloo", router_url=self.servers.router_url,
                     health_check_interval_s=r.health_check_interval_s,

@@ -9,10 +9,7 @@ Weights reload from a Hugging Face directory (`/update_weights_from_disk`) or st
 bucket the server is told the names, dtypes and shapes while the trainer broadcasts the bucket, packed into one flat
 buffer (SGLang's `flattened_bucket` format; tensor by tensor when mixed dtypes would misalign it).
 
-Vision-language prompts: SGLang runs the model's image processor itself and expands each image's one
-`<|image_pad|>` into the image's tokens, so a prompt of the data loader (pads already expanded) is sent with each
-run of pads collapsed to one, and its images (`MultiModalInputs.images`, already resized) as base64 PNG
-`image_data` (`sglang_prompts`); the engine needs the model's `image_token_id` for that.
+Vision-language prompts go as `vlm.sglang_prompts` makes them: image tokens collapsed, images as `image_data`.
 
 Log-probs are the server's `output_token_logprobs`; greedy ones equal `transformers`' log-softmax of the raw
 logits (tools/sglang/check.py measures it).
@@ -28,52 +25,14 @@ import torch
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
-from megappo.rollout.sglang.server import _http, free_port, http_json, register_api_key
+from megappo.rollout.sglang.http_client import _http, http_json, register_api_key
+from megappo.rollout.sglang.server import free_port
+from megappo.rollout.sglang.vlm import ImageData, add_image_data, row_images, sglang_prompts
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
 
 Bucket = list[tuple[str, torch.Tensor]]
-ImageData = Optional[list[str]]  # one prompt's images as SGLang's /generate takes them (None: a text prompt)
-
-
-def _data_uri(image) -> str:
-    import base64
-    import io
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")  # lossless: the server sees the loader's pixels
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def sglang_prompts(prompts: Sequence[Sequence[int]], multi_modal: Optional[Sequence[Optional["MultiModalInputs"]]],
-                   image_token_id: Optional[int]) -> tuple[list[list[int]], Optional[list[ImageData]]]:
-    """The prompts as SGLang takes them: each run of image tokens collapsed to one (SGLang expands it again from
-    the image it processes), and each prompt's images as base64 PNG data URIs (None when no prompt has images)."""
-    prompts = [list(p) for p in prompts]
-    if multi_modal is None or all(m is None for m in multi_modal):
-        return prompts, None
-    if len(multi_modal) != len(prompts):
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
-    if image_token_id is None:
-        raise ValueError("prompts with images need the SGLang engine's image_token_id (the model config's)")
-    out, images = [], []
-    for k, (p, m) in enumerate(zip(prompts, multi_modal)):
-        ids = [t for j, t in enumerate(p) if t != image_token_id or j == 0 or p[j - 1] != image_token_id]
-        runs = sum(1 for t in ids if t == image_token_id)
-        if m is None:
-            if runs:
-                raise ValueError(f"prompt {k} holds image tokens but has no images")
-            out.append(p)
-            images.append(None)
-            continue
-        if m.images is None or len(m.images) != m.num_images or runs != m.num_images:
-            raise ValueError(f"prompt {k}: {runs} runs of image tokens, {m.num_images} images, "
-                             f"{'no' if m.images is None else len(m.images)} decoded images; SGLang needs the data "
-                             "loader's decoded images (MultiModalInputs.images), one per run of image tokens")
-        out.append(ids)
-        images.append([_data_uri(img) for img in m.images])
-    return out, images
 
 
 def _post_in_background(url: str, payload: Any, timeout: float,
@@ -246,7 +205,7 @@ class SGLangEngine(RolloutEngine):
         seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for c in self.generate_rows([prompts[i] for i in rows], rows, seeds, params,
-                                    image_data=None if images is None else [images[i] for i in rows]):
+                                    image_data=row_images(images, rows)):
             grouped[c.prompt_index].append(c)
         return grouped
 
@@ -273,8 +232,7 @@ class SGLangEngine(RolloutEngine):
             if len(input_ids) != 1:
                 raise ValueError("an unbatched request holds exactly one row")
             body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seeds[0])}
-        if image_data is not None and any(i is not None for i in image_data):
-            body["image_data"] = list(image_data) if batched else image_data[0]
+        add_image_data(body, image_data, batched)
         body.update(return_logprob=True, logprob_start_len=-1)
         if self.lora_name is not None:
             body["lora_path"] = [self.lora_name] * len(input_ids) if batched else self.lora_name

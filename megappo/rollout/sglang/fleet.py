@@ -27,9 +27,11 @@ from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import row_seeds
 from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
-                                           begin_update, broadcast_buckets, end_update, sglang_prompts)
+                                           begin_update, broadcast_buckets, end_update)
+from megappo.rollout.sglang.http_client import http_json, is_healthy
+from megappo.rollout.sglang.server import free_port
+from megappo.rollout.sglang.vlm import row_images, sglang_prompts
 from megappo.rollout.sglang.weight_staging import SharedStaging
-from megappo.rollout.sglang.server import free_port, http_json, is_healthy
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
@@ -39,11 +41,6 @@ def _auth(engine: SGLangEngine) -> dict:
     """The keyword arguments that authenticate a request to `engine`'s server."""
     key = getattr(engine, "api_key", None)
     return {"api_key": key} if key else {}
-
-
-def _row_images(images: Optional[list], share: list[int], rows: list[int]) -> Optional[list]:
-    """The images of rows `share` (each row's prompt's; None for a text generation)."""
-    return None if images is None else [images[rows[r]] for r in share]
 
 
 class SGLangFleet(RolloutEngine):
@@ -187,9 +184,10 @@ class SGLangFleet(RolloutEngine):
         def run(j: int, k: int) -> None:
             share = shares[j]
             try:
-                results[j] = self.engines[k].generate_rows([prompts[rows[r]] for r in share], [rows[r] for r in share],
+                of_row = [rows[r] for r in share]
+                results[j] = self.engines[k].generate_rows([prompts[i] for i in of_row], of_row,
                                                            [seeds[r] for r in share], params, partial=True,
-                                                           image_data=_row_images(images, share, rows)) if share else []
+                                                           image_data=row_images(images, of_row)) if share else []
             except Exception as e:  # noqa: BLE001 - the share is retried elsewhere, the error reported
                 results[j] = e
 
@@ -208,7 +206,7 @@ class SGLangFleet(RolloutEngine):
 
         def one(r: int) -> Completion:
             return router.generate_rows([prompts[rows[r]]], [rows[r]], [seeds[r]], params, batched=False,
-                                        partial=True, image_data=_row_images(images, [r], rows))[0]
+                                        partial=True, image_data=row_images(images, [rows[r]]))[0]
 
         failed = []
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(pending)))) as pool:

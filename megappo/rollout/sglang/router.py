@@ -17,7 +17,8 @@ import os
 import tempfile
 from typing import Optional, Sequence
 
-from megappo.rollout.sglang.server import SGLangServer, _status, http_json
+from megappo.rollout.sglang.http_client import http_json, http_status
+from megappo.rollout.sglang.server import SGLangServer
 
 # Reads the router's argument list from a file (the API key among them), deletes it, runs the router.
 _LAUNCHER = ("import json, os, sys; f = sys.argv[1]; a = json.load(open(f)); os.unlink(f); "
@@ -57,7 +58,8 @@ class SGLangRouter(SGLangServer):
     def _answers_as_ours(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
             return False
-        if _status(self.url + "/workers", self.api_key) != 200 or _status(self.url + "/workers", "not-" + self.api_key) != 401:
+        workers = self.url + "/workers"
+        if http_status(workers, self.api_key) != 200 or http_status(workers, "not-" + self.api_key) != 401:
             return False
         return len(self.healthy_workers()) == len(self.worker_urls)
 

@@ -22,9 +22,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megappo.config.schema import MegappoConfig
 from megappo.platform.device import Platform
-from megappo.rollout.sglang.server import SGLangServer, is_healthy, read_api_key_file
+from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.sglang.http_client import is_healthy, read_api_key_file
+from megappo.rollout.sglang.server import SGLangServer
 
 
 def _all_gather(obj: Any) -> list:
@@ -39,7 +40,7 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def configured_api_key(rollout: Any) -> Optional[str]:
+def configured_api_key(rollout: RolloutSettings) -> Optional[str]:
     """The key the config names: `rollout.api_key`, else the first line of `rollout.api_key_file`, else None."""
     return read_api_key_file(rollout.api_key_file) if rollout.api_key_file else rollout.api_key
 
@@ -47,11 +48,11 @@ def configured_api_key(rollout: Any) -> Optional[str]:
 class ServerSet:
     """The run's servers as every rank agrees on them: `urls` (node order), `alive`, `api_key`, `router_url`."""
 
-    def __init__(self, cfg: MegappoConfig, platform: Platform, server_kwargs: dict):
-        self.r = cfg.actor_rollout_ref.rollout
-        self.model_path = cfg.actor_rollout_ref.model.path
+    def __init__(self, settings: RolloutSettings, platform: Platform, server_kwargs: dict):
+        self.r = settings
+        self.model_path = settings.model_path
         self.platform, self.server_kwargs = platform, server_kwargs
-        self.lora_args = lora_server_args(cfg, platform)
+        self.lora_args = lora_server_args(settings, platform)
         self.python = self.r.server_python or sys.executable
         self.external = bool(self.r.server_urls)
         # LOCAL_RANK is torchrun's; a process started otherwise is alone on its node
@@ -206,19 +207,19 @@ class ServerSet:
 
 
 
-def lora_server_args(cfg: MegappoConfig, platform: Platform) -> list[str]:
+def lora_server_args(settings: RolloutSettings, platform: Platform) -> list[str]:
     """SGLang's LoRA flags for rollout.lora_sync=adapter: the adapter's rank, the HF linear layers it targets (the
     names `megappo.convert.peft_io` writes), room for two adapters (the new one loads before the old one unloads).
     Refused on CPU (`SGLANG_CPU_LORA`)."""
-    arr = cfg.actor_rollout_ref
-    if arr.rollout.lora_sync != "adapter":
+    adapter = settings.lora_adapter
+    if adapter is None:
         return []
     if not platform.is_cuda:
-        from megappo.config.validate import SGLANG_CPU_LORA
+        from megappo.rollout.sglang.limits import SGLANG_CPU_LORA
 
         raise ValueError(f"actor_rollout_ref.rollout.lora_sync=adapter: {SGLANG_CPU_LORA}")
-    targets = sorted({hf for t in arr.model.lora.target_modules for hf in LORA_HF_TARGETS[t]})
-    return ["--enable-lora", "--max-lora-rank", str(arr.model.lora.rank), "--lora-target-modules", *targets,
+    targets = sorted({hf for t in adapter.target_modules for hf in LORA_HF_TARGETS[t]})
+    return ["--enable-lora", "--max-lora-rank", str(adapter.rank), "--lora-target-modules", *targets,
             "--max-loras-per-batch", "2"]
 
 
