@@ -16,11 +16,8 @@ Light to import: no torch, megatron or pyarrow until a check needs them.
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path

@@ -2,7 +2,7 @@
 
 Requests arrive on one duplex pipe as `(kind, rid, *args)`; a receiving thread acts on "abort" at once and queues
 everything else, which the main thread runs one at a time, in the order sent, each by its handler method
-(`on_<kind>`). An answer is ("result", rid, value, (started, finished)) or ("error", rid, pickled error). A weight
+(`EngineChild.handlers`). An answer is ("result", rid, value, (started, finished)) or ("error", rid, pickled error). A weight
 update is "update_begin", its buckets ("bucket", rid, handles; each acknowledged with ("ack", rid, count) once the
 next is asked for, so its staging slot may be refilled) and "update_end" or "update_cancel".
 """
@@ -51,7 +51,7 @@ class _Answered(Exception):
 
 
 class EngineChild:
-    """The request loop around one engine; `on_<kind>(rid, *args)` answers request `kind`."""
+    """The request loop around one engine; `handlers[kind](rid, *args)` answers request `kind`."""
 
     def __init__(self, conn) -> None:
         self.conn = conn
@@ -61,6 +61,8 @@ class EngineChild:
         self.running: Optional[int] = None
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.deferred: list[tuple] = []  # requests that came during a weight update's stream, run after it
+        self.handlers = {"close": self.on_close, "generate": self.on_generate, "update_begin": self.on_update_begin,
+                         "update_from_disk": self.on_update_from_disk, "prompt_log_probs": self.on_prompt_log_probs}
 
     def request_aborted(self) -> bool:
         with self.lock:
@@ -92,7 +94,7 @@ class EngineChild:
                 continue
             started = time.monotonic()
             try:
-                handler = getattr(self, f"on_{kind}", None)
+                handler = self.handlers.get(kind)
                 if handler is None:
                     raise ValueError(f"unknown request {kind!r}")
                 result = handler(rid, *msg[2:])

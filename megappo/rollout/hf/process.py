@@ -14,7 +14,8 @@ builds an `HFEngine` with its own torch thread budget (`threads`), and talks to 
 - `pause()` holds generations submitted afterwards on this side until `resume()` (none is lost); the child runs
   requests one at a time in the order sent, so a weight update never lands in the middle of a generation.
 
-The child dies with this process however it dies: the kernel's parent-death signal (SIGKILL, armed when the engine
+The child's side is `child.py`; starting it, its parent-death rules and its errors' way back are
+`megappo.platform.child_process`'s. The child dies with this process however it dies: the kernel's parent-death signal (SIGKILL, armed when the engine
 is started from the main thread: it fires when the starting *thread* exits), a getppid() watch every 0.2 s (any
 thread) and EOF on its pipe. It ignores the job-wide signals (SIGTERM, SIGINT, SIGUSR1, blocked from its start):
 only `close()` stops it, with SIGKILL after a grace period. A child that died (OOM killer, crash) fails every call
@@ -35,12 +36,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 from megappo.platform.child_process import spawn_child, unpickled_error
 from megappo.rollout.base import RolloutEngine
-from megappo.rollout.hf.child import aborted_completions, child_main
 from megappo.rollout.hf import vlm
+from megappo.rollout.hf.child import aborted_completions, child_main
 from megappo.rollout.sampling import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
+
 CLOSE_GRACE_S = 10.0  # close(): how long the child may take to exit before SIGKILL
 
 
