@@ -16,7 +16,7 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
 from megappo.config.loader import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
-from megappo.models.lora.checks import SGLANG_CPU_LORA, check_lora  # noqa: F401 - SGLANG_CPU_LORA: the servers' refusal
+from megappo.models.lora.checks import check_lora
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:

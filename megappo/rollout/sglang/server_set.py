@@ -214,7 +214,7 @@ def lora_server_args(cfg: MegappoConfig, platform: Platform) -> list[str]:
     if arr.rollout.lora_sync != "adapter":
         return []
     if not platform.is_cuda:
-        from megappo.config.validate import SGLANG_CPU_LORA
+        from megappo.models.lora.checks import SGLANG_CPU_LORA
 
         raise ValueError(f"actor_rollout_ref.rollout.lora_sync=adapter: {SGLANG_CPU_LORA}")
     targets = sorted({hf for t in arr.model.lora.target_modules for hf in LORA_HF_TARGETS[t]})
