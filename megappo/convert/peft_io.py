@@ -109,13 +109,12 @@ def adapter_config(tensors: dict[str, torch.Tensor], rank: int, alpha: float, ba
 def write_peft_dir(tensors: dict[str, torch.Tensor], config: dict, out_dir: str) -> str:
     from safetensors.torch import save_file
 
+    from megappo.platform.files import as_if_created
+
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "adapter_model.safetensors")
     save_file({k: v.cpu() for k, v in tensors.items()}, weights, metadata={"format": "pt"})
-    # the mode a plain open() gives, as adapter_config.json beside it has: safetensors' save_file writes 0600
-    umask = os.umask(0o022)
-    os.umask(umask)
-    os.chmod(weights, 0o666 & ~umask)
+    as_if_created(weights)  # as adapter_config.json beside it
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return out_dir

@@ -27,7 +27,7 @@ CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
              "data/multimodal.py", "data/images.py", "data/geo3k.py", "rollout/sglang/cpu_vlm.py",
              "rollout/sglang/vlm.py", "rollout/hf/vlm.py",
              "tasks/colour_square.py", "rewards/geo3k.py", "testing/")),
-    "lora": (r"lora|adapter|peft", ("models/lora.py", "models/lora/", "convert/peft_io.py", "testing/")),
+    "lora": (r"lora|adapter|peft", ("models/lora/", "convert/peft_io.py", "testing/")),
     "packing": (r"pack|remove_padding|cu_seqlens", ("models/packing.py", "models/layout.py", "testing/")),
     "context_parallel": (r"context_parallel|\bcp\b|\bcp_|_cp\b", ("models/context_parallel.py", "models/layout.py",
                                                                "testing/")),
