@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -23,8 +22,8 @@ from megappo.convert.hf_io import (
     HFCheckpoint, check_output_dir, copy_side_files, replace_dir, unique_staging_dir, write_error,
 )
 from megappo.convert.mapping import (
-    VALUE_HEAD, ConversionError, ModelSpec, ParamMap, canonical_name, expected_hf_shapes, model_spec_from_hf_config,
-    param_maps, shard_from_hf,
+    VALUE_HEAD, ConversionError, ModelSpec, ParamMap, expected_hf_shapes, model_spec_from_hf_config, param_maps,
+    shard_from_hf,
 )
 from megappo.convert.params import LocalParam, check_all_used, local_params, model_role
 from megappo.kinds import kind_of

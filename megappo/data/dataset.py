@@ -21,8 +21,8 @@ from typing import Any, Literal, Optional, Sequence
 import numpy as np
 import torch
 
-from megappo.data.images import ImageProcessing, ImageSource, image_sources
-from megappo.data.multimodal import MultiModalInputs
+from megappo.data.images import ImageProcessing, ImageSource, NoImages
+from megappo.data.multimodal import MultiModalInputs, select_rows
 from megappo.data.schema import DataError, PromptRow, expand_files, read_prompt_rows
 
 Truncation = Literal["error", "left", "right"]
@@ -64,7 +64,7 @@ class PromptBatch:
                            [self.raw_prompts[r] for r in rows], [self.data_sources[r] for r in rows],
                            [self.ground_truths[r] for r in rows], [self.extra_infos[r] for r in rows],
                            [self.abilities[r] for r in rows], self.indices[index],
-                           None if self.multi_modal is None else [self.multi_modal[r] for r in rows])
+                           select_rows(self.multi_modal, rows))
 
 
 def _render(tokenizer, messages: list[list[dict]], chat_template_kwargs: dict) -> tuple[list[str], bool]:
@@ -125,6 +125,7 @@ class PromptDataset:
         self.num_truncated = 0  # prompts cut by truncation left/right
         self.uses_chat_template = False
         self.image_processing, self.image_key = image_processing, image_key
+        self._images = image_processing or NoImages()  # what a prompt's images become, chosen once
         for path in self.files:
             for rows in read_prompt_rows(path, prompt_key, batch_rows=read_batch_rows, image_key=image_key):
                 self._add(path, rows, prompt_key, chat_template_kwargs or {})
@@ -147,10 +148,9 @@ class PromptDataset:
                                     "fix the messages' roles/order for this model's template", row=r.file_row,
                                     column=prompt_key) from e
             raise
-        images = [self._images(path, r, prompt_key) for r in rows]
-        texts = [t if imgs is None else self.image_processing.expand(
-            t, [self.image_processing.num_tokens(s) for s in imgs], path, r.file_row, self.image_key, prompt_key)
-            for t, r, imgs in zip(texts, rows, images)]
+        images = [self._images.prompt_images(r.images, path, r.file_row, self.image_key) for r in rows]
+        texts = [self._images.expand_prompt(t, imgs, path, r.file_row, self.image_key, prompt_key)
+                 for t, r, imgs in zip(texts, rows, images)]
         # A chat template writes its own special tokens (bos included); plain text gets the tokenizer's usual ones.
         encoded = self.tokenizer(texts, add_special_tokens=not self.uses_chat_template)["input_ids"]
         limit = self.max_prompt_length
@@ -170,17 +170,6 @@ class PromptDataset:
                 ids = ids[-limit:] if self.truncation == "left" else ids[:limit]
                 self.num_truncated += 1
             self.records.append(PromptRecord(np.asarray(ids, dtype=np.int32), row, path, imgs))
-
-    def _images(self, path: str, row: PromptRow, prompt_key: str) -> Optional[list[ImageSource]]:
-        """The row's images (None: no images column, or an empty cell)."""
-        sources = image_sources(row.images, path, row.file_row, self.image_key)
-        if not sources:
-            return None
-        if self.image_processing is None:
-            raise DataError(path, f"the row has {len(sources)} images but the model has no vision tower",
-                            "train a vision-language model (e.g. Qwen2.5-VL) on this data, or drop the "
-                            f"'{self.image_key}' column", row=row.file_row, column=self.image_key)
-        return sources
 
     def __len__(self) -> int:
         return len(self.records)
@@ -210,11 +199,7 @@ def collate(
         input_ids[b, width - n:] = torch.from_numpy(r.input_ids.astype(np.int64))
         attention_mask[b, width - n:] = 1
     position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
-    multi_modal = None
-    if any(r.images for r in records):
-        if image_processing is None:
-            raise ValueError("prompts with images need the model's ImageProcessing to be collated")
-        multi_modal = [image_processing.inputs(r.images) if r.images else None for r in records]
+    multi_modal = (image_processing or NoImages()).batch_inputs([r.images for r in records])
     return PromptBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

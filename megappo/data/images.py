@@ -186,3 +186,49 @@ class ImageProcessing:
         out = self.processor(images=images, return_tensors="pt")
         return MultiModalInputs(pixel_values=out["pixel_values"].float(),
                                 image_grid_thw=out["image_grid_thw"].long(), images=images)
+
+    # -- what the prompt dataset asks of a model's image handling (`NoImages` answers for a text model) ----------
+    def prompt_images(self, cell: Any, file: str, row: int, column: str) -> Optional[list[ImageSource]]:
+        """A row's images (None: no images column, or an empty cell)."""
+        return image_sources(cell, file, row, column) or None
+
+    def expand_prompt(self, text: str, sources: Optional[Sequence[ImageSource]], file: str, row: int, column: str,
+                      prompt_key: str) -> str:
+        """The rendered prompt with each `<image>` expanded into its image tokens (unchanged without images)."""
+        if sources is None:
+            return text
+        return self.expand(text, [self.num_tokens(s) for s in sources], file, row, column, prompt_key)
+
+    def batch_inputs(self, sources: Sequence[Optional[Sequence[ImageSource]]]
+                     ) -> Optional[list[Optional[MultiModalInputs]]]:
+        """A collated batch's `multi_modal`: each prompt's processed images (None for a prompt without); None for a
+        batch without any."""
+        if not any(sources):
+            return None
+        return [self.inputs(s) if s else None for s in sources]
+
+
+def images_found(sources: Sequence[Optional[Sequence[ImageSource]]]) -> list[str]:
+    """The dry run's note on a dataset's images (none for a text dataset)."""
+    n = sum(len(s) for s in sources if s)
+    return [f"{n} image(s) found"] if n else []
+
+
+class NoImages:
+    """The image handling of a model without a vision tower: its prompts carry no images."""
+
+    def prompt_images(self, cell: Any, file: str, row: int, column: str) -> None:
+        sources = image_sources(cell, file, row, column)
+        if sources:
+            raise DataError(file, f"the row has {len(sources)} images but the model has no vision tower",
+                            "train a vision-language model (e.g. Qwen2.5-VL) on this data, or drop the "
+                            f"'{column}' column", row=row, column=column)
+        return None
+
+    def expand_prompt(self, text: str, sources: None, file: str, row: int, column: str, prompt_key: str) -> str:
+        return text
+
+    def batch_inputs(self, sources: Sequence[Optional[Sequence[ImageSource]]]) -> None:
+        if any(sources):
+            raise ValueError("prompts with images need the model's ImageProcessing to be collated")
+        return None

@@ -12,9 +12,10 @@ processor and expands each `<image>` into `<|vision_start|>` + `<|image_pad|>` x
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:  # light to import: the Parquet schema checks read this module before torch loads
+    import torch
 
 
 @dataclass
@@ -28,3 +29,26 @@ class MultiModalInputs:
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
+
+
+def check_images_column(schema: Any, image_key: str, wrong: Callable[[str, str], Exception]) -> None:
+    """Raise `wrong(column, expected)` when a Parquet schema's images column (if it has one) is no list."""
+    import pyarrow as pa
+
+    if image_key in schema.names:
+        t = schema.field(image_key).type
+        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)):
+            raise wrong(image_key, "a list of {bytes, path} structs (one per <image> of the prompt)")
+
+
+def select_rows(multi_modal: Optional[Sequence[Optional[MultiModalInputs]]],
+                rows: Sequence[int]) -> Optional[list[Optional[MultiModalInputs]]]:
+    """The entries at `rows` of a batch's per-row images (None: a text batch, which stays None)."""
+    return None if multi_modal is None else [multi_modal[r] for r in rows]
+
+
+def batch_images(per_sample: Sequence[Optional[MultiModalInputs]],
+                 rows: Sequence[int]) -> Optional[list[Optional[MultiModalInputs]]]:
+    """A model batch's `multi_modal` for the samples at `rows`: their images, one entry per row, when any sample
+    has images (each row keeps its prompt's images through micro-batching); None for text samples."""
+    return [per_sample[r] for r in rows] if any(m is not None for m in per_sample) else None

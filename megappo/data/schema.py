@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megappo.data.errors import DataError, converter_hint
+from megappo.data.multimodal import check_images_column
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column
 OPTIONAL_COLUMNS = ("ability", "extra_info")
@@ -110,10 +111,7 @@ def _check_schema(path: str, schema: pa.Schema, prompt_key: str, image_key: str 
         t = schema.field("extra_info").type
         if not (pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t)):
             raise wrong("extra_info", "a struct")
-    if image_key in names:
-        t = schema.field(image_key).type
-        if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)):
-            raise wrong(image_key, "a list of {bytes, path} structs (one per <image> of the prompt)")
+    check_images_column(schema, image_key, wrong)
     return [prompt_key, *REQUIRED_COLUMNS, *(c for c in (*OPTIONAL_COLUMNS, image_key) if c in names)]
 
 
@@ -158,7 +156,7 @@ def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str,
             raise DataError(path, f"message {k} has a null role or content", "give every message a string role "
                             "and content", row=row, column=prompt_key)
     reward_model = cols["reward_model"][j]
-    extra_info = cols["extra_info"][j] if "extra_info" in cols else None
+    extra_info = _cell(cols, "extra_info", j)
     if isinstance(extra_info, list):  # a Parquet map reads as [(key, value), ...]
         extra_info = dict(extra_info)
     return PromptRow(
@@ -168,8 +166,13 @@ def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str,
         ground_truth=reward_model.get("ground_truth") if reward_model else None,
         extra_info=extra_info or {},
         file_row=row,
-        images=cols[image_key][j] if image_key in cols else None,
+        images=_cell(cols, image_key, j),
     )
+
+
+def _cell(cols: dict[str, list], column: str, j: int) -> Any:
+    """Row j of an optional column (None when the file has no such column)."""
+    return cols[column][j] if column in cols else None
 
 
 def write_parquet_atomic(table: pa.Table, target: str, row_group_size: int) -> None:

@@ -33,6 +33,7 @@ class ModelKind:
     language_model_spec(hf_config, role) -> the conversion's ModelSpec of the (language) model
     verify(hf_dir, chunks, parallel_state, hf_config, **kw) -> {max_abs_diff, atol, ok, ...}; collective
     image_token_id(hf_dir_or_config) -> the image placeholder's token id (multi-modal kinds)
+    preflight(cfg) -> the run config's settings this kind does not support, as error messages
     """
 
     name: str
@@ -72,6 +73,10 @@ class ModelKind:
     def image_token_id(self, hf_dir_or_config: Any) -> Optional[int]:
         return self._optional("image_token_id", hf_dir_or_config)
 
+    def preflight(self, cfg: Any) -> list[str]:
+        """What this kind refuses in a run's config, one error per setting (none: no rules of its own)."""
+        return self._optional("preflight", cfg) or []
+
     def _optional(self, what: str, *args: Any) -> Any:
         """What an implementation this kind may lack answers (None when it has none)."""
         return self._call(what)(*args) if what in self.impl else None
@@ -90,6 +95,7 @@ KINDS: tuple[ModelKind, ...] = (
                   "language_model_spec": f"{_VL}.convert:language_model_spec",
                   "verify": f"{_VL}.verify:verify_vlm",
                   "image_token_id": f"{_VL}.config:image_token_id",
+                  "preflight": f"{_VL}.preflight:preflight",
               }),
     # the text families (llama, qwen2, qwen3, their MoE variants, mixtral): megatron-core's GPTModel
     ModelKind("gpt", (), multi_modal=False, hf_auto_class="AutoModelForCausalLM", impl={

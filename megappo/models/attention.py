@@ -6,7 +6,7 @@ the [b, np, sq, sk] scores with `baddbmm`, applies an explicit [b, 1, s, s] bool
 separate softmax, then a `bmm` with V. torch's SDPA runs the same maths in one fused kernel (flash attention on CPU,
 flash / memory-efficient / cuDNN on CUDA) that never stores the scores, skips the masked half of a causal
 product, and reads grouped KV heads in place (`enable_gqa`). megappo's builder swaps this class in for
-`DotProductAttention` whenever it builds the local spec (see `megappo.models.builder._build_chunk`).
+`DotProductAttention` whenever it builds the local spec (see `megappo.models.chunk.build_chunk`).
 
 Interface. It implements megatron-core 0.16.1's `CoreAttention` / `CoreAttentionBuilder` protocols
 (`megatron/core/transformer/attention.py`) exactly as `DotProductAttention` does, so `SelfAttention` builds and

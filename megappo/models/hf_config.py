@@ -280,6 +280,31 @@ def pad_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def _layout_fields(layout: ParallelLayout, platform: Platform) -> dict[str, Any]:
+    """The TransformerConfig fields of the parallel layout and the platform's dtype and placement."""
+    dtype = platform.dtype
+    return dict(
+        # parallel layout
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp or layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        # micro-batches of different lengths go through the pipeline (dynamic batch size): exchange shapes
+        variable_seq_lengths=layout.pp > 1,
+        # megatron rejects variable_seq_lengths with the (default) allgather dispatcher even for dense models
+        moe_token_dispatcher_type="alltoall" if layout.pp > 1 else "allgather",
+        # dtypes and placement
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not platform.is_cuda,
+    )
+
+
 def transformer_config_from_hf(
     hf_config_or_dir: Union[str, os.PathLike, Mapping[str, Any], Any],
     layout: ParallelLayout,
@@ -306,8 +331,6 @@ def transformer_config_from_hf(
     use_te = bool(use_transformer_engine)
 
     rope = _rope(cfg)
-    dtype = platform.dtype
-
     tc_fields: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -332,24 +355,7 @@ def transformer_config_from_hf(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        # parallel layout
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp and layout.vpp > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp or layout.tp,
-        sequence_parallel=layout.sequence_parallel,
-        # micro-batches of different lengths go through the pipeline (dynamic batch size): exchange shapes
-        variable_seq_lengths=layout.pp > 1,
-        # megatron rejects variable_seq_lengths with the (default) allgather dispatcher even for dense models
-        moe_token_dispatcher_type="alltoall" if layout.pp > 1 else "allgather",
-        # dtypes and placement
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=not platform.is_cuda,
+        **_layout_fields(layout, platform),
     )
     if arch.num_experts:
         tc_fields.update(_moe_fields(arch, layout, platform, use_te))

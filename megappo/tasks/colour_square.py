@@ -56,6 +56,7 @@ class ColourSquareTask:
     warm_start_lr: float = 5e-3
     warm_start_batch: int = 32
     ability: str = "vision"
+    model_type: str = "qwen2_5_vl"  # of the model it writes: the run's model kind (`megappo.kinds`)
     # the tiny model; text heads and layers divide TP=2 and PP=2
     model: dict = field(default_factory=lambda: dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

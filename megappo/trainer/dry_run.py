@@ -14,6 +14,7 @@ import sys
 
 from megappo.config import resolve
 from megappo.config.schema import MegappoConfig
+from megappo.data.images import images_found
 
 
 def check_inputs(cfg: MegappoConfig, out=None) -> None:
@@ -42,7 +43,5 @@ def describe(dataset) -> str:
         notes.append(f"{dataset.num_filtered} filtered as overlong")
     if dataset.num_truncated:
         notes.append(f"{dataset.num_truncated} truncated ({dataset.truncation})")
-    images = sum(len(r.images) for r in dataset.records if r.images)
-    if images:
-        notes.append(f"{images} image(s) found")
+    notes += images_found([r.images for r in dataset.records])
     return f"{len(dataset)} prompts in {len(dataset.files)} file(s) ({'; '.join(notes)})"

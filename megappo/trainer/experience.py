@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megappo.data.dataset import PromptBatch
-from megappo.data.multimodal import MultiModalInputs
+from megappo.data.multimodal import MultiModalInputs, batch_images
 from megappo.models.batch import ModelBatch, TrainInputs
 from megappo.kinds.qwen2_vl.inputs import multi_modal_from_json, multi_modal_to_json
 from megappo.rollout.sampling import Completion
@@ -146,8 +146,7 @@ def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int
     idx = list(indices)
     batch = ModelBatch.from_token_lists([samples.prompt_ids[i] for i in idx], [samples.response_ids[i] for i in idx],
                                         pad_token_id, train=None)
-    if samples.has_images:  # each row keeps its prompt's images through micro-batching (megappo.kinds.qwen2_vl.inputs)
-        batch.multi_modal = [samples.multi_modal[i] for i in idx]
+    batch.multi_modal = batch_images(samples.multi_modal, idx)
     logp = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     for row, i in enumerate(idx):
         lp = samples.rollout_log_probs[i]

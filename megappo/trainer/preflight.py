@@ -27,7 +27,7 @@ from megappo.config import ConfigError, MegappoConfig
 from megappo.config.validate import plan, rule_errors, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
 from megappo.trainer.preflight_tools import check_multi_turn_tools
-from megappo.trainer.preflight_vlm import check_vision_language
+from megappo.trainer.preflight_kind import check_model_kind
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     known_engine = _check_engine_name(cfg, errors)
     _check_placement(cfg, errors, launching=check_files)
     _check_rollout_correction(cfg, errors)
-    check_vision_language(cfg, errors)
+    check_model_kind(cfg, errors)
     check_multi_turn_tools(cfg, errors, check_files, uses_synthetic_task(cfg))
     if check_files:
         errors += _output_dir_errors(cfg)

@@ -28,7 +28,7 @@ blocks.N.mlp.linear_fc2.{weight, bias}; merger.ln_q.weight, merger.projection.en
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -1,30 +1,14 @@
-"""Preflight rules of vision-language runs (Qwen2.5-VL / Qwen2-VL actors): what the trainer does not
-support with them yet is refused before any rank starts, each message naming the key and the fix.
-
-Light to import (no torch): the model type comes from `<model.path>/config.json` when it is there; a synthetic task
-is a vision-language one when it defines the vision tower of its model (`megappo.tasks.colour_square`).
-"""
+"""Preflight rules of a vision-language run (a Qwen2.5-VL / Qwen2-VL actor): what the trainer does not support with
+one yet is refused before any rank starts, each message naming the key and the fix. This kind's `preflight`
+(`megappo.kinds`), which `megappo.trainer.preflight` asks of the run's model kind."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from megappo.config import MegappoConfig
-from megappo.kinds import kind_of
 from megappo.models.lora.checks import refuse_lora
 
-
-def _synthetic_is_vlm(name: Optional[str]) -> bool:
-    if not name:
-        return False
-    from megappo.tasks import TASKS
-
-    task = TASKS.get(name)  # an unknown task is preflight's own error (`_check_synthetic_task`)
-    return getattr(task, "vision", None) is not None  # an image task's tiny model has a vision tower
-
-
-def is_vlm_run(cfg: MegappoConfig) -> bool:
-    """Whether the run's actor is a vision-language model."""
-    return kind_of(cfg.actor_rollout_ref.model.path).multi_modal or _synthetic_is_vlm(cfg.data.synthetic.name)
+if TYPE_CHECKING:
+    from megappo.config import MegappoConfig
 
 
 def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
@@ -36,10 +20,9 @@ def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
     return None if unknown_engine(name) or multi_modal(name) else name
 
 
-def check_vision_language(cfg: MegappoConfig, errors: list[str]) -> None:
-    """Append an error for each setting a vision-language run does not support yet."""
-    if not is_vlm_run(cfg):
-        return
+def preflight(cfg: MegappoConfig) -> list[str]:
+    """An error for each setting a vision-language run does not support yet."""
+    errors: list[str] = []
     arr = cfg.actor_rollout_ref
     what = "is not supported with a vision-language model (Qwen2.5-VL / Qwen2-VL) yet"
     roles = [("actor_rollout_ref.actor", arr.actor.megatron)]
@@ -62,3 +45,4 @@ def check_vision_language(cfg: MegappoConfig, errors: list[str]) -> None:
     if cfg.reward_model.enable:
         errors.append(f"reward_model.enable: a reward model {what} (it would not see the images); use a rule "
                       "reward (reward_model.enable=false)")
+    return errors
