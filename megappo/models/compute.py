@@ -6,7 +6,7 @@ pipeline stage turns its output into per-token results (vocab-parallel log-probs
 reference, per-token values for the critic); those are then broadcast over the pipeline group so every rank
 returns the same tensors.
 
-Layouts (`megappo.models.layout`). The plan lays out each micro-batch once: padded rows, one pack of its sequences
+Layouts (`megappo.models.layout.plan`). The plan lays out each micro-batch once: padded rows, one pack of its sequences
 (`MicroBatching(packed=True)`, verl's use_remove_padding) or this context-parallel rank's chunks. The forward step
 gives the model the layout's inputs and the loss closures read the response window through the layout, so
 everything after it (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors in every layout.
@@ -35,9 +35,9 @@ from torch import nn
 
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
-from megappo.models.layout import gradient_undo, model_device, plan_micro_batches
+from megappo.models.layout.plan import gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
-from megappo.models.packing import pack_lengths
+from megappo.models.layout.packing import pack_lengths
 from megappo.models.vlm.inputs import is_vlm, vlm_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
