@@ -12,9 +12,9 @@ gives the model the layout's inputs and the loss closures read the response wind
 everything after it (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors in every layout.
 
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
-forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
-or packed [3, 1, T]) and the prompts' image-token mask (`megappo.models.vlm.inputs`). Everything after the model's
-output is the text path's.
+forward step gives the model its own inputs beside the layout's (`megappo.models.vlm.inputs.micro_batch_inputs`:
+the images concatenated in row order, per-sequence multimodal rotary positions, padded [3, b, s] or packed
+[3, 1, T], and the prompts' image-token mask). Everything after the model's output is the text path's.
 
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
@@ -37,8 +37,7 @@ from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
 from megappo.models.layout.plan import gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
-from megappo.models.layout.packing import pack_lengths
-from megappo.models.vlm.inputs import is_vlm, vlm_inputs
+from megappo.models.vlm.inputs import micro_batch_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
@@ -135,19 +134,9 @@ def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Any]], model: nn.Mod
                   loss_func: Callable) -> tuple:
     """Megatron's forward step: the next micro-batch and its layout -> (output, the loss closure on it)."""
     mb, layout = next(data_iterator)
-    inner = unwrap(model)
     inputs = layout.inputs()
-    if is_vlm(inner) or mb.multi_modal is not None:
-        inputs.update(_vlm_inputs(mb, layout, inner))
+    inputs.update(micro_batch_inputs(unwrap(model), mb, layout))  # a vision-language model's images and positions
     return model(**inputs), partial(loss_func, mb, layout)
-
-
-def _vlm_inputs(mb: ModelBatch, layout: Any, inner: nn.Module) -> dict[str, Any]:
-    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.models.vlm.inputs)."""
-    if not is_vlm(inner):
-        raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
-    input_ids, _ = mb.left_aligned()
-    return vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), layout.pack)
 
 
 def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
