@@ -19,8 +19,9 @@ the images concatenated in row order, per-sequence multimodal rotary positions, 
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
 over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
-loss by the number of micro-batches and megatron's DDP averages gradients over data-parallel ranks; `_scaled_loss`
-multiplies both back, so the gradient is exactly that of the mini-batch loss however the batch was split.
+loss by the number of micro-batches and megatron's DDP averages gradients over data-parallel ranks;
+`layout.plan.gradient_undo` multiplies both back, so the gradient is exactly that of the mini-batch loss however
+the batch was split.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from torch import nn
 
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
-from megappo.models.layout.plan import gradient_undo, model_device, plan_micro_batches
+from megappo.models.layout.plan import Layout, gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
 from megappo.models.vlm.inputs import micro_batch_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
@@ -100,7 +101,7 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
     return getattr(spec, "vocab_size", None)
 
 
-def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Any, *, value_model: bool,
+def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Layout, *, value_model: bool,
                       calculate_entropy: bool, temperature: float, tp_group: Any, vocab_size: Optional[int],
                       sum_pi_squared: bool = False) -> ModelOutputs:
     """The last stage's output (logits [.., V/tp] or values, in the micro-batch's `layout`) -> per-response-token
@@ -130,7 +131,7 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Any, *, valu
     return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq)
 
 
-def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Any]], model: nn.Module, *,
+def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Layout]], model: nn.Module, *,
                   loss_func: Callable) -> tuple:
     """Megatron's forward step: the next micro-batch and its layout -> (output, the loss closure on it)."""
     mb, layout = next(data_iterator)
@@ -210,7 +211,7 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     vocab_size = _real_vocab_size(model_chunks)
     plan = plan_micro_batches(model_chunks, batch, micro, parallel_state)
 
-    def loss_func(mb: ModelBatch, layout: Any, output: torch.Tensor):
+    def loss_func(mb: ModelBatch, layout: Layout, output: torch.Tensor):
         out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
                                 sum_pi_squared=sum_pi_squared)
@@ -345,7 +346,7 @@ def train_step(
     index_of = {id(mb): i for i, mb in enumerate(plan.micro_batches)}
     undo = gradient_undo(n, parallel_state)
 
-    def loss_func(mb: ModelBatch, layout: Any, output: torch.Tensor):
+    def loss_func(mb: ModelBatch, layout: Layout, output: torch.Tensor):
         out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
         ctx = MicroBatchContext(mb, n_tokens, n_seqs, index_of[id(mb)], n)
