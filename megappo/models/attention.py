@@ -45,7 +45,7 @@ Semantics, matched to `DotProductAttention`:
   attention refuses GQA); otherwise the KV heads are repeated first, as megatron does, so that the memory-efficient
   kernel (fp32, explicit masks) still applies.
 
-Packed sequences (megatron's THD format, `packed_seq_params.qkv_format == "thd"`, see `megappo.models.packing`):
+Packed sequences (megatron's THD format, `qkv_format == "thd"`, `megappo.models.layout.packing`):
 query/key/value arrive as [t, heads, hn], the sequences concatenated at `cu_seqlens`; each sequence attends to
 itself only (block-diagonal attention without a [t, t] mask), causally for `attn_mask_type=causal` (the language
 model's packs) or bidirectionally for `no_mask` (the vision tower's windows and images), and the context is
@@ -54,7 +54,7 @@ else gathered): a ViT's windows are mostly of one size, and one call per window 
 attention. `SDPAttention.group_equal_lengths = False` runs one call per sequence (for benchmarks).
 `DotProductAttention` refuses packed sequences.
 
-Context parallelism (megatron's layout, `megappo.models.context_parallel`): with context_parallel_size > 1 a
+Context parallelism (megatron's layout, `megappo.models.layout.attention`): with context_parallel_size > 1 a
 rank's query/key/value are its 2 sequence chunks (r and 2cp-1-r of 2cp) of causal self attention (no mask passed,
 not packed). K and V are all-gathered over the CP group (autograd-aware: their gradients are summed back) and
 each local query attends to the keys at or before its global position: megatron's "all_gather" CP scheme, the
@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
+from megappo.models.layout.attention import sequence_layout
+
 __all__ = ["SDPAttention"]
+
+T = TypeVar("T")
 
 
 def _torch_has_enable_gqa() -> bool:
@@ -159,15 +163,7 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention pg_collection must have a tp process group")
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
-        self.cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
-        self.cp_group = None
-        if self.cp_size > 1:
-            cp_group = getattr(pg_collection, "cp", None)
-            if cp_group is None:
-                from megatron.core import parallel_state as mpu
-
-                cp_group = mpu.get_context_parallel_group()
-            self.cp_group = cp_group
+        self.sequence = sequence_layout(config, pg_collection)  # how this rank holds the sequences it attends over
         world_size = pg_collection.tp.size()
         projection_size = config.kv_channels * config.num_attention_heads
         self.hidden_size_per_partition = divide(projection_size, world_size)
@@ -191,65 +187,51 @@ class SDPAttention(MegatronModule):
         packed_seq_params: Optional[Any] = None,
     ) -> Tensor:
         """query [sq, b, np, hn], key/value [sk, b, ng, hn], attention_mask bool (True = blocked) or None
-        -> context [sq, b, np * hn]."""
-        if packed_seq_params is not None:
-            if self.cp_size > 1:
-                raise NotImplementedError("SDPAttention runs context parallelism on padded micro-batches only, not "
-                                          "packed ones (megappo.models.compute does not pack under CP)")
-            return self._forward_packed(query, key, value, attention_mask, packed_seq_params)
+        -> context [sq, b, np * hn] (THD: [t, np, hn], [t, ng, hn] -> [t, np * hn])."""
+        return self.sequence.attend(self, query, key, value, attention_mask, attention_bias, packed_seq_params)
+
+    def check_dense(self, query: Tensor, key: Tensor, attention_bias: Optional[Tensor]) -> None:
+        """Refuse what `attend` does not run: an attention bias, query heads not a multiple of the KV heads."""
         if attention_bias is not None:
             raise NotImplementedError("attention bias is not supported by SDPAttention (nor by DotProductAttention)")
-        sq, b, nq, hn = query.shape
-        sk, nkv = key.size(0), key.size(2)
+        nq, nkv = query.size(2), key.size(2)
         if nq % nkv:
             raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
 
-        is_causal = False
-        attn_mask = None
-        fully_blocked = None
-        if self.cp_size > 1:
-            key, value, attn_mask = self._context_parallel_kv(key, value, attention_mask)
-        elif attention_mask is None:
+    def local_mask(self, attention_mask: Optional[Tensor], sq: int,
+                   sk: int) -> tuple[Optional[Tensor], bool, Optional[Tensor]]:
+        """(SDPA's mask, True = attend, or None; is_causal; the query rows whose keys are all blocked, or None) of
+        megatron's `attention_mask` (True = blocked) over keys this rank holds whole."""
+        if attention_mask is None:
             if self.attn_mask_type == AttnMaskType.causal and sq > 1:
                 if sq != sk:
                     raise ValueError(f"the causal mask is only for self attention (sq {sq} != sk {sk})")
-                is_causal = True
-        else:
-            if attention_mask.dtype != torch.bool:
-                raise TypeError(f"attention_mask must be boolean (True = blocked), got {attention_mask.dtype}")
-            if _is_causal_mask(attention_mask, sq, sk):
-                is_causal = True
-            else:
-                # rows with every key blocked: unblock them for SDPA, and give them the mean of V afterwards
-                fully_blocked = attention_mask.all(dim=-1, keepdim=True)  # [..., sq, 1]
-                attn_mask = ~attention_mask | fully_blocked
+                return None, True, None
+            return None, False, None
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(f"attention_mask must be boolean (True = blocked), got {attention_mask.dtype}")
+        if _is_causal_mask(attention_mask, sq, sk):
+            return None, True, None
+        # rows with every key blocked: unblock them for SDPA, and give them the mean of V afterwards
+        fully_blocked = attention_mask.all(dim=-1, keepdim=True)  # [..., sq, 1]
+        return ~attention_mask | fully_blocked, False, fully_blocked
 
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+               fully_blocked: Optional[Tensor]) -> Tensor:
+        """SDPA of query [sq, b, np, hn] over key/value [sk, b, ng, hn] -> [sq, b, np * hn]; attn_mask True = attend;
+        rows in `fully_blocked` get the mean of V, as in megatron."""
+        sq, b, nq, hn = query.shape
         # [s, b, h, d] -> [b, h, s, d] (views; SDPA takes strided inputs)
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
-        gqa = {}
-        if nq != nkv:
-            # CPU flash attention reads grouped heads; on CUDA only flash attention (half inputs, no mask) does:
-            # memory-efficient attention refuses GQA, and SDPA would fall back to its unfused math path
-            flash_gqa = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
-            if _HAS_ENABLE_GQA and (q.device.type == "cpu" or flash_gqa):
-                gqa = {"enable_gqa": True}
-            else:
-                k = k.repeat_interleave(nq // nkv, dim=1)
-                v = v.repeat_interleave(nq // nkv, dim=1)
-
-        dropout_p = self.dropout_p if self.training else 0.0
-
-        def attend() -> Tensor:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                  is_causal=is_causal, scale=self.softmax_scale, **gqa)
-
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = attend()  # [b, np, sq, hn]
-        else:
-            out = attend()
+        # CPU flash attention reads grouped heads; on CUDA only flash attention (half inputs, no mask) does:
+        # memory-efficient attention refuses GQA, and SDPA would fall back to its unfused math path
+        flash_gqa = attn_mask is None and q.dtype in (torch.float16, torch.bfloat16)
+        k, v, gqa = self.grouped_heads(k, v, nq, q.device.type == "cpu" or flash_gqa)
+        out = self.run_attention(lambda dropout_p: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+            **gqa))  # [b, np, sq, hn]
 
         if fully_blocked is not None:
             v_mean = v.mean(dim=2, keepdim=True)  # [b, ng or np, 1, hn]
@@ -260,127 +242,23 @@ class SDPAttention(MegatronModule):
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)
 
-    def _context_parallel_kv(self, key: Tensor, value: Tensor,
-                             attention_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """This CP rank's key/value [s/cp, b, ng, hn] -> the whole sequence's [s, b, ng, hn] in global order, and
-        the [s/cp, s] SDPA mask (True = attend) of the local queries' causal attention at their global positions."""
-        from megappo.models.context_parallel import causal_attend, gather_sequence
-
-        if attention_mask is not None or self.attn_mask_type != AttnMaskType.causal:
-            raise NotImplementedError("SDPAttention's context parallelism is for causal self attention without an "
-                                      "explicit mask (rows left-aligned, as megappo.models.compute runs them)")
-        s = key.size(0) * self.cp_size
-        key = gather_sequence(key, 0, self.cp_group, s)
-        value = gather_sequence(value, 0, self.cp_group, s)
-        return key, value, causal_attend(s, self.cp_size, self.cp_group.rank(), str(key.device))
-
-    def _forward_packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                        packed_seq_params: Any) -> Tensor:
-        """THD: query [t, np, hn], key/value [t, ng, hn] of sequences concatenated at `cu_seqlens`
-        -> [t, np * hn]; attention within each sequence (causal or bidirectional by `attn_mask_type`), sequences of
-        equal length batched into one SDPA call (no [t, t] mask)."""
-        if getattr(packed_seq_params, "qkv_format", None) != "thd":
-            raise NotImplementedError(f"SDPAttention packs the 'thd' format only, not "
-                                      f"{getattr(packed_seq_params, 'qkv_format', None)!r}")
-        if attention_mask is not None:
-            raise ValueError("packed sequences take no attention_mask: each sequence attends to itself only")
-        if self.attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
-            raise NotImplementedError(f"packed SDPAttention is causal or no_mask (bidirectional) only, not "
-                                      f"{self.attn_mask_type}")
-        causal = self.attn_mask_type == AttnMaskType.causal
-        cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-        if getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None or (
-                cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv)):
-            raise NotImplementedError("packed SDPAttention needs cu_seqlens_kv == cu_seqlens_q and no padded "
-                                      "cu_seqlens (self attention, no context parallelism)")
-        t, nq, hn = query.shape
+    @staticmethod
+    def grouped_heads(key: Tensor, value: Tensor, nq: int, fused: bool) -> tuple[Tensor, Tensor, dict]:
+        """GQA: key/value with their heads at dim 1 -> (key, value, SDPA's extra arguments). The fused kernel reads
+        grouped heads in place (`enable_gqa`) where torch has it and `fused` says the kernel SDPA picks does;
+        otherwise the KV heads are repeated first, as megatron does."""
         nkv = key.size(1)
-        if nq % nkv:
-            raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
-        plan = _pack_plan(packed_seq_params, cu_q, t, query.device, self.group_equal_lengths)
-        gqa = {}
-        repeat = 1
-        if nq != nkv:
-            if _HAS_ENABLE_GQA and (query.device.type == "cpu" or query.dtype in (torch.float16, torch.bfloat16)):
-                gqa = {"enable_gqa": True}
-            else:
-                repeat = nq // nkv
-        if repeat > 1:
-            key = key.repeat_interleave(repeat, dim=1)
-            value = value.repeat_interleave(repeat, dim=1)
+        if nq == nkv:
+            return key, value, {}
+        if _HAS_ENABLE_GQA and fused:
+            return key, value, {"enable_gqa": True}
+        return key.repeat_interleave(nq // nkv, dim=1), value.repeat_interleave(nq // nkv, dim=1), {}
+
+    def run_attention(self, attend: Callable[[float], T]) -> T:
+        """attend(dropout_p): dropout in training mode only, drawn inside megatron's model-parallel RNG tracker (as
+        megatron does) unless sequence parallelism is on."""
         dropout_p = self.dropout_p if self.training else 0.0
-
-        def batch_of(x: Tensor, group: _PackGroup) -> Tensor:
-            """The group's k sequences of x [t, h, d] as [k, h, L, d] (a strided view where they are adjacent)."""
-            if group.index is None:
-                x = x[group.start:group.start + group.count * group.length]
-            else:
-                x = x.index_select(0, group.index)
-            return x.unflatten(0, (group.count, group.length)).transpose(1, 2)
-
-        def attend() -> list[Tensor]:
-            outs = []
-            for g in plan.groups:
-                out = F.scaled_dot_product_attention(
-                    batch_of(query, g), batch_of(key, g), batch_of(value, g), dropout_p=dropout_p,
-                    is_causal=causal and g.length > 1, scale=self.softmax_scale, **gqa)  # [k, np, L, hn]
-                outs.append(out.transpose(1, 2).reshape(g.count * g.length, nq * hn))
-            return outs
-
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                outs = attend()
-        else:
-            outs = attend()
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [t, np * hn] in the groups' token order
-        return out if plan.inverse is None else out.index_select(0, plan.inverse)
-
-
-class _PackGroup(NamedTuple):
-    """`count` sequences of `length` tokens: adjacent from token `start` (index None) or at the tokens `index`."""
-
-    length: int
-    count: int
-    start: int
-    index: Optional[Tensor]
-
-
-class _PackPlan(NamedTuple):
-    groups: list  # [_PackGroup]
-    inverse: Optional[Tensor]  # the groups' token order -> pack order (None: already the pack order)
-
-
-def _pack_plan(packed_seq_params: Any, cu_seqlens: Tensor, t: int, device: torch.device, group: bool) -> _PackPlan:
-    """How `_forward_packed` batches the pack's sequences, built once per forward: every layer gets the same
-    PackedSeqParams object, so the one device-to-host copy of cu_seqlens and the index tensors are cached on it."""
-    key = (t, str(device), group)
-    cached = getattr(packed_seq_params, "_megappo_plan", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    bounds = cu_seqlens.tolist()
-    if not bounds or bounds[0] != 0 or bounds[-1] != t:
-        raise ValueError(f"cu_seqlens {bounds[:1]}..{bounds[-1:]} do not cover the pack of {t} tokens")
-    seqs = [(lo, hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
-    if group:
-        by_length: dict[int, list[int]] = {}
-        for lo, n in seqs:
-            by_length.setdefault(n, []).append(lo)
-        runs = list(by_length.items())
-    else:
-        runs = [(n, [lo]) for lo, n in seqs]
-    groups, order = [], []
-    for n, starts in runs:
-        adjacent = all(b - a == n for a, b in zip(starts, starts[1:]))
-        index = None if adjacent else torch.cat([torch.arange(lo, lo + n) for lo in starts]).to(device)
-        groups.append(_PackGroup(n, len(starts), starts[0], index))
-        order += starts
-    inverse = None
-    if order != sorted(order):  # the groups' outputs, concatenated, are not in pack order: undo the permutation
-        perm = torch.cat([torch.arange(lo, lo + n) for n, starts in runs for lo in starts])
-        inverse = torch.argsort(perm).to(device)
-    plan = _PackPlan(groups, inverse)
-    try:
-        packed_seq_params._megappo_plan = (key, plan)
-    except AttributeError:  # a slotted or frozen params object: no cache
-        pass
-    return plan
+                return attend(dropout_p)
+        return attend(dropout_p)

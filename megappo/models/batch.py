@@ -25,6 +25,18 @@ def _index_rows(rows: Optional[list], idx: Index) -> Optional[list]:
     return [rows[int(i)] for i in torch.as_tensor(idx, dtype=torch.long).tolist()]
 
 
+def _pad_rows(rows: Optional[list], extra: int) -> Optional[list]:
+    """Per-row objects of a batch grown by `extra` all-padding rows (None for each)."""
+    if rows is None:
+        return None
+    return list(rows) + [None] * extra
+
+
+def _check_rows(name: str, rows: Optional[list], b: int, absent: str) -> None:
+    if rows is not None and len(rows) != b:
+        raise ValueError(f"ModelBatch: {name} has {len(rows)} entries for {b} rows; give one per row ({absent})")
+
+
 def _index(t: Optional[torch.Tensor], idx: Index) -> Optional[torch.Tensor]:
     if t is None:
         return None
@@ -74,9 +86,7 @@ class ModelBatch:
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
-        if self.multi_modal is not None and len(self.multi_modal) != b:
-            raise ValueError(f"ModelBatch: multi_modal has {len(self.multi_modal)} entries for {b} rows; give one "
-                             "per row (None for a row without images)")
+        _check_rows("multi_modal", self.multi_modal, b, "None for a row without images")
         if self.attention_mask.shape != (b, t) or self.position_ids.shape != (b, t):
             raise ValueError(
                 f"ModelBatch: attention_mask {tuple(self.attention_mask.shape)} and position_ids "
@@ -168,7 +178,7 @@ class ModelBatch:
             position_ids=grow(self.position_ids, 0, left, right),
             response_mask=grow(self.response_mask, 0, 0, right),
             train=train,
-            multi_modal=None if self.multi_modal is None else list(self.multi_modal) + [None] * extra,
+            multi_modal=_pad_rows(self.multi_modal, extra),
         )
 
     def left_aligned(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,21 +6,22 @@ pipeline stage turns its output into per-token results (vocab-parallel log-probs
 reference, per-token values for the critic); those are then broadcast over the pipeline group so every rank
 returns the same tensors.
 
-Layouts (`megappo.models.layout`). The plan lays out each micro-batch once: padded rows, one pack of its sequences
+Layouts (`megappo.models.layout.plan`). The plan lays out each micro-batch once: padded rows, one pack of its sequences
 (`MicroBatching(packed=True)`, verl's use_remove_padding) or this context-parallel rank's chunks. The forward step
 gives the model the layout's inputs and the loss closures read the response window through the layout, so
 everything after it (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors in every layout.
 
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
-forward step passes them, concatenated in row order, with per-sequence multimodal rotary positions (padded [3, b, s]
-or packed [3, 1, T]) and the prompts' image-token mask (`megappo.kinds.qwen2_vl.inputs`). Everything after the model's
-output is the text path's.
+forward step gives the model its own inputs beside the layout's (`megappo.kinds.qwen2_vl.inputs.micro_batch_inputs`:
+the images concatenated in row order, per-sequence multimodal rotary positions, padded [3, b, s] or packed
+[3, 1, T], and the prompts' image-token mask). Everything after the model's output is the text path's.
 
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
 over micro-batches and data-parallel ranks is the mini-batch loss. Megatron's schedule divides each micro-batch
-loss by the number of micro-batches and megatron's DDP averages gradients over data-parallel ranks; `_scaled_loss`
-multiplies both back, so the gradient is exactly that of the mini-batch loss however the batch was split.
+loss by the number of micro-batches and megatron's DDP averages gradients over data-parallel ranks;
+`layout.plan.gradient_undo` multiplies both back, so the gradient is exactly that of the mini-batch loss however
+the batch was split.
 """
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ from torch import nn
 
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
-from megappo.models.layout import gradient_undo, model_device, plan_micro_batches
+from megappo.models.layout.plan import Layout, gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
-from megappo.models.packing import pack_lengths
-from megappo.kinds.qwen2_vl.inputs import is_vlm, vlm_inputs
+from megappo.kinds.qwen2_vl.inputs import micro_batch_inputs
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
@@ -101,7 +101,7 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
     return getattr(spec, "vocab_size", None)
 
 
-def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Any, *, value_model: bool,
+def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Layout, *, value_model: bool,
                       calculate_entropy: bool, temperature: float, tp_group: Any, vocab_size: Optional[int],
                       sum_pi_squared: bool = False) -> ModelOutputs:
     """The last stage's output (logits [.., V/tp] or values, in the micro-batch's `layout`) -> per-response-token
@@ -131,23 +131,13 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Any, *, valu
     return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq)
 
 
-def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Any]], model: nn.Module, *,
+def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Layout]], model: nn.Module, *,
                   loss_func: Callable) -> tuple:
     """Megatron's forward step: the next micro-batch and its layout -> (output, the loss closure on it)."""
     mb, layout = next(data_iterator)
-    inner = unwrap(model)
     inputs = layout.inputs()
-    if is_vlm(inner) or mb.multi_modal is not None:
-        inputs.update(_vlm_inputs(mb, layout, inner))
+    inputs.update(micro_batch_inputs(unwrap(model), mb, layout))  # a vision-language model's images and positions
     return model(**inputs), partial(loss_func, mb, layout)
-
-
-def _vlm_inputs(mb: ModelBatch, layout: Any, inner: nn.Module) -> dict[str, Any]:
-    """A vision-language micro-batch: its rows' images and per-sequence mrope positions (megappo.kinds.qwen2_vl.inputs)."""
-    if not is_vlm(inner):
-        raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
-    input_ids, _ = mb.left_aligned()
-    return vlm_inputs(inner, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), layout.pack)
 
 
 def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
@@ -221,7 +211,7 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     vocab_size = _real_vocab_size(model_chunks)
     plan = plan_micro_batches(model_chunks, batch, micro, parallel_state)
 
-    def loss_func(mb: ModelBatch, layout: Any, output: torch.Tensor):
+    def loss_func(mb: ModelBatch, layout: Layout, output: torch.Tensor):
         out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
                                 sum_pi_squared=sum_pi_squared)
@@ -356,7 +346,7 @@ def train_step(
     index_of = {id(mb): i for i, mb in enumerate(plan.micro_batches)}
     undo = gradient_undo(n, parallel_state)
 
-    def loss_func(mb: ModelBatch, layout: Any, output: torch.Tensor):
+    def loss_func(mb: ModelBatch, layout: Layout, output: torch.Tensor):
         out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size)
         ctx = MicroBatchContext(mb, n_tokens, n_seqs, index_of[id(mb)], n)

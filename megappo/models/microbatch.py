@@ -7,7 +7,7 @@ the model's per-token outputs do not depend on how sequences were grouped.
 
 With a token budget (`use_dynamic_bsz`, verl's `ppo_max_token_len_per_gpu`) the budget bounds what the model
 allocates (`TokenCost`): the *padded* micro-batch, rows x (prompt + response columns), or, when micro-batches run
-packed (verl's use_remove_padding, see `megappo.models.layout`), the sum of the rows' real tokens.
+packed (verl's use_remove_padding, see `megappo.models.layout.plan`), the sum of the rows' real tokens.
 
 Megatron's pipeline schedule runs the same number of micro-batches on every rank that shares a step, so the count
 is all-reduced (max) over the data-parallel group and ranks with fewer split their largest micro-batches.
@@ -35,7 +35,7 @@ class MicroBatching:
     use_dynamic_bsz: bool = False  # group by a token budget instead
     max_token_len: Optional[int] = None  # tokens per micro-batch with use_dynamic_bsz (padded, or packed)
     # verl's use_remove_padding: each micro-batch runs as one pack of its sequences without padding (THD,
-    # megappo.models.layout) where the attention supports it (SDPAttention, transformer-engine); padded otherwise
+    # megappo.models.layout.plan) where the attention supports it (SDPAttention, transformer-engine); padded otherwise
     packed: bool = False
 
 

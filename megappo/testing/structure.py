@@ -28,9 +28,8 @@ CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
              "rollout/sglang/vlm.py", "rollout/hf/vlm.py",
              "tasks/colour_square.py", "rewards/geo3k.py", "testing/")),
     "lora": (r"lora|adapter|peft", ("models/lora/", "convert/peft_io.py", "testing/")),
-    "packing": (r"pack|remove_padding|cu_seqlens", ("models/packing.py", "models/layout.py", "testing/")),
-    "context_parallel": (r"context_parallel|\bcp\b|\bcp_|_cp\b", ("models/context_parallel.py", "models/layout.py",
-                                                               "testing/")),
+    "packing": (r"pack|remove_padding|cu_seqlens", ("models/layout/", "testing/")),
+    "context_parallel": (r"context_parallel|\bcp\b|\bcp_|_cp\b", ("models/layout/", "testing/")),
 }
 BRANCH_BOUNDS = {"vlm": 8, "lora": 6, "packing": 4, "context_parallel": 4}
 

@@ -33,7 +33,7 @@ def test_packed_matches_padded_with_transformer_engine(cuda_ps, hf_model_dir):
     from megappo.models.batch import ModelBatch
     from megappo.models.builder import build_model, unwrap
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values
-    from megappo.models.layout import can_pack
+    from megappo.models.layout.plan import can_pack
 
     platform, ps = cuda_ps
     hf_dir = hf_model_dir("qwen2")

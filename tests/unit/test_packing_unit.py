@@ -1,4 +1,4 @@
-"""`megappo.models.packing`: a micro-batch's rows concatenated without padding, and read back; the packed token
+"""`megappo.models.layout.packing`: a micro-batch's rows concatenated without padding, and read back; the packed token
 budget of `split_batch`."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from megappo.models.batch import ModelBatch
 from megappo.models.microbatch import plan_groups, real_tokens, split_batch
-from megappo.models.packing import pack_lengths, pack_micro_batch, unpack_window
+from megappo.models.layout.packing import pack_lengths, pack_micro_batch, unpack_window
 
 
 def _batch():

@@ -20,7 +20,7 @@ import torch
 
 from megappo.data.multimodal import MultiModalInputs
 
-__all__ = ["is_vlm", "vlm_inputs", "multi_modal_to_json", "multi_modal_from_json"]
+__all__ = ["is_vlm", "vlm_inputs", "micro_batch_inputs", "multi_modal_to_json", "multi_modal_from_json"]
 
 
 def is_vlm(model: Any) -> bool:
@@ -64,6 +64,22 @@ def vlm_inputs(model: Any, rows: Optional[Sequence[Optional[MultiModalInputs]]],
             flat_mask = torch.cat([flat_mask, flat_mask.new_zeros(tail)])
         positions, image_mask = flat.unsqueeze(1), flat_mask.unsqueeze(0)  # [3, 1, T], [1, T]
     return {"position_ids": positions, "pixel_values": pixels, "image_grid_thw": grids, "image_mask": image_mask}
+
+
+
+def micro_batch_inputs(model: Any, mb: Any, layout: Any) -> dict[str, Any]:
+    """The keyword arguments a model takes beyond its layout's (`megappo.models.layout.plan`) for a `ModelBatch`
+    micro-batch: a `VLMModel`'s images and mrope positions (`vlm_inputs`, replacing the layout's position ids);
+    none for a text model, which refuses a batch with images."""
+    if not is_vlm(model):
+        if mb.multi_modal is not None:
+            raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is "
+                             "text-only")
+        return {}
+    from megappo.models.layout.packing import pack_lengths
+
+    input_ids, _ = mb.left_aligned()
+    return vlm_inputs(model, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), layout.pack)
 
 
 # -- a checkpoint's not-yet-trained samples (trainer_state.json) carry their images as JSON ------------------------

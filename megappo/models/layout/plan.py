@@ -5,10 +5,10 @@ layout the micro-batches run in, and lays out each one:
 
 - `Padded`: the rows left-aligned ([b, s], `ModelBatch.left_aligned`), with the causal mask where megatron's local
   attention needs it passed (transformer-engine and megappo's `SDPAttention` apply it themselves);
-- `Packed` (verl's use_remove_padding, `megappo.models.packing`): one pack [1, T] of the rows' real tokens with
-  megatron's `PackedSeqParams`; where the attention runs packed sequences and there is no context parallelism;
-- `ContextParallel` (`megappo.models.context_parallel`): this CP rank's two chunks [b, s / cp] of the left-aligned
-  rows, padded to a multiple of 2 * cp (times tp under sequence parallelism).
+- `Packed` (verl's use_remove_padding, `packing`): one pack [1, T] of the rows' real tokens with megatron's
+  `PackedSeqParams`; where the attention runs packed sequences and there is no context parallelism;
+- `ContextParallel` (`context_parallel`): this CP rank's two chunks [b, s / cp] of the left-aligned rows, padded to
+  a multiple of 2 * cp (times tp under sequence parallelism).
 
 The forward step gives the model `layout.inputs()`; the loss closures read the response window of the model's
 output through `layout.values` / `layout.token_stats`, which return [b, R] tensors whatever the layout, so nothing
@@ -17,7 +17,7 @@ activations' shape by `rows` and `seq_length`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,12 @@ from torch import nn
 
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
-from megappo.models.context_parallel import CPSplit, cp_pad_multiple, split_micro_batch
+from megappo.models.layout.context_parallel import CPSplit, cp_pad_multiple, split_micro_batch
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan, padded_tokens, real_tokens, split_batch
-from megappo.models.packing import Pack, pack_micro_batch, unpack_window
+from megappo.models.layout.packing import Pack, pack_micro_batch, unpack_window
 from megappo.parallel import ParallelState
 
-__all__ = ["Padded", "Packed", "ContextParallel", "plan_micro_batches", "can_pack", "causal_mask", "model_device",
+__all__ = ["Layout", "Padded", "Packed", "ContextParallel", "plan_micro_batches", "can_pack", "causal_mask", "model_device",
            "gradient_undo"]
 
 # stats(logits [b, n, V/tp], next tokens [b, n]) -> per-position results [b, n] (None where not asked)
@@ -123,6 +123,9 @@ class ContextParallel:
         ([b, R] each); `targets` (the response tokens) are the gathered positions' own."""
         split: CPSplit = self.split
         return [None if t is None else split.gather(t).gather(1, window) for t in stats(output, split.targets)]
+
+
+Layout = Union[Padded, Packed, ContextParallel]
 
 
 def model_device(model_chunks: Sequence[nn.Module]) -> torch.device:

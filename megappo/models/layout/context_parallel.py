@@ -1,7 +1,7 @@
 """Context parallelism (CP) for megappo's compute on the padded path, in megatron's sequence layout.
 
 Layout (megatron's, so that its rotary embedding, `get_pos_emb_on_this_cp_rank`, slices the same positions): a
-micro-batch's left-aligned rows (`compute.left_aligned`), padded at the right to a multiple of 2 * cp (times tp
+micro-batch's left-aligned rows (`ModelBatch.left_aligned`), padded at the right to a multiple of 2 * cp (times tp
 with sequence parallelism), are cut into 2 * cp equal chunks along the sequence, and CP rank r runs chunks r and
 2 * cp - 1 - r: causal attention costs every rank the same. The model runs on those [b, s / cp] tokens only.
 
@@ -13,10 +13,10 @@ Outputs. The last stage turns its local output into per-position results first (
 local logits and the local next tokens, or values), then all-gathers those [b, s / cp] results to the full [b, s]
 (`CPSplit.gather`): the logits are never gathered. Every CP rank then reads the same response window and computes
 the same loss; the gather's backward sums the gradient over the CP group (the adjoint of a gather whose result is
-used on every rank), and `compute.train_step` scales the loss for that (see its `undo`). Sequence-level losses
+used on every rank), and `plan.gradient_undo` scales the loss for that. Sequence-level losses
 (seq-mean aggregation, GSPO, value losses) thus see whole rows: nothing in a loss closure changes with CP.
 
-Packed (THD) micro-batches are not split: with CP > 1 `compute.can_pack` is False and micro-batches run padded.
+Packed (THD) micro-batches are not split: with CP > 1 `plan.can_pack` is False and micro-batches run padded.
 """
 from __future__ import annotations
 
