@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     for outcome in golden.run_all(names, one, args.jobs):
         if outcome.error:
             print(f"{outcome.name}: FAILED TO RUN\n{outcome.error}")
+        elif outcome.differences and outcome.schedule:
+            print(f"{outcome.name}: same until the asynchronous schedule's timing moved ({outcome.schedule}): "
+                  "rerun it on a quieter machine")
         elif outcome.differences:
             note = f" (recorded on another CPU: {outcome.other_cpu})" if outcome.other_cpu else ""
             print(f"{outcome.name}: DIFFERS{note}\n  " + "\n  ".join(outcome.differences))

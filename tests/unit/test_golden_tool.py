@@ -39,3 +39,14 @@ def test_every_cpu_recipe_has_a_golden():
     """A recipe added to recipes/cpu gets its golden in the same commit (`python tools/golden.py record NAME`)."""
     missing = [name for name in golden.RUNS if not golden.path_of(name).exists()]
     assert not missing, missing
+
+
+def test_an_asynchronous_schedule_that_moved_is_told_apart_from_a_number_that_moved():
+    """A weight sync that lands while a generation runs (a busy machine) aborts it: the first row that differs says
+    so in its async/ keys, and the comparison names the timing instead of calling it a change of the code."""
+    want = [{"step": 1, "async/partial_fraction": 0.0, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.6}]
+    timed = [{"step": 1, "async/partial_fraction": 0.015625, "reward/mean": 0.25}, {"step": 2, "reward/mean": 0.7}]
+    assert golden.schedule_timing(timed, want) == "step 1: async/partial_fraction = 0.015625, golden 0.0"
+    moved = [{"step": 1, "async/partial_fraction": 0.0, "reward/mean": 0.25}, want[1]]
+    assert golden.schedule_timing(moved, want) == ""
+    assert golden.Outcome("x", ["d"], schedule="step 1").ok and not golden.Outcome("x", ["d"]).ok
