@@ -84,31 +84,29 @@ class ModelKind:
 
 _CONVERT = "megappo.convert"
 _VL = "megappo.kinds.qwen2_vl"
-KINDS: tuple[ModelKind, ...] = (
-    ModelKind("qwen2_vl", ("qwen2_5_vl", "qwen2_vl"), multi_modal=True,
-              hf_auto_class="AutoModelForImageTextToText", impl={
-                  "build": f"{_VL}.model:build_vlm_model",
-                  "load_hf_weights": f"{_VL}.convert:load_hf_vlm_weights",
-                  "iter_hf_weights": f"{_VL}.convert:iter_hf_vlm_weights",
-                  "iter_hf_weights_from_checkpoint": f"{_VL}.convert:iter_hf_vlm_weights_from_checkpoint",
-                  "materialiser": f"{_VL}.convert:vlm_materialiser",
-                  "language_model_spec": f"{_VL}.convert:language_model_spec",
-                  "verify": f"{_VL}.verify:verify_vlm",
-                  "image_token_id": f"{_VL}.config:image_token_id",
-                  "preflight": f"{_VL}.preflight:preflight",
-              }),
-    # the text families (llama, qwen2, qwen3, their MoE variants, mixtral): megatron-core's GPTModel
-    ModelKind("gpt", (), multi_modal=False, hf_auto_class="AutoModelForCausalLM", impl={
-        "build": "megappo.models.builder:build_gpt_model",
-        "load_hf_weights": f"{_CONVERT}.hf_to_mcore:load_gpt_weights",
-        "iter_hf_weights": f"{_CONVERT}.export:iter_gpt_weights",
-        "iter_hf_weights_from_checkpoint": f"{_CONVERT}.dist_reader:iter_gpt_weights_from_checkpoint",
-        "materialiser": f"{_CONVERT}.hf_to_mcore:gpt_materialiser",
-        "language_model_spec": f"{_CONVERT}.hf_to_mcore:gpt_model_spec",
-        "verify": f"{_CONVERT}.verify:verify_gpt",
-    }),
-)
-GPT = KINDS[-1]
+QWEN2_VL = ModelKind("qwen2_vl", ("qwen2_5_vl", "qwen2_vl"), multi_modal=True,
+                     hf_auto_class="AutoModelForImageTextToText", impl={
+                         "build": f"{_VL}.model:build_vlm_model",
+                         "load_hf_weights": f"{_VL}.convert:load_hf_vlm_weights",
+                         "iter_hf_weights": f"{_VL}.convert:iter_hf_vlm_weights",
+                         "iter_hf_weights_from_checkpoint": f"{_VL}.convert:iter_hf_vlm_weights_from_checkpoint",
+                         "materialiser": f"{_VL}.convert:vlm_materialiser",
+                         "language_model_spec": f"{_VL}.convert:language_model_spec",
+                         "verify": f"{_VL}.verify:verify_vlm",
+                         "image_token_id": f"{_VL}.config:image_token_id",
+                         "preflight": f"{_VL}.preflight:preflight",
+                     })
+# the text families (llama, qwen2, qwen3, their MoE variants, mixtral): megatron-core's GPTModel
+GPT = ModelKind("gpt", (), multi_modal=False, hf_auto_class="AutoModelForCausalLM", impl={
+    "build": "megappo.models.builder:build_gpt_model",
+    "load_hf_weights": f"{_CONVERT}.hf_to_mcore:load_gpt_weights",
+    "iter_hf_weights": f"{_CONVERT}.export:iter_gpt_weights",
+    "iter_hf_weights_from_checkpoint": f"{_CONVERT}.dist_reader:iter_gpt_weights_from_checkpoint",
+    "materialiser": f"{_CONVERT}.hf_to_mcore:gpt_materialiser",
+    "language_model_spec": f"{_CONVERT}.hf_to_mcore:gpt_model_spec",
+    "verify": f"{_CONVERT}.verify:verify_gpt",
+})
+KINDS: tuple[ModelKind, ...] = (QWEN2_VL, GPT)
 _BY_TYPE = {t: kind for kind in KINDS for t in kind.model_types}
 
 

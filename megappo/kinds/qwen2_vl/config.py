@@ -5,11 +5,9 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Union
 
-from megappo.kinds import KINDS
+from megappo.kinds import QWEN2_VL
 from megappo.kinds.qwen2_vl.vision import VisionArgs, vision_args_from_hf
 from megappo.models.hf_config import UnsupportedModelError, load_hf_config_dict
-
-VLM_MODEL_TYPES = next(kind.model_types for kind in KINDS if kind.name == "qwen2_vl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +23,8 @@ def read_vlm_config(hf_dir_or_config: Union[str, os.PathLike, Mapping[str, Any],
     """Split a Qwen2(.5)-VL config into its vision args and a qwen2 text config (transformers 4 and 5 layouts)."""
     cfg = load_hf_config_dict(hf_dir_or_config)
     family = cfg.get("model_type")
-    if family not in VLM_MODEL_TYPES:
-        raise UnsupportedModelError(f"model_type {family!r} is not a vision-language model ({VLM_MODEL_TYPES})")
+    if family not in QWEN2_VL.model_types:
+        raise UnsupportedModelError(f"model_type {family!r} is not a vision-language model ({QWEN2_VL.model_types})")
     # transformers 5 nests the LM under text_config; transformers 4 wrote its fields at the top level
     text = dict(cfg.get("text_config") or {k: v for k, v in cfg.items() if k != "vision_config"})
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
