@@ -141,7 +141,7 @@ def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Layout]], model: nn.
 
 
 def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
-    """Megatron's model config, set for our micro-batches; rejects what this module does not support."""
+    """Megatron's model config, set for our micro-batches."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model_chunks[0])
