@@ -86,16 +86,10 @@ def build_model(
 def check_model_layout(layout: ParallelLayout, config: Any, spec: ModelSpecArgs, role: str) -> None:
     """LayoutError for a layout megatron-core cannot run this model's `role` at (beyond `check_layout`'s sizes)."""
     from megappo.models.attention import SDPAttention
+    from megappo.models.layout.attention import check_context_parallel_attention
     from megappo.platform.layout import LayoutError
 
-    if layout.cp > 1 and not spec.use_transformer_engine and not SDPAttention.supports(config):
-        # megatron's local DotProductAttention asserts context_parallel_size == 1; megappo's SDPAttention does CP
-        # but not sliding windows or other softmax types.
-        raise LayoutError(
-            f"context_parallel_size={layout.cp} without transformer-engine needs megappo's SDPAttention, which does "
-            "not support this model's attention (sliding window or softmax_type); use a GPU with transformer-engine "
-            "or set actor_rollout_ref.actor.megatron.context_parallel_size=1"
-        )
+    check_context_parallel_attention(layout, spec.use_transformer_engine or SDPAttention.supports(config))
     if spec.num_experts and layout.tp > 1 and not layout.sequence_parallel and role in ("actor", "critic"):
         # megatron-core's MoELayer refuses to run in training mode with TP>1 unless sequence parallel is on.
         raise LayoutError(

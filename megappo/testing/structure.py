@@ -37,7 +37,8 @@ BRANCH_BOUNDS = {"vlm": 8, "lora": 6, "packing": 4, "context_parallel": 4}
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("megappo.rollout", ("megappo.config", "megappo.trainer")),
     ("megappo.convert", ("megappo.trainer",)),
-    ("megappo.models", ("megappo.convert", "megappo.trainer", "megappo.rollout")),
+    ("megappo.models", ("megappo.convert", "megappo.trainer")),
+    ("megappo.kinds", ("megappo.trainer",)),
     ("megappo.algos", ("megappo.config", "megappo.trainer", "megappo.models", "megappo.rollout")),
     ("megappo.trainer.preflight", ("megappo.rollout.sglang",)),
 )

@@ -66,3 +66,18 @@ def sequence_layout(config: Any, pg_collection: Any) -> Union[LocalSequences, Co
 
         group = mpu.get_context_parallel_group()
     return ContextParallelSequences(size, group)
+
+
+def check_context_parallel_attention(layout: Any, attention_does_cp: bool) -> None:
+    """LayoutError when `layout` (a `ParallelLayout`) runs context parallelism with an attention that cannot
+    (`attention_does_cp`: transformer-engine's, or megappo's SDPAttention for this model). megatron's local
+    DotProductAttention asserts context_parallel_size == 1; SDPAttention does CP but not sliding windows or other
+    softmax types."""
+    from megappo.platform.layout import LayoutError
+
+    if layout.cp > 1 and not attention_does_cp:
+        raise LayoutError(
+            f"context_parallel_size={layout.cp} without transformer-engine needs megappo's SDPAttention, which does "
+            "not support this model's attention (sliding window or softmax_type); use a GPU with transformer-engine "
+            "or set actor_rollout_ref.actor.megatron.context_parallel_size=1"
+        )
