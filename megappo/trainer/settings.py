@@ -16,10 +16,11 @@ from megappo.algos.rollout_correction import RolloutCorrection
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
 from megappo.models.losses import ActorLossSettings, CriticLossSettings
+from megappo.models.lora.adapter import served_adapter
 from megappo.models.optim import OptimSettings
 from megappo.multi_turn.loop import MultiTurnSettings
 from megappo.rollout.sampling import SamplingParams
-from megappo.rollout.settings import AdapterServing, RolloutSettings
+from megappo.rollout.settings import RolloutSettings
 
 
 def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.0) -> ActorLossSettings:
@@ -152,7 +153,7 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
     """The rollout engine's deployment settings (`megappo.rollout.settings`)."""
     arr = cfg.actor_rollout_ref
     r, model = arr.rollout, arr.model
-    adapter = AdapterServing(model.lora.rank, tuple(model.lora.target_modules)) if r.lora_sync == "adapter" else None
+    adapter = served_adapter(model.lora, r.lora_sync)
     return RolloutSettings(
         name=r.name, model_path=model.path, trust_remote_code=model.trust_remote_code, seed=cfg.data.seed,
         hybrid_engine=arr.hybrid_engine, max_num_seqs=r.max_num_seqs, engine_kwargs=dict(r.engine_kwargs or {}),

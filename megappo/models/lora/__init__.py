@@ -13,7 +13,7 @@ _HOMES = {
                "adapters_disabled", "merged_weights", "is_adapter_param", "is_lora_target_weight",
                "trainable_summary", "base_parameters", "adapted_weight_filter"),
     "adapter": ("FullParameters", "LoRA", "AdaptersOff", "AdapterShape", "for_role", "base_checksum", "check_lora_base",
-                "read_lora_base", "LORA_BASE_FILE"),
+                "read_lora_base", "LORA_BASE_FILE", "served_adapter"),
 }
 _WHERE = {name: module for module, names in _HOMES.items() for name in names}
 

@@ -186,3 +186,11 @@ def check_lora_base(role_dir: str, lora_base: Optional[dict]) -> None:
             f"{role_dir} holds LoRA adapters of the base model {saved.get('path')} (sha256 "
             f"{str(saved.get('sha256'))[:12]}...), this run's base {lora_base['path']} differs (sha256 "
             f"{lora_base['sha256'][:12]}...): resume with the base model the adapters were trained on")
+
+
+def served_adapter(lora: Any, lora_sync: str) -> Optional[Any]:
+    """What the rollout servers serve of the actor's `model.lora` config (`rollout.lora_sync=adapter`: its rank and
+    target layers, as `megappo.rollout.settings.AdapterServing`); None when they serve merged weights."""
+    from megappo.rollout.settings import AdapterServing
+
+    return AdapterServing(lora.rank, tuple(lora.target_modules)) if lora_sync == "adapter" else None

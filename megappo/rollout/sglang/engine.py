@@ -174,6 +174,7 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = 0
         # rollout.lora_sync=adapter: the LoRA adapter the server serves the actor as; every request names it
         self.lora_name: Optional[str] = None
+        self.request_fields: dict[str, str] = {}  # what every request adds: the served adapter's name (`serve_as`)
         self._group: Any = None
         self._group_name = "megappo_weight_sync"
         self._staging: list = []  # update_weights' flat send buffer, reused across syncs
@@ -234,8 +235,7 @@ class SGLangEngine(RolloutEngine):
             body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seeds[0])}
         add_image_data(body, image_data, batched)
         body.update(return_logprob=True, logprob_start_len=-1)
-        if self.lora_name is not None:
-            body["lora_path"] = [self.lora_name] * len(input_ids) if batched else self.lora_name
+        body.update({k: [v] * len(input_ids) if batched else v for k, v in self.request_fields.items()})
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):
             answer = [answer]
@@ -255,6 +255,11 @@ class SGLangEngine(RolloutEngine):
                 weight_version=self.weight_version, extra={"sglang_weight_version": meta.get("weight_version")}))
         return out
 
+    def serve_as(self, adapter_name: str) -> None:
+        """Every later request names the LoRA adapter `adapter_name` (SGLang's `lora_path`): the actor as served."""
+        self.lora_name = adapter_name
+        self.request_fields = {"lora_path": adapter_name}
+
     def load_lora_adapter(self, adapter_dir: str, *, version: int) -> int:
         """rollout.lora_sync=adapter: serve the PEFT adapter directory `adapter_dir` (on a filesystem the server
         reads) as `megappo_v<version>` over the base it loaded, unload the previous one, and stamp the server's
@@ -262,7 +267,8 @@ class SGLangEngine(RolloutEngine):
         name = f"megappo_v{version}"
         _checked(http_json(self.url + "/load_lora_adapter", {"lora_name": name, "lora_path": adapter_dir},
                            timeout=self.sync_timeout, api_key=self.api_key), f"load_lora_adapter({adapter_dir})")
-        previous, self.lora_name = self.lora_name, name
+        previous = self.lora_name
+        self.serve_as(name)
         if previous is not None and previous != name:
             _checked(http_json(self.url + "/unload_lora_adapter", {"lora_name": previous}, timeout=self.sync_timeout,
                                api_key=self.api_key), f"unload_lora_adapter({previous})")
@@ -346,8 +352,7 @@ class SGLangEngine(RolloutEngine):
         """The server's log-prob of every token of `token_ids` after its prefix ([1][len - 1])."""
         body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        if self.lora_name is not None:
-            body["lora_path"] = self.lora_name
+        body.update(self.request_fields)
         answer = http_json(self.url + "/generate", body, timeout=self.timeout, api_key=self.api_key)
         if isinstance(answer, list):
             answer = answer[0]

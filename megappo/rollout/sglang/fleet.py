@@ -17,6 +17,7 @@ Weights go to every live server at once: one weight group holds the trainer (ran
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -68,7 +69,8 @@ class SGLangFleet(RolloutEngine):
         self._flat_staging: list = []  # update_weights' flat send buffer, reused across syncs
         self._shm_staging = SharedStaging(slots=2)  # update_weights_from_tensor's shared buffers, idem
         self._aborting = threading.Event()  # abort() was called during the generate in flight
-        self._lora: Optional[tuple[str, int]] = None  # rollout.lora_sync=adapter: the served adapter (dir, version)
+        # rollout.lora_sync=adapter: the served adapter (dir, version), which a restarted server is given again
+        self._adapters: list[tuple[str, int]] = []
 
     def _engine(self, url: str) -> SGLangEngine:
         return SGLangEngine(url, timeout=self.timeout, tp_size=self.tp_size, **self.engine_kwargs)
@@ -82,10 +84,9 @@ class SGLangFleet(RolloutEngine):
         known = {e.url: e for e, ok in zip(self.engines, self.alive) if ok}
         self.engines = [known.get(u.rstrip("/")) or self._engine(u) for u in urls]
         self.alive = list(alive)
-        if self._lora is not None:  # a restarted server serves the base alone: give it the current adapter
-            for k in self.live():
-                if self.engines[k].lora_name is None:
-                    self.engines[k].load_lora_adapter(self._lora[0], version=self._lora[1])
+        fresh = [self.engines[k] for k in self.live() if self.engines[k].url not in known]
+        for engine, (adapter_dir, version) in itertools.product(fresh, self._adapters):
+            engine.load_lora_adapter(adapter_dir, version=version)  # a restarted server serves the base alone
         self.weight_version = version
         if router_url and (self.router is None or self.router.url != router_url.rstrip("/")):
             self.router = self._engine(router_url)
@@ -253,12 +254,11 @@ class SGLangFleet(RolloutEngine):
         """rollout.lora_sync=adapter: every live server serves the PEFT adapter in `adapter_dir` as the actor
         (`SGLangEngine.load_lora_adapter`); the router's requests name it too. A server restarted since serves no
         adapter until `set_servers` gives it the current one."""
-        self._lora = (adapter_dir, version)
+        self._adapters = [(adapter_dir, version)]
         for k in self.live():
             self.engines[k].load_lora_adapter(adapter_dir, version=version)
-        name = self.engines[self.live()[0]].lora_name if self.live() else None
         for e in self.engines + ([self.router] if self.router is not None else []):
-            e.lora_name = name
+            e.serve_as(f"megappo_v{version}")
         self.weight_version = version
         return version
 
