@@ -2,6 +2,8 @@
 and the estimator's needs that some of them follow."""
 from __future__ import annotations
 
+from typing import Any
+
 from megappo.config.schema import MegappoConfig, MegatronConfig
 
 # the fields of `MegatronConfig` that make the parallel layout (shared by actor, reference and critic)
@@ -65,22 +67,11 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
     critic = cfg.critic
     if critic.enable is None:
         critic.enable = estimator_needs(cfg, "needs_critic")
-    if critic.model.path is None:
-        critic.model.path = model.path
-    if critic.model.tokenizer_path is None:
-        critic.model.tokenizer_path = model.tokenizer_path
-    if critic.ppo_mini_batch_size is None:
-        critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
-    if critic.use_dynamic_bsz is None:
-        critic.use_dynamic_bsz = actor.use_dynamic_bsz
-    if critic.forward_max_token_len_per_gpu is None:
-        critic.forward_max_token_len_per_gpu = critic.ppo_max_token_len_per_gpu
-    if critic.ppo_epochs is None:
-        critic.ppo_epochs = actor.ppo_epochs
-    if critic.shuffle is None:
-        critic.shuffle = actor.shuffle
-    if critic.loss_agg_mode is None:
-        critic.loss_agg_mode = actor.loss_agg_mode
+    # the critic's unset keys follow the actor's (its model, its batching) as verl's do
+    _fill_unset(critic.model, path=model.path, tokenizer_path=model.tokenizer_path)
+    _fill_unset(critic, ppo_mini_batch_size=actor.ppo_mini_batch_size, use_dynamic_bsz=actor.use_dynamic_bsz,
+                forward_max_token_len_per_gpu=critic.ppo_max_token_len_per_gpu, ppo_epochs=actor.ppo_epochs,
+                shuffle=actor.shuffle, loss_agg_mode=actor.loss_agg_mode)
 
     # While the megatron layer holds one parallel layout per process, the reference and the critic run in the
     # actor's: a size left at its default follows the actor's, and validation refuses one set to another value.
@@ -94,3 +85,10 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
     if t.default_local_dir is None:
         t.default_local_dir = f"checkpoints/{t.project_name}/{t.experiment_name}"
     return cfg
+
+
+def _fill_unset(section: Any, **values: Any) -> None:
+    """Set each of `section`'s keys that is None (unset) to the value given for it."""
+    for key, value in values.items():
+        if getattr(section, key) is None:
+            setattr(section, key, value)

@@ -116,7 +116,7 @@ def _lora_targets() -> list[str]:
 
 @dataclass
 class LoRAConfig:
-    """LoRA adapters over a frozen base (verl's megatron `model.lora`; megappo/models/lora.py). The reference policy
+    """LoRA adapters over a frozen base (verl's megatron `model.lora`; megappo/models/lora/). The reference policy
     is the actor with its adapters off; checkpoints hold the adapters and their optimizer state only."""
 
     type: Literal["lora"] = "lora"

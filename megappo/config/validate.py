@@ -16,7 +16,6 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
-from megappo.models.lora.checks import check_lora
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -67,6 +66,8 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_rewards(cfg, errors, check_files)
     _check_multi_turn(cfg, errors, check_files)
     _check_dapo(cfg, errors)
+    from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
+
     check_lora(cfg, errors, check_files)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):

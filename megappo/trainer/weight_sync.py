@@ -86,7 +86,8 @@ class WeightSync:
 
 class FullTensors(WeightSync):
     releases_engine = True
-    load_kwargs: dict = {}
+    load_kwargs: dict = {}  # what the engine's load_weights is told ({"partial": True}: the rest stays as loaded)
+    export_kwargs: dict = {}  # which of the actor's weights the export gives
 
     @staticmethod
     def applies(setup: SyncSetup) -> bool:
@@ -94,7 +95,8 @@ class FullTensors(WeightSync):
 
     def buckets(self, chunks: list, hf_config: dict, copy: bool) -> Iterable[Bucket]:
         s = self.setup
-        return iter_hf_weights(chunks, s.ps, hf_config, bucket_bytes=s.bucket_bytes, dtype=s.dtype, copy=copy)
+        return iter_hf_weights(chunks, s.ps, hf_config, bucket_bytes=s.bucket_bytes, dtype=s.dtype, copy=copy,
+                               **self.export_kwargs)
 
     def send(self, chunks: list, hf_config: dict, version: int, target: Optional[RolloutEngine]) -> int:
         mode = self.setup.mode
@@ -113,29 +115,21 @@ class FullTensors(WeightSync):
 class AdaptedLayers(FullTensors):
     releases_engine = False
     load_kwargs = {"partial": True}
+    export_kwargs = {"only_adapted": True}
 
     @staticmethod
     def applies(setup: SyncSetup) -> bool:
         return setup.payload == ADAPTED_LAYERS
 
-    def buckets(self, chunks: list, hf_config: dict, copy: bool) -> Iterable[Bucket]:
-        s = self.setup
-        return iter_hf_weights(chunks, s.ps, hf_config, bucket_bytes=s.bucket_bytes, dtype=s.dtype, copy=copy,
-                               only_adapted=True)
-
 
 class LanguageModelOnly(FullTensors):
     releases_engine = False
     load_kwargs = {"partial": True}
+    export_kwargs = {"language_model_only": True}
 
     @staticmethod
     def applies(setup: SyncSetup) -> bool:
         return setup.language_model_only
-
-    def buckets(self, chunks: list, hf_config: dict, copy: bool) -> Iterable[Bucket]:
-        s = self.setup
-        return iter_hf_weights(chunks, s.ps, hf_config, bucket_bytes=s.bucket_bytes, dtype=s.dtype, copy=copy,
-                               language_model_only=True)
 
 
 class Disk(WeightSync):

@@ -67,7 +67,7 @@ def _check_shared_critic_base(cfg, errors: list[str]) -> None:
 
 
 def _check_lora(prefix: str, lora, errors: list[str], check_files: bool) -> None:
-    """model.lora: the adapter shape (megappo/models/lora.py)."""
+    """model.lora: the adapter shape (`layers.py` here)."""
     if lora.rank < 0:
         errors.append(f"{prefix}.rank={lora.rank}: use 0 (no LoRA) or a positive rank such as 8, 16, 64")
     if lora.rank == 0:
