@@ -215,8 +215,10 @@ def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Op
     ps = init_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep), platform)
     chunks = build_model(base, "actor", ps, platform, config_overrides={"use_transformer_engine": False})
     load_hf_weights(chunks, base, ps)
-    apply_lora(chunks, LoRASettings(rank=lora["rank"], alpha=lora["alpha"], target_modules=lora["target_modules"],
-                                    exclude_modules=lora["exclude_modules"]))
+    # the adapters' shape as the checkpoint recorded it; their values come from the checkpoint, not an initialisation
+    apply_lora(chunks, LoRASettings(rank=lora["rank"], alpha=lora["alpha"], dropout=0.0,
+                                    target_modules=lora["target_modules"], exclude_modules=lora["exclude_modules"],
+                                    a_init="xavier"))
     load_model_checkpoint(chunks, ckpt_dir)
     rank0 = ps.rank == 0
     if lora_only:

@@ -104,7 +104,9 @@ def _build(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfor
 def _trainable(name: str, path: str, model_cfg, cfg: MegappoConfig, ps: ParallelState, platform: Platform,
                total_steps: int, seed: int, actor: Optional[Role] = None) -> Role:
     """`actor`: the actor's role, whose base a critic may share (`critic.model.lora.share_actor_base`)."""
-    adapter = for_role(name, model_cfg.lora, path, seed, load_adapter=load_peft_adapter)
+    lora = model_cfg.lora
+    adapter = for_role(name, settings.lora_settings(lora, seed), path, adapter_path=lora.adapter_path,
+                       share_actor_base=lora.share_actor_base, load_adapter=load_peft_adapter)
     base = adapter.shared_base(actor.chunks) if actor is not None else None
     # the critic's vision tower trains or stays fixed as the actor's does (one switch for the run's towers)
     chunks = _build(name, path, model_cfg, ps, platform, seed, adapter, base,

@@ -7,7 +7,7 @@ layer and the math never see a config object.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from megappo import algos
 from megappo.algos.estimators import EstimatorParams
@@ -17,6 +17,7 @@ from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
 from megappo.models.losses import ActorLossSettings, CriticLossSettings
 from megappo.models.lora.adapter import served_adapter
+from megappo.models.lora.layers import LoRASettings
 from megappo.models.optim import OptimSettings
 from megappo.multi_turn.loop import MultiTurnSettings
 from megappo.rollout.sampling import SamplingParams
@@ -166,3 +167,10 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
         router_python=r.router_python, api_key=r.api_key, api_key_file=r.api_key_file,
         sync_timeout_s=r.sync_timeout_s, weight_sync_master_address=r.weight_sync_master_address,
         lora_adapter=adapter)
+
+
+def lora_settings(lora: Any, seed: int = 0) -> LoRASettings:
+    """A `model.lora` section (`LoRAConfig`) as the adapter layers take it; `seed` draws their initialisation."""
+    return LoRASettings(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
+                        target_modules=tuple(lora.target_modules), exclude_modules=tuple(lora.exclude_modules),
+                        a_init=lora.lora_A_init_method, seed=seed)

@@ -45,7 +45,9 @@ def _job(rank, world_size, hf_dir, tmp, layout):
     from megappo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megappo.models.compute import compute_log_probs, train_step
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.lora import LoRASettings, adapters, adapters_disabled, apply_lora
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import adapters, adapters_disabled, apply_lora
+    from megappo.trainer.settings import lora_settings
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
@@ -64,7 +66,7 @@ def _job(rank, world_size, hf_dir, tmp, layout):
 
     actor = build_model(hf_dir, "actor", ps, plat, seed=3)
     load_hf_weights(actor, hf_dir, ps)
-    ads = apply_lora(actor, LoRASettings(rank=4, alpha=8, seed=5))
+    ads = apply_lora(actor, lora_settings(LoRAConfig(rank=4, alpha=8.0), seed=5))
     lp0, _ = compute_log_probs(actor, batch, parallel_state=ps)
     out["b0_err"] = _rel(lp0, ref_lp)
     settings = OptimSettings(lr=2e-2, eps=1e-3, weight_decay=0.0, clip_grad=1.0, total_steps=4)
@@ -157,7 +159,9 @@ def _moe_job(rank, world_size, hf_dir, tmp, ep, extra=None):
     from megappo.models.builder import build_model
     from megappo.models.compute import compute_log_probs, train_step
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.lora import LoRASettings, adapters, apply_lora
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import adapters, apply_lora
+    from megappo.trainer.settings import lora_settings
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
@@ -172,7 +176,7 @@ def _moe_job(rank, world_size, hf_dir, tmp, ep, extra=None):
     actor = build_model(hf_dir, "actor", ps, plat, seed=3)
     load_hf_weights(actor, hf_dir, ps)
     base_lp, _ = compute_log_probs(actor, batch, parallel_state=ps)
-    ads = apply_lora(actor, LoRASettings(rank=4, alpha=8, seed=5))
+    ads = apply_lora(actor, lora_settings(LoRAConfig(rank=4, alpha=8.0), seed=5))
     out = {"experts": sum(".local_experts." in a.name for a in ads),
            "b0_err": _rel(compute_log_probs(actor, batch, parallel_state=ps)[0], base_lp)}
     settings = OptimSettings(lr=2e-2, eps=1e-3, weight_decay=0.0, clip_grad=1.0, total_steps=4)
@@ -202,7 +206,9 @@ def _moe_load_job(rank, world_size, hf_dir, ckpt):
     from megappo.models.builder import build_model
     from megappo.models.checkpoint import load_model_checkpoint
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.lora import LoRASettings, apply_lora
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import apply_lora
+    from megappo.trainer.settings import lora_settings
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
@@ -211,7 +217,7 @@ def _moe_load_job(rank, world_size, hf_dir, ckpt):
     ps = init_parallel(ParallelLayout(), plat, seed=0)
     actor = build_model(hf_dir, "actor", ps, plat, seed=3)
     load_hf_weights(actor, hf_dir, ps)
-    apply_lora(actor, LoRASettings(rank=4, alpha=8, seed=5))
+    apply_lora(actor, lora_settings(LoRAConfig(rank=4, alpha=8.0), seed=5))
     load_model_checkpoint(actor, ckpt)
     out = hf_state_dict(actor, ps, load_hf_config_dict(hf_dir))
     destroy_parallel()

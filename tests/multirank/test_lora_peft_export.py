@@ -30,7 +30,9 @@ def _job(rank, world_size, hf_dir, tmp):
     from megappo.models.checkpoint import save_model_checkpoint
     from megappo.models.compute import compute_log_probs
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.lora import LoRASettings, adapters, apply_lora, base_checksum
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import adapters, apply_lora, base_checksum
+    from megappo.trainer.settings import lora_settings
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
@@ -44,7 +46,7 @@ def _job(rank, world_size, hf_dir, tmp):
         ps = init_parallel(ParallelLayout(), plat, seed=0)
         chunks = build_model(hf_dir, "actor", ps, plat, seed=1)
         load_hf_weights(chunks, hf_dir, ps)
-        apply_lora(chunks, LoRASettings(rank=4, alpha=8.0, seed=2))
+        apply_lora(chunks, lora_settings(LoRAConfig(rank=4, alpha=8.0), seed=2))
         return ps, chunks
 
     ps, chunks = lora_actor()
@@ -135,7 +137,9 @@ def _layout_job(rank, world_size, hf_dir, tmp, layout):
     from megappo.models.builder import build_model
     from megappo.models.checkpoint import save_model_checkpoint
     from megappo.models.compute import compute_log_probs
-    from megappo.models.lora import LoRASettings, adapters, apply_lora, base_checksum
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import adapters, apply_lora, base_checksum
+    from megappo.trainer.settings import lora_settings
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
@@ -145,7 +149,7 @@ def _layout_job(rank, world_size, hf_dir, tmp, layout):
     ps = init_parallel(ParallelLayout(**layout), plat, seed=0)
     chunks = build_model(hf_dir, "actor", ps, plat, seed=1)
     load_hf_weights(chunks, hf_dir, ps)
-    apply_lora(chunks, LoRASettings(rank=4, alpha=8.0, seed=2))
+    apply_lora(chunks, lora_settings(LoRAConfig(rank=4, alpha=8.0), seed=2))
     with torch.no_grad():  # B seeded by the layer's global name: the same adapters at every layout
         for ad in adapters(chunks):
             g = torch.Generator().manual_seed(sum(map(ord, ad.name)))
@@ -157,7 +161,7 @@ def _layout_job(rank, world_size, hf_dir, tmp, layout):
     ckpt = os.path.join(tmp, f"ckpt_{tag}")
     save_model_checkpoint(chunks, ckpt)
     if rank == 0:
-        lora = {"rank": 4, "alpha": 8.0, "target_modules": list(LoRASettings().target_modules), "exclude_modules": []}
+        lora = {"rank": 4, "alpha": 8.0, "target_modules": list(LoRAConfig().target_modules), "exclude_modules": []}
         with open(os.path.join(ckpt, LORA_BASE_FILE), "w") as f:
             json.dump({"path": hf_dir, "sha256": base_checksum(hf_dir), "lora": lora}, f)
     n_experts = sum(".local_experts." in a.name for a in adapters(chunks))

@@ -55,7 +55,9 @@ def _job(rank, world_size, hf_dir, tmp):
     from megappo.models.builder import build_model, unwrap
     from megappo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megappo.models.compute import compute_values, train_step
-    from megappo.models.lora import LoRASettings, adapters, apply_lora, is_adapter_param
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import adapters, apply_lora, is_adapter_param
+    from megappo.trainer.settings import lora_settings
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
@@ -94,7 +96,7 @@ def _job(rank, world_size, hf_dir, tmp):
     # a separately built LoRA critic (its own base) with the same adapters and value head
     alone = build_model(hf_dir, "critic", ps, plat, seed=9, config_overrides={"use_transformer_engine": False})
     load_hf_weights(alone, hf_dir, ps)
-    apply_lora(alone, LoRASettings(rank=4, alpha=8), trainable=("output_layer",))
+    apply_lora(alone, lora_settings(LoRAConfig(rank=4, alpha=8.0)), trainable=("output_layer",))
     src = {n: p for n, p in c_params.items() if is_adapter_param(n) or n.startswith("output_layer.")}
     with torch.no_grad():
         for n, p in unwrap(alone[0]).named_parameters():

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from megappo.config import ConfigError, load_config, validate
-from megappo.models.lora import LoRASettings, is_adapter_param, is_lora_target_weight
+from megappo.config.schema import LoRAConfig
+from megappo.models.lora import is_adapter_param, is_lora_target_weight
+from megappo.trainer.settings import lora_settings
 
 RECIPE = "recipes/cpu/tiny_ppo_lora.yaml"
 
@@ -37,8 +39,8 @@ def test_bad_lora_settings_are_named(override, words):
 
 
 def test_targets_and_exclusions():
-    s = LoRASettings(rank=8, target_modules=("linear_qkv", "linear_fc2"),
-                     exclude_modules=("decoder.layers.1.self_attention.linear_qkv",))
+    s = lora_settings(LoRAConfig(rank=8, target_modules=["linear_qkv", "linear_fc2"],
+                                 exclude_modules=["decoder.layers.1.self_attention.linear_qkv"]))
     assert s.targets("decoder.layers.0.self_attention.linear_qkv")
     assert not s.targets("decoder.layers.1.self_attention.linear_qkv")
     assert not s.targets("decoder.layers.0.self_attention.linear_proj")

@@ -3,7 +3,9 @@ engine may free its weights before a sync follows from it (only when the sync gi
 import json
 
 from megappo.config import MegappoConfig
-from megappo.models.lora import AdapterShape, FullParameters, LoRA, LoRASettings
+from megappo.config.schema import LoRAConfig
+from megappo.models.lora import AdapterShape, FullParameters, LoRA
+from megappo.trainer.settings import lora_settings
 from megappo.trainer.weight_sync import (AdaptedLayers, AdapterDirectory, Disk, FullTensors, LanguageModelOnly,
                                          choose)
 
@@ -26,7 +28,7 @@ def _model(tmp_path, model_type: str):
 
 def test_strategy_by_transport_and_adapter(tmp_path):
     text, vlm = _model(tmp_path, "qwen2"), _model(tmp_path, "qwen2_5_vl")
-    lora = LoRA(LoRASettings(rank=4, alpha=8.0), AdapterShape(4, 8.0, ["linear_qkv"], []), str(text))
+    lora = LoRA(lora_settings(LoRAConfig(rank=4, alpha=8.0)), AdapterShape(4, 8.0, ["linear_qkv"], []), str(text))
     cases = [
         (_cfg(text), FullParameters(), FullTensors, "distributed"),
         (_cfg(text, "tensor"), FullParameters(), FullTensors, "tensor"),

@@ -27,7 +27,9 @@ def _run(rank: int, world_size: int, lora_rank: int, args: dict):
     from megappo.models.batch import ModelBatch, TrainInputs
     from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, train_step
-    from megappo.models.lora import LoRASettings, apply_lora
+    from megappo.config.schema import LoRAConfig
+    from megappo.models.lora import apply_lora
+    from megappo.trainer.settings import lora_settings
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
@@ -42,7 +44,7 @@ def _run(rank: int, world_size: int, lora_rank: int, args: dict):
                          tie_word_embeddings=True, max_position_embeddings=4096)
     chunks = build_model(cfg.to_dict(), "actor", ps, plat)
     if lora_rank:
-        apply_lora(chunks, LoRASettings(rank=lora_rank, alpha=2 * lora_rank))
+        apply_lora(chunks, lora_settings(LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank)))
     settings = OptimSettings(lr=1e-5, total_steps=100)
     ddp = wrap_ddp(chunks, settings, plat)
     opt = build_optimizer(ddp, settings, plat)

@@ -136,16 +136,16 @@ class LoRA(FullParameters):
         return ADAPTER_DIR if lora_sync == "adapter" else ADAPTED_LAYERS
 
 
-def for_role(name: str, lora: Any, base_path: str, seed: int,
-             load_adapter: Optional[Callable[..., int]] = None) -> FullParameters:
-    """The adapter object of a trainable role (`name`: actor | critic) from its `model.lora` section."""
+def for_role(name: str, lora: LoRASettings, base_path: str, *, adapter_path: Optional[str] = None,
+             share_actor_base: bool = False, load_adapter: Optional[Callable[..., int]] = None) -> FullParameters:
+    """The adapter object of a trainable role (`name`: actor | critic) with the adapters `lora` (its `model.lora`
+    section, as `megappo.trainer.settings.lora_settings` maps it; `adapter_path`, `share_actor_base`: its keys)."""
     if name not in ("actor", "critic") or lora.rank <= 0:
         return FullParameters()
     shape = AdapterShape(lora.rank, lora.alpha, list(lora.target_modules), list(lora.exclude_modules))
     # a critic trains its fresh value head along with the adapters
-    return LoRA(LoRASettings.from_config(lora, seed=seed), shape, base_path,
-                trainable=("output_layer",) if name == "critic" else (), adapter_path=lora.adapter_path,
-                share_actor_base=lora.share_actor_base, load_adapter=load_adapter)
+    return LoRA(lora, shape, base_path, trainable=("output_layer",) if name == "critic" else (),
+                adapter_path=adapter_path, share_actor_base=share_actor_base, load_adapter=load_adapter)
 
 
 def base_checksum(path: str) -> str:

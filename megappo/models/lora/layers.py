@@ -44,15 +44,16 @@ COLUMN, ROW = "column", "row"
 
 @dataclass
 class LoRASettings:
-    """The adapter shape (verl's `model.lora.{rank, alpha, dropout, target_modules, exclude_modules}`)."""
+    """The adapter shape (verl's `model.lora.{rank, alpha, dropout, target_modules, exclude_modules}`), mapped from
+    the config by `megappo.trainer.settings.lora_settings` (the defaults are the schema's `LoRAConfig`'s)."""
 
-    rank: int = 0  # 0: no LoRA
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: Sequence[str] = TARGETS
-    exclude_modules: Sequence[str] = field(default_factory=tuple)
-    a_init: str = "xavier"  # or "kaiming" (PEFT's default)
-    seed: int = 0
+    rank: int  # 0: no LoRA
+    alpha: float
+    dropout: float
+    target_modules: Sequence[str]
+    exclude_modules: Sequence[str]
+    a_init: str  # lora_A_init_method: "xavier" or "kaiming" (PEFT's default)
+    seed: int = 0  # the adapters' initialisation draws (not a config key: the run's seed)
 
     @property
     def enabled(self) -> bool:
@@ -61,13 +62,6 @@ class LoRASettings:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
-
-    @classmethod
-    def from_config(cls, lora: Any, seed: int = 0) -> "LoRASettings":
-        """From megappo's `LoRAConfig` (model.lora)."""
-        return cls(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
-                   target_modules=tuple(lora.target_modules), exclude_modules=tuple(lora.exclude_modules),
-                   a_init=lora.lora_A_init_method, seed=seed)
 
     def validate(self) -> None:
         bad = sorted(set(self.target_modules) - set(TARGETS))
