@@ -21,6 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 
+def _implementation(what: str) -> Callable[..., Any]:
+    """A `ModelKind` method that calls the kind's implementation of `what` (its "module:function", imported then)."""
+
+    def call(self: "ModelKind", *args: Any, **kw: Any) -> Any:
+        return self._call(what)(*args, **kw)
+
+    call.__name__ = call.__qualname__ = what
+    return call
+
+
 @dataclass(frozen=True)
 class ModelKind:
     """One kind of model. Each `impl` value is "module:function"; the methods below call them.
@@ -49,26 +59,13 @@ class ModelKind:
         module, function = target.split(":")
         return getattr(importlib.import_module(module), function)
 
-    def build(self, *args: Any, **kw: Any) -> Any:
-        return self._call("build")(*args, **kw)
-
-    def load_hf_weights(self, *args: Any, **kw: Any) -> Any:
-        return self._call("load_hf_weights")(*args, **kw)
-
-    def iter_hf_weights(self, *args: Any, **kw: Any) -> Any:
-        return self._call("iter_hf_weights")(*args, **kw)
-
-    def iter_hf_weights_from_checkpoint(self, *args: Any, **kw: Any) -> Any:
-        return self._call("iter_hf_weights_from_checkpoint")(*args, **kw)
-
-    def materialiser(self, *args: Any, **kw: Any) -> Any:
-        return self._call("materialiser")(*args, **kw)
-
-    def language_model_spec(self, *args: Any, **kw: Any) -> Any:
-        return self._call("language_model_spec")(*args, **kw)
-
-    def verify(self, *args: Any, **kw: Any) -> Any:
-        return self._call("verify")(*args, **kw)
+    build = _implementation("build")
+    load_hf_weights = _implementation("load_hf_weights")
+    iter_hf_weights = _implementation("iter_hf_weights")
+    iter_hf_weights_from_checkpoint = _implementation("iter_hf_weights_from_checkpoint")
+    materialiser = _implementation("materialiser")
+    language_model_spec = _implementation("language_model_spec")
+    verify = _implementation("verify")
 
     def image_token_id(self, hf_dir_or_config: Any) -> Optional[int]:
         return self._optional("image_token_id", hf_dir_or_config)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from pathlib import Path
 
 import pytest
 
 from megappo.config import load_config
 from megappo.testing.faults import inject_fault
+from megappo.testing.golden import cpu_signature
 from megappo.testing.prompts import read_metrics
 from megappo.trainer import fit
 
@@ -36,24 +36,6 @@ RUNS = {
 }
 MACHINE_KEYS = ("timing/", "perf/")
 NEW_KEYS = ("rollout_corr/", "async/")  # metrics added since the rows were stored (the numbers they had stay the same)
-
-
-def _cpu() -> str:
-    """The CPU model and its vector extensions: what float summation order depends on."""
-    flags, model = "", platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(("avx", "fma"))))
-                    break
-    except OSError:
-        pass
-    import torch
-
-    return f"{model} | {flags} | torch {torch.__version__}"
 
 
 def _rows(out: Path) -> list[dict]:
@@ -88,8 +70,8 @@ def test_sync_trainer_metrics_are_the_stored_ones(name, packed, tmp_path, monkey
     stored = REFERENCE / f"{name}.json"
     if not writing:
         reference = json.loads(stored.read_text())
-        if reference["cpu"] != _cpu():
-            pytest.skip(f"stored on {reference['cpu']!r}; this CPU is {_cpu()!r}")
+        if reference["cpu"] != cpu_signature():
+            pytest.skip(f"stored on {reference['cpu']!r}; this CPU is {cpu_signature()!r}")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if name == "tiny_ppo":
         inject_fault(monkeypatch, "kl_spike", at_step=4)
@@ -99,7 +81,7 @@ def test_sync_trainer_metrics_are_the_stored_ones(name, packed, tmp_path, monkey
     if name == "tiny_ppo":
         assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 4, 5, 6]  # step 4 rolled back once
     if writing:
-        stored.write_text(json.dumps({"cpu": _cpu(), "rows": rows}, indent=1) + "\n")
+        stored.write_text(json.dumps({"cpu": cpu_signature(), "rows": rows}, indent=1) + "\n")
         return
     assert len(rows) == len(reference["rows"])
     for got, want in zip(rows, reference["rows"]):

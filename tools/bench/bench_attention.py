@@ -3,8 +3,8 @@
 One random-weight Llama-shaped GPTModel built by megappo's builder (~30M parameters by default: hidden 512, 10
 layers, 8 heads / 2 KV heads, ffn 1536, vocabulary 512), batch 16 x 92 tokens, fp32, one torch thread, one
 process. The same weights run with either core attention: the old one is put back by replacing every layer's
-`core_attention` with megatron's class and gets the explicit [1, 1, s, s] causal mask megappo used to pass; the new
-one gets no mask (as megappo's compute passes now). Repetitions alternate old / new so that load from other
+`core_attention` with megatron's class and gets the explicit [1, 1, s, s] causal mask that class needs; the new
+one gets no mask (as megappo's compute passes it). Repetitions alternate old / new so that load from other
 processes hits both alike. Printed: median and best ms, old and new, and the speedup of the medians, of one
 layer's core attention alone (forward, and forward + backward, on q/k/v of the model's shapes; 5x the repetitions)
 and of the whole model (forward: no grad, eval mode, as log-prob passes run; forward + backward: train mode).
