@@ -127,7 +127,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     # asks nothing that SGLang answers after a poll: not GET /health, whose handler looks for its one-token
     # generation after asyncio.sleep(1) (that second was the whole floor of a tiny model's sync)
     from megappo.rollout.sglang.http_client import is_healthy
-    from megappo.trainer.rollout import RolloutWorker
+    from megappo.trainer.weight_sync import around_sync
 
     buckets = lambda: [tensors[i:i + 4] for i in range(0, len(tensors), 4)]  # noqa: E731 - `third`'s
     sends = {"distributed": lambda v: fleet.update_weights(buckets(), version=v),
@@ -136,7 +136,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     for version, (mode, send) in enumerate(sends.items(), start=11):
         marks = [len(_log_lines(s)) for s in servers]
         assert all(is_healthy(s.url) for s in servers)  # as ServerSet.heal asks each server before a sync
-        RolloutWorker._around_sync(fleet, version, lambda: send(version))
+        around_sync(fleet, version, lambda: send(version))
         for s, mark in zip(servers, marks):
             asked = _requests(_log_lines(s)[mark:])
             assert "/health" not in asked and asked[0] == "/generate" and asked[-1] == "/model_info", (mode, asked)

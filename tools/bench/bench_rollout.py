@@ -386,7 +386,7 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
                     fleet.generate(rollout, params)  # the step's rollout, between two syncs (the first forward
                     calls.clear()  # after a weight update is slower: it is the rollout's, not the sync's)
                     t0 = time.perf_counter()
-                    assert is_healthy(server.url)  # ServerSet.heal, before RolloutWorker._around_sync
+                    assert is_healthy(server.url)  # ServerSet.heal, before weight_sync.around_sync
                     probe = time.perf_counter() - t0
                     fleet.pause()
                     try:
@@ -450,7 +450,7 @@ def run_sglang(args, python, hf_dir, work, cfg, buckets, views, modes, add_row, 
                                                                         "sync_timeout": 600})
         version = [0]
 
-        def around(send):  # RolloutWorker._around_sync
+        def around(send):  # megappo.trainer.weight_sync.around_sync
             version[0] += 1
             fleet.pause()
             try:
