@@ -327,7 +327,8 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models.builder import build_model
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.rollout import SamplingParams, sglang_engine, sglang_fleet
+    from megappo.rollout import SamplingParams
+    from megappo.rollout.sglang import engine as sglang_engine, fleet as sglang_fleet
     from megappo.rollout.sglang.fleet import SGLangFleet
     from megappo.rollout.sglang.http_client import is_healthy
     from megappo.rollout.sglang.server import SGLangServer
