@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from megappo.convert.export import iter_hf_weights
 from megappo.models.lora.adapter import ADAPTED_LAYERS, ADAPTER_DIR, FullParameters
-from megappo.kinds import kind_of
 from megappo.rollout import registry
 from megappo.rollout.base import Bucket, RolloutEngine
+from megappo.trainer.preflight_kind import run_kind
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def choose(cfg: Any, ps: Any, dtype: Any, actor_adapter: FullParameters) -> Weig
     rollout = arr.rollout
     mode = rollout.weight_sync if rollout.weight_sync != "auto" else registry.sync_modes(rollout.name)[0]
     setup = SyncSetup(mode=mode, payload=actor_adapter.sync_payload(rollout.lora_sync),
-                      language_model_only=kind_of(arr.model.path).multi_modal and arr.actor.freeze_vision_tower,
+                      language_model_only=run_kind(cfg).multi_modal and arr.actor.freeze_vision_tower,
                       weight_sync_dir=rollout.weight_sync_dir, local_dir=cfg.trainer.default_local_dir,
                       base_path=arr.model.path, bucket_bytes=rollout.weight_sync_bucket_mb << 20,
                       dtype=dtype, ps=ps, actor_adapter=actor_adapter)
