@@ -28,6 +28,9 @@ class SamplingParams:
     ignore_eos: bool = False  # generate max_new_tokens whatever is sampled (stop_token_ids too, as in SGLang)
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
     seed: Optional[int] = None  # the engine's generator seed for this request (None: the engine's stream)
+    # one seed per row (n = 1): each prompt's own seed, whatever request it is batched in (the agent endpoint's calls,
+    # whose batches depend on when agents call); overrides `seed`
+    row_seeds: Optional[tuple[int, ...]] = None
 
     @property
     def is_greedy(self) -> bool:

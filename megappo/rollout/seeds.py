@@ -37,3 +37,14 @@ def row_seeds(seed: Optional[int], num_prompts: int, n: int, prompt_offset: int 
     samples each, rows grouped by prompt (row k: sample k % n of prompt k // n). All None without a seed."""
     return [None if seed is None else sample_seed(seed, prompt_offset + i, j, n)
             for i in range(num_prompts) for j in range(n)]
+
+
+def request_seeds(params, num_prompts: int, prompt_offset: int = 0, seed: Optional[int] = None) -> list[Optional[int]]:
+    """The seed of each row of a request (`row_seeds`), or the request's own `params.row_seeds` (one per prompt,
+    n = 1) when it gives them. seed: the request seed to use in place of `params.seed` (an engine that drew one)."""
+    if params.row_seeds is not None:
+        if params.n != 1 or len(params.row_seeds) != num_prompts:
+            raise ValueError(f"SamplingParams.row_seeds: {len(params.row_seeds)} seeds for {num_prompts} prompts with "
+                             f"n={params.n}; give one seed per prompt and n=1")
+        return list(params.row_seeds)
+    return row_seeds(params.seed if seed is None else seed, num_prompts, params.n, prompt_offset)

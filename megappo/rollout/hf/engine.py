@@ -28,7 +28,7 @@ from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.vlm import MultiModal, prompt_inputs
 from megappo.rollout.hf.weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
-from megappo.rollout.seeds import row_seeds
+from megappo.rollout.seeds import request_seeds
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -101,9 +101,9 @@ class HFEngine(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         self._check_weights()
         seed = params.seed
-        if seed is None and not params.is_greedy:
+        if seed is None and params.row_seeds is None and not params.is_greedy:
             seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator, device=self.generator.device))
-        seeds = row_seeds(seed, len(prompts), params.n, prompt_offset)
+        seeds = request_seeds(params, len(prompts), prompt_offset, seed)
         images = self.inputs.check(prompts, multi_modal)
         rows = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         self._abort.clear()  # an abort() before this call ended an earlier one

@@ -24,7 +24,7 @@ import torch
 
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.seeds import row_seeds
+from megappo.rollout.seeds import request_seeds
 from megappo.rollout.sglang.http_client import _http, http_json, register_api_key
 from megappo.rollout.sglang.server import free_port
 from megappo.rollout.sglang.vlm import ImageData, add_image_data, row_images, sglang_prompts
@@ -203,7 +203,7 @@ class SGLangEngine(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         prompts, images = sglang_prompts(prompts, multi_modal, self.image_token_id)
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
-        seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
+        seeds = request_seeds(params, len(prompts), prompt_offset)
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for c in self.generate_rows([prompts[i] for i in rows], rows, seeds, params,
                                     image_data=row_images(images, rows)):

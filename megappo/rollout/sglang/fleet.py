@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.seeds import row_seeds
+from megappo.rollout.seeds import request_seeds
 from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
                                            begin_update, broadcast_buckets, end_update)
 from megappo.rollout.sglang.http_client import http_json, is_healthy
@@ -119,7 +119,7 @@ class SGLangFleet(RolloutEngine):
             raise ValueError("every prompt needs at least one token")
         prompts, images = sglang_prompts(prompts, multi_modal, self.engine_kwargs.get("image_token_id"))
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
-        seeds = row_seeds(params.seed, len(prompts), params.n, prompt_offset)
+        seeds = request_seeds(params, len(prompts), prompt_offset)
         done: dict[int, Completion] = {}
         pending = list(range(len(rows)))
         errors: list[str] = []
