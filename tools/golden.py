@@ -3,6 +3,7 @@
     python tools/golden.py list
     python tools/golden.py record [NAME ...]     # all runs without NAME; writes tests/golden/NAME.jsonl
     python tools/golden.py compare [NAME ...]    # runs again; exit 1 when a number moved
+    python tools/golden.py extend [NAME ...]     # records again where no number moved (new metrics added)
 
 A change that is meant to move no number (a reorganisation) must compare clean; one that is meant to move numbers
 records the runs it moves again, in a commit of its own that says why. `--sglang-python` (or
@@ -22,7 +23,8 @@ from megappo.testing import golden
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/golden.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["list", "record", "compare"])
+    # extend: record again only where every number the golden holds comes out the same (a new metric added)
+    parser.add_argument("action", choices=["list", "record", "compare", "extend"])
     parser.add_argument("names", nargs="*", help=f"runs (default all): {', '.join(golden.RUNS)}")
     parser.add_argument("--jobs", type=int, default=2, help="single-rank runs at a time (default 2)")
     parser.add_argument("--sglang-python", default=os.environ.get("MEGAPPO_SGLANG_PYTHON"))
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: skipped (needs --sglang-python)")
     if args.action == "record":
         one = partial(golden.record_one, sglang_python=args.sglang_python, directory=args.dir)
+    elif args.action == "extend":
+        one = partial(golden.extend_one, sglang_python=args.sglang_python, directory=args.dir)
     else:
         one = partial(golden.compare_one, sglang_python=args.sglang_python, directory=args.dir, keep=args.keep)
     failed = 0
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             note = f" (recorded on another CPU: {outcome.other_cpu})" if outcome.other_cpu else ""
             print(f"{outcome.name}: DIFFERS{note}\n  " + "\n  ".join(outcome.differences))
         else:
-            print(f"{outcome.name}: {'recorded' if args.action == 'record' else 'same'}")
+            print(f"{outcome.name}: {'same' if args.action == 'compare' else 'recorded'}")
         failed += not outcome.ok
     return 1 if failed else 0
 

@@ -47,7 +47,8 @@ _ABBREVIATIONS = {
     "warmup_style": "lr_scheduler", "lr_decay_style": "lr_scheduler",
 }
 # Paths a recipe names that mean a file beside the recipe (`recipe_relative`).
-RECIPE_RELATIVE_KEYS = ("actor_rollout_ref.rollout.multi_turn.tool_config_path",)
+RECIPE_RELATIVE_KEYS = ("actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                        "actor_rollout_ref.rollout.agent.agent_loop_config_path")
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _REF = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
 
@@ -161,11 +162,12 @@ def find_recipe(recipe: Union[str, Path]) -> Path:
 
 def bundled_recipes() -> dict[str, Path]:
     """Every recipe under recipes/ (any depth), by its name for `--config`: the path there without `.yaml`. Files in
-    a `tools/` folder are tool configs (rollout.multi_turn.tool_config_path), not recipes."""
+    a `tools/` or `agents/` folder are tool and agent configs (rollout.multi_turn.tool_config_path,
+    rollout.agent.agent_loop_config_path), not recipes."""
     if not RECIPES_DIR.is_dir():
         return {}
     return {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in sorted(RECIPES_DIR.rglob("*.yaml"))
-            if "tools" not in p.relative_to(RECIPES_DIR).parts[:-1]}
+            if not {"tools", "agents"} & set(p.relative_to(RECIPES_DIR).parts[:-1])}
 
 
 def recipe_relative(path: str, base_dir: Union[str, Path, None]) -> str:

@@ -19,8 +19,22 @@ class ValKwargsConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Episodes (verl's `rollout.agent`; megappo/envs/): each sample is an episode of its row's agent, named by the
+    row's `agent_name` column, else default_agent_loop. An agent is an environment (`megappo.envs.base.Environment`:
+    the model's turns and the environment's answers) or an agent program (a function that talks to megappo's
+    OpenAI-compatible endpoint). Built in: tool_agent (multi_turn's tool loop) and guess_number; others are named in
+    agent_loop_config_path. Episodes continue across a weight sync with async_training.partial_rollout."""
+
+    default_agent_loop: Optional[str] = None  # None: tool_agent with multi_turn.enable, else single-turn sampling
+    agent_loop_config_path: Optional[str] = None  # YAML list of {name, environment | agent, kwargs, ...}
+    num_workers: int = 64  # environment steps or agent programs run at once
+    step_timeout_s: Optional[float] = 60.0  # an environment step's deadline (past it the episode ends; None: none)
+
+
+@dataclass
 class MultiTurnConfig:
-    """Multi-turn tool-calling rollouts (verl 0.9.1's `rollout.multi_turn`; megappo/multi_turn/loop.py): the model
+    """Multi-turn tool-calling rollouts (verl 0.9.1's `rollout.multi_turn`; megappo/multi_turn/env.py): the model
     writes a tool call (`format`), the trainer runs the tool and appends its answer as the chat template renders it,
     and the model goes on, until it answers without a call, response_length tokens are spent over all turns, or a
     turn limit is reached. Only the model's tokens are trained on (the tool answers' tokens are masked)."""
@@ -128,3 +142,4 @@ class RolloutConfig:
     verify_sync_atol: Optional[float] = None
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)

@@ -65,6 +65,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
     _check_multi_turn(cfg, errors, check_files)
+    _check_agent(cfg, errors, check_files)
     _check_dapo(cfg, errors)
     from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
 
@@ -383,8 +384,17 @@ def _check_multi_turn(cfg: MegappoConfig, errors: list[str], check_files: bool) 
     if check_files and mt.tool_config_path:
         _need(errors, os.path.isfile(os.path.expanduser(mt.tool_config_path)), f"{p}.tool_config_path",
               f"{mt.tool_config_path} does not exist", "give the path of the tool config YAML")
-    _need(errors, not cfg.async_training.partial_rollout, "async_training.partial_rollout",
-          "cannot continue a multi-turn trajectory across a weight sync", f"set it to false with {p}.enable")
+
+
+def _check_agent(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
+    agent, p = cfg.actor_rollout_ref.rollout.agent, "actor_rollout_ref.rollout.agent"
+    _need(errors, agent.num_workers >= 1, f"{p}.num_workers", f"must be >= 1, got {agent.num_workers}", "use e.g. 64")
+    _need(errors, agent.step_timeout_s is None or agent.step_timeout_s > 0, f"{p}.step_timeout_s",
+          f"must be > 0 or null, got {agent.step_timeout_s}", "use e.g. 60")
+    path = agent.agent_loop_config_path
+    if check_files and path:
+        _need(errors, os.path.isfile(os.path.expanduser(path)), f"{p}.agent_loop_config_path", f"{path} does not exist",
+              "give the path of the agent config YAML (a list of {name, environment | agent, kwargs})")
 
 
 def _check_rewards(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:

@@ -53,6 +53,11 @@ class PromptBatch:
     indices: torch.Tensor  # [B] int64, each prompt's position in the dataset
     # B entries (None for a prompt without images) when any prompt of the batch has images; None for text batches
     multi_modal: Optional[list[Optional[MultiModalInputs]]] = None
+    agent_names: Optional[list[Optional[str]]] = None  # B, the rows' agent_name (None: the run's default agent)
+
+    def __post_init__(self) -> None:
+        if self.agent_names is None:
+            self.agent_names = [None] * self.input_ids.shape[0]
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -64,7 +69,7 @@ class PromptBatch:
                            [self.raw_prompts[r] for r in rows], [self.data_sources[r] for r in rows],
                            [self.ground_truths[r] for r in rows], [self.extra_infos[r] for r in rows],
                            [self.abilities[r] for r in rows], self.indices[index],
-                           select_rows(self.multi_modal, rows))
+                           select_rows(self.multi_modal, rows), [self.agent_names[r] for r in rows])
 
 
 def _render(tokenizer, messages: list[list[dict]], chat_template_kwargs: dict) -> tuple[list[str], bool]:
@@ -209,6 +214,7 @@ def collate(
         ground_truths=[r.row.ground_truth for r in records],
         extra_infos=[r.row.extra_info for r in records],
         abilities=[r.row.ability for r in records],
+        agent_names=[r.row.agent_name for r in records],
         indices=torch.as_tensor(list(indices), dtype=torch.long),
         multi_modal=multi_modal,
     )

@@ -5,6 +5,8 @@
     ability       string                               optional, e.g. "math"
     reward_model  struct<style, ground_truth>          ground_truth is given to the reward function
     extra_info    struct<...>                          optional, given to the reward function
+    agent_name    string                               optional, the agent that runs the row's episode (verl's;
+                                                       null: rollout.agent.default_agent_loop)
     images        list<struct<bytes, path>>            optional, a multimodal prompt's images (column `image_key`;
                                                        see megappo.data.multimodal)
 
@@ -27,7 +29,7 @@ from megappo.data.errors import DataError, converter_hint
 from megappo.data.multimodal import check_images_column
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")  # plus the prompt column
-OPTIONAL_COLUMNS = ("ability", "extra_info")
+OPTIONAL_COLUMNS = ("ability", "extra_info", "agent_name")
 _SCHEMA_HINT = (
     "write it in verl's schema: data_source (string), prompt (list of {role, content} structs), ability (string), "
     "reward_model (struct with ground_truth), extra_info (struct); `megappo data gsm8k` writes an example"
@@ -45,6 +47,7 @@ class PromptRow:
     extra_info: dict  # {} when the file has no extra_info column
     file_row: int  # row number within its file
     images: Optional[list] = None  # the raw `images` cell ([{bytes, path}, ...]) when the file has the column
+    agent_name: Optional[str] = None  # the `agent_name` cell (None: no column, or null)
 
 
 def expand_files(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -107,6 +110,9 @@ def _check_schema(path: str, schema: pa.Schema, prompt_key: str, image_key: str 
         raise wrong("reward_model", "a struct with a 'ground_truth' field")
     if "ability" in names and not _is_string(schema.field("ability").type):
         raise wrong("ability", "string")
+    if "agent_name" in names and not (_is_string(schema.field("agent_name").type)
+                                      or pa.types.is_null(schema.field("agent_name").type)):
+        raise wrong("agent_name", "string")
     if "extra_info" in names:
         t = schema.field("extra_info").type
         if not (pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t)):
@@ -167,6 +173,7 @@ def _to_row(path: str, row: int, cols: dict[str, list], j: int, prompt_key: str,
         extra_info=extra_info or {},
         file_row=row,
         images=_cell(cols, image_key, j),
+        agent_name=_cell(cols, "agent_name", j) or None,
     )
 
 

@@ -58,6 +58,7 @@ class EnvStep:
     messages: list[dict] = field(default_factory=list)  # its messages, shown to the model before its next turn
     reward: float = 0.0  # added to the episode's reward
     done: bool = False  # the episode is over (the messages, if any, are not shown)
+    truncated: bool = False  # with done: it ended at a limit (turns), not by its task (gym's truncated)
     metrics: dict[str, float] = field(default_factory=dict)  # averaged over the step's episodes as env/<key>
 
 

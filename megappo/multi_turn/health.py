@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
-from megappo.multi_turn.loop import TOOL_FAILURES
+from megappo.multi_turn.env import TOOL_FAILURES
 
 
 

@@ -120,6 +120,10 @@ class ChatDelta:
     def escape(self, text: str) -> str:
         return self.tool_text.escape(text)
 
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """An episode's first messages (an environment's own prompt) as the template renders them for generation."""
+        return self.encode(self._render(messages, True))
+
     def encode(self, text: str) -> list[int]:
         """The template's own text (its control tokens are real)."""
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -147,25 +151,29 @@ class ChatDelta:
         return ids + self.encode(rest)
 
     def tool_answer(self, turn_ids: Sequence[int], answers: list[str]) -> list[int]:
+        """The tokens after an assistant turn that called tools: `after_turn` with one tool message per answer."""
+        return self.after_turn(turn_ids, [{"role": "tool", "content": a} for a in answers])
+
+    def after_turn(self, turn_ids: Sequence[int], messages: list[dict]) -> list[int]:
         """The tokens the template puts after an assistant turn (`turn_ids`, as generated) and before the next
-        assistant turn's text: the turn's closing, the tool messages (`answers`, escaped here) and the next
-        generation prompt."""
+        assistant turn's text: the turn's closing, `messages` (tool or user messages from an environment: untrusted,
+        each content escaped and tokenised alone) and the next generation prompt."""
         before = self._head + self.decode(turn_ids)
-        after = self._render(_STUB_USER + [{"role": "assistant", "content": self.content(turn_ids)}]
-                             + [{"role": "tool", "content": self._slot(k)} for k in range(len(answers))], True)
+        shown = [{**m, "content": self._slot(k)} for k, m in enumerate(messages)]
+        after = self._render(_STUB_USER + [{"role": "assistant", "content": self.content(turn_ids)}] + shown, True)
         if not after.startswith(before):
             raise RuntimeError("the chat template renders an assistant turn differently from the generated text, so "
                                "tool answers cannot be appended token-in-token-out; the template must render an "
                                "assistant message's content verbatim")
-        return self._encode_slots(after[len(before):], answers)
+        return self._encode_slots(after[len(before):], [m["content"] for m in messages])
 
     def expected_response(self, messages: list[dict]) -> list[int]:
-        """The template's tokens of a trajectory's turns (`messages` after the prompt) as one rendering, tool
-        messages tokenised as `tool_answer` does."""
+        """The template's tokens of a trajectory's turns (`messages` after the prompt) as one rendering, the
+        environment's (tool, user) messages tokenised as `after_turn` does."""
         contents: list[str] = []
         shown = []
         for m in messages:
-            if m.get("role") == "tool":
+            if m.get("role") != "assistant":  # an environment's message: tokenised as `after_turn` does
                 shown.append({**m, "content": self._slot(len(contents))})
                 contents.append(m["content"])
             else:

@@ -56,6 +56,17 @@ class RolloutEngine(ABC):
             self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megappo-rollout")
         return self._submitter.submit(self.generate, prompts, params, **request)
 
+    def continue_generation(self, prompts: Sequence[Sequence[int]], done: list[list["Completion"]],
+                            params: "SamplingParams", *, prompt_offset: int = 0, round_: int = 0,
+                            **request: Any) -> list[list["Completion"]]:
+        """`done` (an aborted `generate`'s answer to `prompts`, `params`, `request`) with its aborted samples
+        generated to their end with the weights now: each continues from its prompt and tokens with the budget it
+        has left and keeps each token's version; the others stay. round_: how many continuations came before (the
+        seeds of this one)."""
+        from megappo.rollout.partial import continued
+
+        return continued(self, prompts, done, params, prompt_offset, round_, request)
+
     def abort(self) -> None:
         """End every generation in flight: each returns at once with the tokens it has (finish_reason "abort"), so
         a partial rollout can continue from them under newer weights. Safe to call from another thread while

@@ -50,8 +50,16 @@ class Completion:
     output_ids: list[int]  # the response tokens, the stop token included when one ended it
     log_probs: list[float]  # per output token, under softmax(logits / params.logprob_temperature)
     finish_reason: str  # "stop" (EOS or a stop token), "length", or "abort" (engine.abort(): the tokens it had)
-    weight_version: int = 0  # the engine's weights when it was sampled
+    weight_version: int = 0  # the engine's weights when it was sampled (its first token's)
     extra: dict = field(default_factory=dict)
+    # per output token, the weights' version that produced it (a generation continued across a weight sync holds
+    # two or more); None: every token is `weight_version`'s
+    token_versions: Optional[list[int]] = None
+
+    def versions(self) -> list[int]:
+        """Per output token, the version that produced it."""
+        return list(self.token_versions) if self.token_versions is not None else \
+            [self.weight_version] * len(self.output_ids)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,

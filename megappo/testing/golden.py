@@ -134,9 +134,10 @@ def read(name: str, directory: Path = GOLDEN_DIR) -> tuple[dict, list[dict]]:
     return lines[0], lines[1:]
 
 
-def differences(got: list[dict], want: list[dict], limit: int = 10) -> list[str]:
+def differences(got: list[dict], want: list[dict], limit: int = 10, new_keys: bool = True) -> list[str]:
     """What differs between two runs' rows, key by key and bit for bit (floats compared as the JSON numbers they
-    were logged as), at most `limit` lines; [] when they are the same."""
+    were logged as), at most `limit` lines; [] when they are the same. new_keys=False: keys the golden lacks are
+    not differences (a run that logs a new metric and moves no old one)."""
     out = []
     if len(got) != len(want):
         out.append(f"{len(got)} rows, the golden has {len(want)} (steps {[r.get('step') for r in got]} vs "
@@ -146,7 +147,7 @@ def differences(got: list[dict], want: list[dict], limit: int = 10) -> list[str]
         gone, new = sorted(set(w) - set(g)), sorted(set(g) - set(w))
         if gone:
             out.append(f"{where}: missing {gone}")
-        if new:
+        if new and new_keys:
             out.append(f"{where}: new keys {new}")
         for key in sorted(set(g) & set(w)):
             if g[key] != w[key] or type(g[key]) is not type(w[key]):
@@ -194,6 +195,22 @@ def compare_one(name: str, sglang_python: Optional[str] = None, directory: Path 
         shutil.rmtree(tmp, ignore_errors=True)
     other = header["cpu"] if header["cpu"] != cpu_signature() else ""
     return Outcome(name, differences(got, want), other_cpu=other, schedule=schedule_timing(got, want))
+
+
+def extend_one(name: str, sglang_python: Optional[str] = None, directory: Path = GOLDEN_DIR) -> Outcome:
+    """Record `name` again only if every number its golden holds comes out the same (new keys allowed): the way
+    to add a metric without re-deciding the old ones."""
+    header, want = read(name, directory)
+    with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as tmp:
+        try:
+            got = run(name, Path(tmp) / name, sglang_python)
+        except Exception as e:
+            return Outcome(name, error=str(e)[-3000:])
+    moved = differences(got, want, new_keys=False)
+    if not moved:
+        write(name, got, directory)
+    other = header["cpu"] if header["cpu"] != cpu_signature() else ""
+    return Outcome(name, moved, other_cpu=other)
 
 
 def schedule_timing(got: list[dict], want: list[dict]) -> str:

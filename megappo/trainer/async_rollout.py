@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -35,9 +35,7 @@ from megappo.data.dataset import PromptBatch
 from megappo.parallel import reduce_over_ranks
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
-from megappo.rollout.seeds import sample_seed
 from megappo.trainer.experience import Samples
-from megappo.trainer.rollout import image_kwargs
 from megappo.trainer.rollout_source import RolloutSource
 from megappo.trainer.state import Run, TrainState
 
@@ -53,30 +51,7 @@ class _Job:
     done: Optional[list[list[Completion]]] = None  # after an abort: what it has so far
     started: float = 0.0
     finished: float = 0.0
-    multi_modal: Optional[list] = None  # the prompts' images (vision-language prompts), aligned with ids
-
-
-def _continued(job: _Job, engine: RolloutEngine, round_: int) -> list[list[Completion]]:
-    """Generate the rest of `job.done`'s aborted samples with the engine's weights now: each continues from its
-    prompt and tokens so far, with the budget it has left, and keeps its first token's weight version."""
-    todo = [(k, j, c) for k, group in enumerate(job.done) for j, c in enumerate(group) if c.finish_reason == "abort"]
-    by_budget: dict[int, list] = {}
-    for k, j, c in todo:
-        by_budget.setdefault(job.params.max_new_tokens - len(c.output_ids), []).append((k, j, c))
-    out = [list(group) for group in job.done]
-    for budget, rows in sorted(by_budget.items()):
-        seed = None if job.params.seed is None else sample_seed(job.params.seed, job.offset, round_, budget)
-        params = replace(job.params, n=1, max_new_tokens=budget, seed=seed)
-        images = image_kwargs([job.multi_modal[k] for k, _, _ in rows] if job.multi_modal else None)
-        more = engine.generate([job.ids[k] + list(c.output_ids) for k, _, c in rows], params, **images)
-        for (k, j, c), (tail,) in zip(rows, more):
-            fresh = not c.output_ids
-            out[k][j] = Completion(
-                prompt_index=c.prompt_index, output_ids=list(c.output_ids) + list(tail.output_ids),
-                log_probs=list(c.log_probs) + list(tail.log_probs), finish_reason=tail.finish_reason,
-                weight_version=tail.weight_version if fresh else c.weight_version,
-                extra={**c.extra, "partial": c.extra.get("partial", False) or not fresh})
-    return out
+    request: dict = field(default_factory=dict)  # the request's other keywords (`RolloutWorker.share_request`)
 
 
 class Producer:
@@ -108,11 +83,11 @@ class Producer:
             try:
                 job.started = job.started or time.perf_counter()
                 if job.done is None:
-                    result = self.engine.generate(job.ids, job.params, prompt_offset=job.offset,
-                                                  **image_kwargs(job.multi_modal))
+                    result = self.engine.generate(job.ids, job.params, prompt_offset=job.offset, **job.request)
                 else:
                     rounds += 1
-                    result = _continued(job, self.engine, rounds)
+                    result = self.engine.continue_generation(job.ids, job.done, job.params, prompt_offset=job.offset,
+                                                             round_=rounds, **job.request)
                 error = None
             except BaseException as e:  # noqa: BLE001 - handed to the trainer through the job's future
                 result, error = None, e
@@ -194,7 +169,7 @@ class FullyAsyncSource(RolloutSource):
             job = future = None
             if share is not None and self.producer is not None:
                 job = _Job(share[0], self.params(self.next_step), share[1],
-                           multi_modal=self.run.rollout.share_images(prompts))
+                           request=self.run.rollout.share_request(prompts))
                 if share[0]:
                     future = self.producer.put(job)
                 else:  # a data-parallel rank with no prompt of this batch

@@ -59,7 +59,7 @@ def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
     import torch.distributed as dist
 
     from megappo.multi_turn.health import ToolWatch, watch_tools
-    from megappo.multi_turn.loop import multi_turn_metrics
+    from megappo.envs.metrics import multi_turn_metrics
 
     metrics = multi_turn_metrics(samples.turn_stats, samples.tool_results)
     if run.tool_watch is None:

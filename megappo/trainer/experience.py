@@ -40,10 +40,12 @@ class Samples:
     tool_results: list[Optional[list[dict]]] = field(default_factory=list)  # N, multi-turn: each tool call's record
     # N, vision-language prompts: the prompt's images (the samples of a prompt share one object); None: text
     multi_modal: list[Optional[MultiModalInputs]] = field(default_factory=list)
+    # N, per response token the weights' version that produced it (None: every token is weight_versions[i]'s)
+    token_versions: list[Optional[list[int]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # the optional per-sample fields, when not given (or absent from a checkpoint's samples): None per sample
-        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal"):
+        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal", "token_versions"):
             if len(getattr(self, name)) != len(self.response_ids):
                 setattr(self, name, [None] * len(self.response_ids))
         # a checkpoint's samples (trainer_state.json) hold their images in JSON form
@@ -76,12 +78,12 @@ class Samples:
     @classmethod
     def from_completions(cls, prompts: PromptBatch, completions: Sequence[Sequence[Completion]]) -> "Samples":
         """prompts: B prompts; completions: B lists of n completions (an engine's `generate` answer)."""
-        out = cls([], [], [], [], [], [], [], [], [], [], [], [], [], [], [])
+        out = cls(*[[] for _ in fields(cls)])
         images = getattr(prompts, "multi_modal", None) or [None] * len(completions)
         for b, group in enumerate(completions):
             ids = prompts.input_ids[b][prompts.attention_mask[b].bool()].tolist()
             for c in group:
-                out.prompt_ids.append(ids)
+                out.prompt_ids.append(c.extra.get("prompt_ids") or ids)  # an environment's own first messages
                 out.response_ids.append(list(c.output_ids))
                 out.rollout_log_probs.append(list(c.log_probs))
                 out.truncated.append(c.finish_reason == "length")
@@ -91,7 +93,8 @@ class Samples:
                 turns = c.extra.get("multi_turn")
                 out.extra_infos.append(prompts.extra_infos[b] if turns is None else {
                     **(prompts.extra_infos[b] or {}), "messages": c.extra.get("messages", []),
-                    "tool_results": c.extra.get("tool_results", []), "num_turns": int(turns["turns"])})
+                    "tool_results": c.extra.get("tool_results", []), "num_turns": int(turns["turns"]),
+                    "env_reward": float(c.extra.get("env_reward", 0.0))})
                 out.weight_versions.append(int(c.weight_version))
                 out.dataset_indices.append(int(prompts.indices[b]))
                 out.partial.append(bool(c.extra.get("partial", False)))
@@ -99,7 +102,18 @@ class Samples:
                 out.turn_stats.append(turns)
                 out.tool_results.append(c.extra.get("tool_results") if turns is not None else None)
                 out.multi_modal.append(images[b])
+                versions = c.versions()
+                out.token_versions.append(versions if len(set(versions)) > 1 else None)
         return out
+
+    def token_staleness(self, version: int) -> list[int]:
+        """How many versions behind `version` each trained token (loss mask 1) of every sample is."""
+        behind = []
+        for i, response in enumerate(self.response_ids):
+            versions = self.token_versions[i] or [self.weight_versions[i]] * len(response)
+            mask = self.loss_masks[i] or [1] * len(response)
+            behind += [version - v for v, m in zip(versions, mask) if m]
+        return behind
 
 
 @dataclass

@@ -42,8 +42,11 @@ def staleness(run: Run, samples: Samples) -> dict[str, float]:
     trigger_parameter_sync_step W > 1 a batch of the current version is still up to W - 1 updates behind."""
     state = run.state
     behind = [state.weight_version - v for v in samples.weight_versions]
+    tokens = samples.token_staleness(state.weight_version)  # partial rollouts: tokens of several versions
     out = {"async/staleness_mean": sum(behind) / max(len(behind), 1),
-           "async/staleness_max": float(max(behind, default=0))}
+           "async/staleness_max": float(max(behind, default=0)),
+           "async/token_staleness_mean": sum(tokens) / max(len(tokens), 1),
+           "async/token_staleness_max": float(max(tokens, default=0))}
     if run.roles.critic is not None:
         updates = [state.step - state.version_steps.get(v, state.step) for v in samples.weight_versions]
         out.update({"async/critic_staleness_mean": sum(updates) / max(len(updates), 1),

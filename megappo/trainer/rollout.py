@@ -29,7 +29,7 @@ from megappo.rollout.base import RolloutDeployment, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.trainer import weight_sync
 from megappo.trainer.experience import Samples
-from megappo.trainer.settings import multi_turn, rollout_settings
+from megappo.trainer.settings import episodes, rollout_settings
 
 
 def _broadcast_objects(objs: list, group: Any, src_group_rank: int = 0) -> list:
@@ -53,19 +53,21 @@ class RolloutWorker:
         self.cfg, self.ps, self.platform = cfg, ps, platform
         self.rollout = cfg.actor_rollout_ref.rollout
         self.deployment: RolloutDeployment = registry.deploy(rollout_settings(cfg), ps, platform)
-        self.multi_turn: Optional[RolloutEngine] = None  # the tool-calling loop's engine wrapper (holders only)
-        if self.rollout.multi_turn.enable and self.deployment.engine is not None:
-            from megappo.multi_turn.loop import build_multi_turn
+        # the episode loop's engine wrapper (holders only), when samples are episodes (tools, environments, agents)
+        self.episodes: Optional[RolloutEngine] = None
+        settings = episodes(cfg)
+        if settings is not None and self.deployment.engine is not None:
+            from megappo.envs.engine import build_episodes
 
-            # the holder runs the tool-calling loop over its share; weights still go to the engine itself
-            self.multi_turn = build_multi_turn(multi_turn(cfg), self.deployment.engine)
+            # the holder runs its share's episodes; weights still go to the engine itself
+            self.episodes = build_episodes(settings, self.deployment.engine)
         self.weights = weight_sync.choose(cfg, ps, platform.dtype, actor_adapter or FullParameters())
         self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 
     @property
     def engine(self) -> RolloutEngine | None:
         """This rank's engine (holders only)."""
-        return self.multi_turn or self.deployment.engine
+        return self.episodes or self.deployment.engine
 
     # -- generation ------------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptBatch, params: SamplingParams, prompt_offset: int = 0) -> Samples:
@@ -80,7 +82,7 @@ class RolloutWorker:
         if share is not None:
             ids, offset = share
             local = self.engine.generate(ids, params, prompt_offset=prompt_offset + offset,
-                                         **image_kwargs(self.share_images(prompts))) if ids else []
+                                         **self.share_request(prompts)) if ids else []
         return self._gather(prompts, local)
 
     def collect(self, prompts: PromptBatch, pending: Optional[Future]) -> Samples:
@@ -102,6 +104,14 @@ class RolloutWorker:
         if self.engine is None or not images or all(m is None for m in images):
             return None
         return list(images[_dp_slice(len(prompts), self.ps)])
+
+    def share_request(self, prompts: PromptBatch) -> dict:
+        """The holder's request keywords beside its prompts: the images of vision-language prompts, and the
+        dataset rows of episodes (an engine is asked only about what it takes)."""
+        request = image_kwargs(self.share_images(prompts))
+        if self.episodes is not None:
+            request["rows"] = episode_rows(prompts, _dp_slice(len(prompts), self.ps))
+        return request
 
     def _gather(self, prompts: PromptBatch, local: Optional[list[list[Completion]]]) -> Samples:
         completions: list[list[Completion]] = _broadcast_objects([local], self.ps.mp_group)[0]
@@ -158,9 +168,19 @@ class RolloutWorker:
         return self.deployment.sync_target.prompt_log_probs(token_ids)
 
     def close(self) -> None:
-        if self.multi_turn is not None:  # the wrapper's loop, then the engine
-            self.multi_turn.close()
+        if self.episodes is not None:  # the wrapper's loop, then the engine
+            self.episodes.close()
         self.deployment.close()
+
+
+def episode_rows(prompts: PromptBatch, part: slice) -> list:
+    """The dataset rows of `prompts[part]`, as the environments read them."""
+    from megappo.envs.base import EpisodeRow
+
+    return [EpisodeRow(prompt=prompts.raw_prompts[b], data_source=prompts.data_sources[b],
+                       ground_truth=prompts.ground_truths[b], extra_info=dict(prompts.extra_infos[b] or {}),
+                       index=int(prompts.indices[b]), agent_name=prompts.agent_names[b])
+            for b in range(part.start, part.stop)]
 
 
 def image_kwargs(images: Optional[list]) -> dict:

@@ -19,7 +19,7 @@ from megappo.models.losses import ActorLossSettings, CriticLossSettings
 from megappo.models.lora.adapter import served_adapter
 from megappo.models.lora.layers import LoRASettings
 from megappo.models.optim import OptimSettings
-from megappo.multi_turn.loop import MultiTurnSettings
+from megappo.envs.loop import EpisodeSettings
 from megappo.rollout.sampling import SamplingParams
 from megappo.rollout.settings import RolloutSettings
 
@@ -135,19 +135,24 @@ def sampling(cfg: MegappoConfig, *, validate: bool = False, seed: Optional[int] 
                           top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed)
 
 
-def multi_turn(cfg: MegappoConfig) -> MultiTurnSettings:
-    """`actor_rollout_ref.rollout.multi_turn` with the tokenizer and the response budget it runs with."""
+def episodes(cfg: MegappoConfig) -> Optional[EpisodeSettings]:
+    """`rollout.multi_turn` and `rollout.agent` with the tokenizer and the response budget the episodes run with;
+    None when the samples are single-turn (no tool loop, no agent)."""
     arr = cfg.actor_rollout_ref
-    mt = arr.rollout.multi_turn
-    return MultiTurnSettings(
+    mt, agent = arr.rollout.multi_turn, arr.rollout.agent
+    if not (mt.enable or agent.default_agent_loop or agent.agent_loop_config_path):
+        return None
+    return EpisodeSettings(
         tokenizer_path=cfg.data.tokenizer or arr.model.tokenizer_path or arr.model.path,
-        trust_remote_code=arr.model.trust_remote_code, tool_config_path=mt.tool_config_path,
-        response_length=cfg.data.max_response_length, format=mt.format, max_assistant_turns=mt.max_assistant_turns,
-        max_user_turns=mt.max_user_turns, max_parallel_calls=mt.max_parallel_calls,
-        max_tool_response_length=mt.max_tool_response_length,
-        tool_response_truncate_side=mt.tool_response_truncate_side,
-        tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode, tool_backend=mt.tool_backend,
-        tool_workers=mt.tool_workers, tool_timeout_s=mt.tool_timeout_s)
+        trust_remote_code=arr.model.trust_remote_code, response_length=cfg.data.max_response_length,
+        max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
+        tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode,
+        tool_config_path=mt.tool_config_path if mt.enable else None, format=mt.format,
+        max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side, tool_backend=mt.tool_backend,
+        tool_workers=mt.tool_workers, tool_timeout_s=mt.tool_timeout_s,
+        default_agent=agent.default_agent_loop, agent_config_path=agent.agent_loop_config_path,
+        num_workers=agent.num_workers, step_timeout_s=agent.step_timeout_s)
 
 
 def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:

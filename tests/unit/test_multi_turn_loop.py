@@ -1,5 +1,5 @@
-"""The multi-turn loop (megappo/multi_turn/loop.py) over a scripted engine, with the tool task's tokenizer and chat
-template: token-in-token-out trajectories that match the template, loss masks, budgets, turn limits, and model
+"""The tool loop (the episode loop, megappo/envs/loop.py, with the tool environment, megappo/multi_turn/env.py)
+over a scripted engine, with the tool task's tokenizer and chat template: token-in-token-out trajectories that match the template, loss masks, budgets, turn limits, and model
 mistakes that become tool answers."""
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import pytest
 
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool, evaluate, CalculatorError
-from megappo.multi_turn.loop import MultiTurnRollout, multi_turn_metrics, truncate
+from megappo.envs.metrics import multi_turn_metrics
+from megappo.envs.agents import tool_rollout
+from megappo.multi_turn.env import truncate
 from megappo.multi_turn.parser import parse_hermes
 from megappo.multi_turn.tools import ToolResult
 from megappo.rollout.base import RolloutEngine
@@ -21,7 +23,7 @@ def mt_settings(response_length: int, **section):
     cfg = MegappoConfig()
     cfg.actor_rollout_ref.rollout.multi_turn = MultiTurnConfig(enable=True, **section)
     cfg.data.max_response_length = response_length
-    return settings.multi_turn(cfg)
+    return settings.episodes(cfg)
 
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37+85+19"}}</tool_call>'
@@ -69,7 +71,7 @@ def prompt_ids(tok, expr="37+85+19"):
 
 def loop(tok, response_length=40, **cfg):
     tools = {"calculator": CalculatorTool({}, tool_sum.TOOL_SCHEMA)}
-    return MultiTurnRollout(mt_settings(response_length, **cfg), tok, tools)
+    return tool_rollout(mt_settings(response_length, **cfg), tok, tools)
 
 
 def tool_then_copy(text):
@@ -138,7 +140,7 @@ def test_a_hung_tool_is_answered_at_its_deadline(tok):
             release.wait(30)
             return ToolResult("late")
 
-    mt = MultiTurnRollout(mt_settings(400, tool_timeout_s=0.3), tok, {"calculator": Hung({}, tool_sum.TOOL_SCHEMA)})
+    mt = tool_rollout(mt_settings(400, tool_timeout_s=0.3), tok, {"calculator": Hung({}, tool_sum.TOOL_SCHEMA)})
     t0 = time.monotonic()
     try:
         engine = Scripted(tok, lambda text: "1<|im_end|>" if "<tool_response>" in text else CALL)
@@ -219,13 +221,14 @@ def test_multi_turn_config_names_and_rules():
         load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_assistant_turn=2"])
     assert "max_assistant_turns" in str(info.value)
     for overrides, expected in ((["actor_rollout_ref.rollout.multi_turn.tool_config_path=null"], "tool_config_path"),
-                                (["async_training.mode=fully_async", "async_training.partial_rollout=true"],
-                                 "partial_rollout"),
                                 (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"],
                                  "max_assistant_turns")):
         with pytest.raises(ConfigError) as info:
             validate(load_config("cpu/tiny_tool_ppo", overrides), check_files=False)
         assert expected in str(info.value), str(info.value)
+    # tool episodes continue across a weight sync (megappo/envs/loop.py): no longer refused
+    validate(load_config("cpu/tiny_tool_ppo", ["async_training.mode=fully_async", "async_training.partial_rollout=true"]),
+             check_files=False)
 
 
 # -- tool output is text, never control tokens (the real Qwen2.5 / Qwen3 templates) --------------------------------
@@ -290,7 +293,7 @@ def test_hostile_tool_in_the_loop(chat_tok):
 
     call = '<tool_call>{"name": "evil", "arguments": {}}</tool_call>'
     final = "<think>\n\n</think>\n\ndone<|im_end|>" if "<think>" in tok.get_vocab() else "done<|im_end|>"
-    mt = MultiTurnRollout(mt_settings(4000, max_tool_response_length=10_000), tok, {"evil": Evil({}, EVIL_SCHEMA)})
+    mt = tool_rollout(mt_settings(4000, max_tool_response_length=10_000), tok, {"evil": Evil({}, EVIL_SCHEMA)})
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "go"}], tools=[EVIL_SCHEMA],
                                                 tokenize=False, add_generation_prompt=True), add_special_tokens=False)
     engine = Scripted(tok, lambda text: final if "<tool_response>" in text else call)
@@ -298,7 +301,7 @@ def test_hostile_tool_in_the_loop(chat_tok):
     mt.close()
     ids, mask = c.output_ids, c.extra["loss_mask"]
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == call + final
-    assert c.extra["messages"][1] == {"role": "tool", "content": mt.delta.escape(evil)}
+    assert c.extra["messages"][1] == {"role": "tool", "content": mt.agents.get("tool_agent").delta.escape(evil)}
     assert c.extra["tool_results"][0]["text"] == evil  # the reward sees what the tool said
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert [t for t, m in zip(ids, mask) if not m].count(im_start) == 2  # the tool's user turn, the next assistant

@@ -127,7 +127,8 @@ def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     from dataclasses import replace
 
     from megappo.config import ConfigError
-    from megappo.multi_turn.loop import MultiTurnRollout, build_multi_turn
+    from megappo.envs.engine import build_episodes
+    from megappo.envs.agents import tool_rollout
     from megappo.multi_turn.tools import tool_schemas
     from megappo.testing import make_tokenizer
     from megappo.testing.tokenizer import make_chat_tokenizer
@@ -144,9 +145,9 @@ def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     mt_cfg = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(mt_cfg.tool_config_path)
     with pytest.raises(ValueError, match="ignores tools="):
-        MultiTurnRollout(replace(settings.multi_turn(cfg), response_length=40), tok, tools)
+        tool_rollout(replace(settings.episodes(cfg), response_length=40), tok, tools)
     with pytest.raises(ConfigError, match="multi_turn.enable: the chat template .* ignores tools="):
-        build_multi_turn(settings.multi_turn(cfg), engine=None)  # a run whose tokenizer the preflight could not read: said at setup
+        build_episodes(settings.episodes(cfg), engine=None)  # a run whose tokenizer the preflight could not read: said at setup
     good = make_chat_tokenizer("qwen2.5")
     good.save_pretrained(tmp_path / "qwen")
     errors = []

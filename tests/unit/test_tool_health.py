@@ -11,7 +11,9 @@ import pytest
 from megappo.config import load_config
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.health import ToolWatch, watch_tools
-from megappo.multi_turn.loop import MultiTurnRollout, Trajectory, multi_turn_metrics
+from megappo.envs.base import EpisodeRow
+from megappo.envs.metrics import multi_turn_metrics
+from megappo.multi_turn.env import ToolAgent
 from megappo.multi_turn.parser import parse_hermes
 from megappo.multi_turn.tools import BaseTool
 from megappo.tasks import tool_sum
@@ -33,14 +35,16 @@ def calls(tmp_path_factory):
     """The tool results and stats of three trajectories: a call to a tool that raises, an unknown tool, a malformed
     call (each one call, as the loop records it)."""
     tok, _ = tool_sum.make_tokenizer(tool_sum.ToolTask(), str(tmp_path_factory.mktemp("tok")))
-    mt = MultiTurnRollout(mt_settings(400), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)})
+    agent = ToolAgent(mt_settings(400), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)})
     results = []
     try:
         for text in (CALL, UNKNOWN, BAD):
-            [call] = parse_hermes(text)[1]
-            results.append([mt._finish(call, mt._start(Trajectory(0, 0, []), call))])
+            env = agent.make(EpisodeRow([], "", None, {}, 0))
+            env.step({"role": "assistant", "content": text})
+            results.append(env.info()["tool_results"])
+            env.close()
     finally:
-        mt.close()
+        agent.close()
     stats = [{"turns": 2.0, "budget_hit": 0.0, "turn_limit_hit": 0.0, "template_mismatch": 0.0}] * len(results)
     return results, stats
 
@@ -51,7 +55,7 @@ def mt_settings(response_length: int, **section):
     cfg = MegappoConfig()
     cfg.actor_rollout_ref.rollout.multi_turn = MultiTurnConfig(enable=True, **section)
     cfg.data.max_response_length = response_length
-    return settings.multi_turn(cfg)
+    return settings.episodes(cfg)
 
 
 def test_failures_are_recorded_by_kind(calls):

@@ -28,7 +28,7 @@ import torch
 
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool
-from megappo.multi_turn.loop import MultiTurnRollout
+from megappo.envs.agents import tool_rollout
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -111,7 +111,7 @@ def main() -> None:
         budget = (calls + 1) * args.turn_tokens + calls * 40
         cfg = MegappoConfig()
         cfg.actor_rollout_ref.rollout.multi_turn, cfg.data.max_response_length = MultiTurnConfig(enable=True), budget
-        loop = MultiTurnRollout(settings.multi_turn(cfg), tok, tools)
+        loop = tool_rollout(settings.episodes(cfg), tok, tools)
         forced = Forced(engine, tok, calls, args.turn_tokens)
         single_params = SamplingParams(max_new_tokens=(calls + 1) * args.turn_tokens, ignore_eos=True, seed=1)
         multi, single, instant, tool_s = [], [], [], []

@@ -1,0 +1,1 @@
+"""Environments and the episode loop that runs them over a rollout engine (see megappo/envs/base.py)."""

@@ -1,0 +1,186 @@
+"""The run's agents by name: what runs a row's episode (its `agent_name` column, else
+`rollout.agent.default_agent_loop`).
+
+An agent is an object with `name`, `make(row) -> Environment`, `delta` (its `ChatDelta`: the chat template with its
+tool schemas), `stop_ids` (tokens that end a turn besides EOS), `step_timeout_s` (a step's deadline; None: the
+environment keeps its own) and `own_turn_limits` (its steps end the episode at the turn limits themselves), and
+`close()`. Built in: "tool_agent" (the hermes tool loop over `multi_turn.tool_config_path`,
+`megappo.multi_turn.env`) and the environments of the built-in tasks (`BUILTIN`). Others come from
+`rollout.agent.agent_loop_config_path`, a YAML list (verl's agent loop config's shape):
+
+    - name: my_env
+      environment: path/to/my_env.py:MyEnv      # or package.module:MyEnv; relative to the YAML's folder
+      kwargs: {max_turns: 4}                     # given to MyEnv(**kwargs) for every episode
+      step_timeout_s: 30
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import os
+from typing import Any, Callable, Optional
+
+from megappo.envs.base import Environment, EpisodeRow
+from megappo.multi_turn.template import ChatDelta
+
+# the built-in environments: name -> "module:Class", imported when a run uses them
+BUILTIN = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv"}
+
+
+class AgentConfigError(ValueError):
+    """An agent config that cannot run (says which entry and the fix)."""
+
+
+class EnvironmentAgent:
+    """An environment class (or factory) as an agent: one instance per episode, made with the entry's kwargs."""
+
+    own_turn_limits = False
+
+    def __init__(self, name: str, factory: Callable[..., Environment], tokenizer, kwargs: Optional[dict] = None,
+                 step_timeout_s: Optional[float] = 60.0):
+        self.name, self.factory, self.kwargs = name, factory, dict(kwargs or {})
+        self.delta = ChatDelta(tokenizer, list(getattr(factory, "tool_schemas", None) or []))
+        self.stop_ids: tuple[int, ...] = ()
+        self.step_timeout_s = step_timeout_s
+
+    def make(self, row: EpisodeRow) -> Environment:
+        return self.factory(**self.kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+def load_object(target: str, base_dir: Optional[str], where: str) -> Any:
+    """`package.module:Name` or `path/to/file.py:Name` (a relative path from `base_dir`)."""
+    module_part, sep, name = target.rpartition(":")
+    if not sep or not name:
+        raise AgentConfigError(f"{where}: {target!r}: write it as package.module:Name or path/to/file.py:Name")
+    if module_part.endswith(".py"):
+        path = module_part if os.path.isabs(module_part) else os.path.join(base_dir or os.getcwd(), module_part)
+        if not os.path.isfile(path):
+            raise AgentConfigError(f"{where}: {target!r}: no file {os.path.abspath(path)} (a relative path is read "
+                                   "from the agent config's folder)")
+        spec = importlib.util.spec_from_file_location(f"megappo_user_agent_{abs(hash(os.path.abspath(path)))}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            raise AgentConfigError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as e:
+            raise AgentConfigError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e})") from e
+    if not hasattr(module, name):
+        near = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1)
+        raise AgentConfigError(f"{where}: {target!r}: no {name} there" + (f"; did you mean {near[0]!r}?" if near
+                                                                          else ""))
+    return getattr(module, name)
+
+
+def read_agent_config(path: str) -> list[dict]:
+    """The entries of an agent config YAML (checked: each has a name and one of environment / agent)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        entries = yaml.safe_load(f) or []
+    if not isinstance(entries, list):
+        raise AgentConfigError(f"{path}: expected a list of agents (- name: ..., environment: ...)")
+    seen = set()
+    for k, entry in enumerate(entries):
+        where = f"{path} entry {k}"
+        if not isinstance(entry, dict) or not entry.get("name"):
+            raise AgentConfigError(f"{where}: each agent needs a name")
+        kinds = [key for key in ("environment", "agent") if entry.get(key)]
+        if len(kinds) != 1:
+            raise AgentConfigError(f"{where} ({entry['name']}): give exactly one of environment: (an Environment "
+                                   "class) or agent: (an agent program's function)")
+        unknown = set(entry) - {"name", "environment", "agent", "kwargs", "step_timeout_s", "deadline_s"}
+        if unknown:
+            raise AgentConfigError(f"{where} ({entry['name']}): unknown keys {sorted(unknown)}")
+        if entry["name"] in seen:
+            raise AgentConfigError(f"{where}: the name {entry['name']!r} is used twice")
+        seen.add(entry["name"])
+    return entries
+
+
+class AgentTable:
+    """The run's agents by name, made when first used (an agent no row names costs nothing)."""
+
+    def __init__(self, settings: Any, tokenizer, makers: dict[str, Callable[[], Any]], default: Optional[str]):
+        self.settings, self.tokenizer, self.makers, self.default = settings, tokenizer, makers, default
+        self.agents: dict[str, Any] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.makers)
+
+    def get(self, name: str) -> Any:
+        if name not in self.agents:
+            if name not in self.makers:
+                near = difflib.get_close_matches(name, self.makers, n=1)
+                raise AgentConfigError(f"agent_name {name!r} is not an agent of this run (one of {self.names})"
+                                       + (f"; did you mean {near[0]!r}?" if near else "") +
+                                       ": add it to rollout.agent.agent_loop_config_path")
+            self.agents[name] = self.makers[name]()
+        return self.agents[name]
+
+    def for_row(self, row: EpisodeRow) -> Any:
+        name = row.agent_name or self.default
+        if not name:
+            raise AgentConfigError("a row has no agent_name and rollout.agent.default_agent_loop is not set")
+        return self.get(name)
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
+        self.agents.clear()
+
+
+def agent_table(settings: Any, tokenizer) -> AgentTable:
+    """The agents of a run (`settings`: `megappo.envs.loop.EpisodeSettings`)."""
+    makers: dict[str, Callable[[], Any]] = {}
+    if settings.tool_config_path:
+        def tools() -> Any:
+            from megappo.multi_turn.env import ToolAgent
+            from megappo.multi_turn.tools import load_tools
+
+            return ToolAgent(settings, tokenizer, load_tools(settings.tool_config_path))
+        makers["tool_agent"] = tools
+    for name, target in BUILTIN.items():
+        makers[name] = (lambda name=name, target=target: EnvironmentAgent(
+            name, load_object(target, None, f"built-in agent {name}"), tokenizer, {}, settings.step_timeout_s))
+    if settings.agent_config_path:
+        base = os.path.dirname(os.path.abspath(settings.agent_config_path))
+        for entry in read_agent_config(settings.agent_config_path):
+            makers[entry["name"]] = _maker(entry, base, settings, tokenizer)
+    default = settings.default_agent or ("tool_agent" if settings.tool_config_path else None)
+    return AgentTable(settings, tokenizer, makers, default)
+
+
+def _maker(entry: dict, base: str, settings: Any, tokenizer) -> Callable[[], Any]:
+    where = f"agent {entry['name']}"
+    timeout = entry.get("step_timeout_s", settings.step_timeout_s)
+    if entry.get("environment"):
+        return lambda: EnvironmentAgent(entry["name"], load_object(entry["environment"], base, where), tokenizer,
+                                        entry.get("kwargs"), timeout)
+
+    def program() -> Any:
+        from megappo.agents.runner import ProgramAgent
+
+        return ProgramAgent(entry["name"], load_object(entry["agent"], base, where), tokenizer, settings,
+                            kwargs=entry.get("kwargs"), deadline_s=entry.get("deadline_s"))
+    return program
+
+
+def tool_rollout(settings: Any, tokenizer, tools: dict) -> Any:
+    """An episode loop whose every episode is the tool agent's over `tools` (`settings`: EpisodeSettings): the
+    tool loop alone, as tests and benchmarks drive it."""
+    from megappo.envs.loop import EpisodeRollout
+    from megappo.multi_turn.env import ToolAgent
+
+    table = AgentTable(settings, tokenizer, {ToolAgent.name: lambda: ToolAgent(settings, tokenizer, tools)},
+                       ToolAgent.name)
+    table.get(ToolAgent.name)  # its chat template is checked now
+    return EpisodeRollout(settings, table)
