@@ -25,7 +25,8 @@ from megappo.envs.base import Environment, EpisodeRow
 from megappo.multi_turn.template import ChatDelta
 
 # the built-in environments: name -> "module:Class", imported when a run uses them
-BUILTIN = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv"}
+BUILTIN = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv",
+           "gsm8k_feedback": "megappo.envs.gsm8k_feedback:Gsm8kFeedback"}
 
 
 class AgentConfigError(ValueError):

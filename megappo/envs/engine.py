@@ -37,6 +37,7 @@ class EpisodeEngine(RolloutEngine):
         return self.loop.resume(self.inner, done)
 
     def abort(self) -> None:
+        self.loop.abort()
         self.inner.abort()
 
     def pause(self) -> None:

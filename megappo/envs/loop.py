@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
@@ -117,10 +118,14 @@ class EpisodeRollout:
         self.settings, self.agents, self.response_length = settings, agents, settings.response_length
         self.steps = cf.ThreadPoolExecutor(max(1, settings.num_workers), thread_name_prefix="megappo-env")
         self.paused: dict[str, _Request] = {}
+        # set by `abort` (a weight sync): the request in progress pauses before its next round (an engine's own
+        # abort only ends a round that is generating)
+        self.aborting = threading.Event()
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def generate(self, engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  prompt_offset: int = 0, rows: Optional[Sequence[EpisodeRow]] = None) -> list[list[Completion]]:
+        self.aborting.clear()  # an abort before this call ended an earlier one
         n = params.n
         rows = list(rows) if rows is not None else [EpisodeRow([], "", None, {}, prompt_offset + k)
                                                      for k in range(len(prompts))]
@@ -133,6 +138,7 @@ class EpisodeRollout:
 
     def resume(self, engine: RolloutEngine, done: Sequence[Sequence[Completion]]) -> list[list[Completion]]:
         """Continue a paused request (`done`: what `generate` or `resume` answered) with the engine's weights now."""
+        self.aborting.clear()
         key = next(c.extra["episodes"] for group in done for c in group if c.finish_reason == "abort")
         request = self.paused.pop(key)
         for e in request.live:
@@ -142,6 +148,8 @@ class EpisodeRollout:
     def _run(self, engine: RolloutEngine, request: _Request, outputs: Optional[list[Completion]]
              ) -> list[list[Completion]]:
         while request.live:
+            if outputs is None and self.aborting.is_set():
+                return self._pause(request)
             if outputs is None:
                 outputs = self._next_round(engine, request)
             ended = [self._take_turn(e, c) for e, c in zip(request.live, outputs)]
@@ -190,6 +198,9 @@ class EpisodeRollout:
                        stop_token_ids=tuple(params.stop_token_ids) + tuple(sorted(stops - set(params.stop_token_ids))))
 
     def _pause(self, request: _Request) -> list[list[Completion]]:
+        """Every live episode waits for `resume` (those between turns too); the answer holds them as "abort"."""
+        for e in request.live:
+            e.paused = True
         key = uuid.uuid4().hex
         self.paused[key] = request
         return self._grouped(request, key)
@@ -309,6 +320,10 @@ class EpisodeRollout:
         return Completion(prompt_index=e.prompt_index, output_ids=list(e.ids), log_probs=list(e.log_probs),
                           finish_reason=finish, weight_version=e.versions[0] if e.versions else 0,
                           extra=extra, token_versions=list(e.versions))
+
+    def abort(self) -> None:
+        """Pause the request in progress at its next round (its round generating now is the engine's to abort)."""
+        self.aborting.set()
 
     def close(self) -> None:
         self.steps.shutdown(wait=False, cancel_futures=True)

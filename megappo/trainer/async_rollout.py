@@ -157,6 +157,8 @@ class FullyAsyncSource(RolloutSource):
         self.producer = Producer(engine, a.partial_rollout) if engine is not None else None
         self.launched: deque[_Launched] = deque()
         self.next_step = state.step + len(state.ready) + 1  # the first step whose batch is not generated
+        # samples a checkpoint left unfinished that this run generates again from their rows (said once)
+        self.restarted, state.unfinished_samples = state.unfinished_samples, 0
 
     # -- generation ------------------------------------------------------------------------------------------------
     def _launch_allowed(self) -> None:
@@ -200,7 +202,9 @@ class FullyAsyncSource(RolloutSource):
         self._launch_allowed()
         samples, dropped = self._drop_stale(samples, step)
         metrics.update({"async/dropped_stale": float(dropped), "async/queue_size": float(self._queue_size()),
-                        "async/partial_fraction": sum(samples.partial) / max(len(samples), 1)})
+                        "async/partial_fraction": sum(samples.partial) / max(len(samples), 1),
+                        "async/restarted_samples": float(self.restarted)})
+        self.restarted = 0
         return samples, metrics
 
     def _queue_size(self) -> int:
@@ -270,6 +274,8 @@ class FullyAsyncSource(RolloutSource):
         for _ in range(agreed):
             self.state.ready.append(self._collect(time.perf_counter())[0])
         self.state.pending_position = self.launched[0].position if self.launched else None
+        n = self.run.cfg.actor_rollout_ref.rollout.n
+        self.state.unfinished_samples = sum(len(item.prompts) * n for item in self.launched)
 
     def close(self) -> None:
         if self.producer is not None:

@@ -54,6 +54,9 @@ class TrainState:
     # batches still being generated (a resumed run generates them again)
     ready: list[Samples] = field(default_factory=list)
     pending_position: Optional[dict] = None
+    # samples of the batches still being generated at the save (episodes paused mid-way included): a run resumed
+    # from it generates them again from their rows (`async/restarted_samples` at its first step)
+    unfinished_samples: int = 0
     # not checkpointed: where the run writes
     local_dir: str = ""
     logger: Optional[MetricsLogger] = None
@@ -76,8 +79,9 @@ class TrainState:
         out = {"dataloader": self.pending_position or self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                "guard": self.guard.state_dict(), "weight_version": self.weight_version,
                "version_steps": {str(v): s for v, s in self.version_steps.items()}}
-        if self.ready:
-            out["rollout_queue"] = {"ready": [samples.to_json() for samples in self.ready]}
+        if self.ready or self.unfinished_samples:
+            out["rollout_queue"] = {"ready": [samples.to_json() for samples in self.ready],
+                                    "unfinished_samples": self.unfinished_samples}
         return out
 
     def load_state_dict(self, saved: dict, *, keep_guard: bool = False) -> None:
@@ -91,7 +95,9 @@ class TrainState:
         self.weight_version = int(saved.get("weight_version", 0))
         steps = saved.get("version_steps") or {self.weight_version: self.step}
         self.version_steps = {int(v): int(s) for v, s in steps.items()}
-        self.ready = [Samples(**r) for r in (saved.get("rollout_queue") or {}).get("ready", [])]
+        queue = saved.get("rollout_queue") or {}
+        self.ready = [Samples(**r) for r in queue.get("ready", [])]
+        self.unfinished_samples = int(queue.get("unfinished_samples", 0))
         self.pending_position = None
 
 

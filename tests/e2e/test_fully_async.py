@@ -9,7 +9,7 @@ trigger_parameter_sync_step steps, and every prompt is trained once.
   back from the checkpoint; resumed under a tighter threshold, the ones now too stale are dropped and generated
   again (async/dropped_stale).
 - The producer's partial rollout: a sync aborts the generation in progress, and its samples continue from their
-  tokens with the new weights, keeping their first token's version."""
+  tokens with the new weights, each token keeping the version that produced it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -170,3 +170,6 @@ def test_partial_rollout_continues_aborted_samples_with_new_weights(hf_model_dir
         for c in group:
             assert len(c.output_ids) == 64 and len(c.log_probs) == 64 and c.finish_reason == "length"
             assert c.extra["partial"] and c.weight_version == 0
+            # each token keeps the version that produced it: the aborted part 0, the rest the sync's
+            k = c.token_versions.index(5)
+            assert k > 0 and c.token_versions == [0] * k + [5] * (64 - k)

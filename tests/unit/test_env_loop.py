@@ -229,3 +229,22 @@ def test_an_episode_paused_by_a_sync_goes_on_with_the_new_weights(tok):
     behind = samples.token_staleness(1)
     assert behind.count(1) == 2 and set(behind) == {0, 1}  # one stale token per sample: the first
     engine.close()
+
+
+def test_gsm8k_feedback_environment():
+    """The GPU recipe's environment: a wrong answer is told to try again, a right one ends it with reward 1, the
+    turn limit ends it (truncated) without reward; per-row max_turns from extra_info."""
+    from megappo.envs.gsm8k_feedback import RETRY, Gsm8kFeedback
+
+    env = Gsm8kFeedback()
+    row = EpisodeRow([{"role": "user", "content": "q"}], "openai/gsm8k", "72", {"max_turns": 2}, 0)
+    assert env.start(row) is row.prompt
+    wrong = env.step({"role": "assistant", "content": "#### 71"})
+    assert wrong.messages == [{"role": "user", "content": RETRY}] and not wrong.done and wrong.reward == 0
+    right = env.step({"role": "assistant", "content": "so #### 72"})
+    assert right.done and right.reward == 1.0 and right.metrics == {"solved_at_turn": 2.0}
+    env = Gsm8kFeedback()
+    env.start(row)
+    env.step({"role": "assistant", "content": "#### 1"})
+    last = env.step({"role": "assistant", "content": "#### 2"})
+    assert last.done and last.truncated and last.reward == 0.0
