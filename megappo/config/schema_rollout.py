@@ -30,6 +30,11 @@ class AgentConfig:
     agent_loop_config_path: Optional[str] = None  # YAML list of {name, environment | agent, kwargs, ...}
     num_workers: int = 64  # environment steps or agent programs run at once
     step_timeout_s: Optional[float] = 60.0  # an environment step's deadline (past it the episode ends; None: none)
+    # agent programs: an episode's deadline (past it its key is revoked and its sample made of what it recorded), and
+    # where the OpenAI-compatible endpoint listens (loopback; port 0: a free one per holder)
+    deadline_s: float = 300.0
+    endpoint_host: str = "127.0.0.1"
+    endpoint_port: int = 0
 
 
 @dataclass

@@ -391,6 +391,7 @@ def _check_agent(cfg: MegappoConfig, errors: list[str], check_files: bool) -> No
     _need(errors, agent.num_workers >= 1, f"{p}.num_workers", f"must be >= 1, got {agent.num_workers}", "use e.g. 64")
     _need(errors, agent.step_timeout_s is None or agent.step_timeout_s > 0, f"{p}.step_timeout_s",
           f"must be > 0 or null, got {agent.step_timeout_s}", "use e.g. 60")
+    _need(errors, agent.deadline_s > 0, f"{p}.deadline_s", f"must be > 0, got {agent.deadline_s}", "use e.g. 300")
     path = agent.agent_loop_config_path
     if check_files and path:
         _need(errors, os.path.isfile(os.path.expanduser(path)), f"{p}.agent_loop_config_path", f"{path} does not exist",

@@ -1,7 +1,9 @@
 """The run's agents by name: what runs a row's episode (its `agent_name` column, else
 `rollout.agent.default_agent_loop`).
 
-An agent is an object with `name`, `make(row) -> Environment`, `delta` (its `ChatDelta`: the chat template with its
+An agent is an object with `name`, `drives_episodes` (False: an environment, whose rounds the loop runs; True: an
+agent program, `run_episodes(engine, rows, params) -> completions`, `megappo.agents.program`), `make(row) ->
+Environment`, `delta` (its `ChatDelta`: the chat template with its
 tool schemas), `stop_ids` (tokens that end a turn besides EOS), `step_timeout_s` (a step's deadline; None: the
 environment keeps its own) and `own_turn_limits` (its steps end the episode at the turn limits themselves), and
 `close()`. Built in: "tool_agent" (the hermes tool loop over `multi_turn.tool_config_path`,
@@ -37,6 +39,7 @@ class EnvironmentAgent:
     """An environment class (or factory) as an agent: one instance per episode, made with the entry's kwargs."""
 
     own_turn_limits = False
+    drives_episodes = False  # the loop runs its episodes' rounds
 
     def __init__(self, name: str, factory: Callable[..., Environment], tokenizer, kwargs: Optional[dict] = None,
                  step_timeout_s: Optional[float] = 60.0):
@@ -168,7 +171,7 @@ def _maker(entry: dict, base: str, settings: Any, tokenizer) -> Callable[[], Any
                                         entry.get("kwargs"), timeout)
 
     def program() -> Any:
-        from megappo.agents.runner import ProgramAgent
+        from megappo.agents.program import ProgramAgent
 
         return ProgramAgent(entry["name"], load_object(entry["agent"], base, where), tokenizer, settings,
                             kwargs=entry.get("kwargs"), deadline_s=entry.get("deadline_s"))

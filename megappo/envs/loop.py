@@ -64,6 +64,9 @@ class EpisodeSettings:
     agent_config_path: Optional[str] = None
     num_workers: int = 64
     step_timeout_s: Optional[float] = 60.0
+    agent_deadline_s: float = 300.0  # an agent program's episode
+    endpoint_host: str = "127.0.0.1"
+    endpoint_port: int = 0
 
 
 @dataclass(eq=False)
@@ -89,6 +92,7 @@ class Episode:
     paused: bool = False  # its round was aborted (a weight sync): it continues in `resume`
     done: bool = False  # its environment said so
     info: dict = field(default_factory=dict)  # what its environment left for the sample (`info()`, at close)
+    result: Optional[Completion] = None  # an agent program's episode: its sample, made by its agent
 
     def add(self, ids: Sequence[int], log_probs: Optional[Sequence[float]], versions: Sequence[int]) -> None:
         model = log_probs is not None
@@ -131,10 +135,28 @@ class EpisodeRollout:
                                                      for k in range(len(prompts))]
         episodes = [Episode(k * n + j, k, list(p), self.agents.for_row(rows[k]))
                     for k, p in enumerate(prompts) for j in range(n)]
+        row_of = {e.index: replace(rows[e.prompt_index], sample=e.index % n, seed=None if params.seed is None else
+                                   sample_seed(params.seed, prompt_offset + e.prompt_index, e.index % n, n))
+                  for e in episodes}
+        self._run_programs([e for e in episodes if e.agent.drives_episodes], row_of, engine, params)
         for e in episodes:
-            self._start(e, replace(rows[e.prompt_index], sample=e.index % n))
-        request = _Request(episodes, len(prompts), params, [e for e in episodes if not e.failed])
+            if not e.agent.drives_episodes:
+                self._start(e, row_of[e.index])
+        live = [e for e in episodes if not e.agent.drives_episodes and not e.failed]
+        request = _Request(episodes, len(prompts), params, live)
         return self._run(engine, request, self._first_round(engine, request, prompts, prompt_offset))
+
+    def _run_programs(self, episodes: list[Episode], row_of: dict, engine: RolloutEngine,
+                      params: SamplingParams) -> None:
+        """Episodes whose agent drives them itself (agent programs): each agent runs its rows' episodes whole."""
+        by_agent: dict[int, list[Episode]] = {}
+        for e in episodes:
+            by_agent.setdefault(id(e.agent), []).append(e)
+        for group in by_agent.values():
+            done = group[0].agent.run_episodes(engine, [row_of[e.index] for e in group],
+                                               replace(params, n=1, max_new_tokens=self.response_length))
+            for e, c in zip(group, done):
+                e.result = replace(c, prompt_index=e.prompt_index)
 
     def resume(self, engine: RolloutEngine, done: Sequence[Sequence[Completion]]) -> list[list[Completion]]:
         """Continue a paused request (`done`: what `generate` or `resume` answered) with the engine's weights now."""
@@ -294,6 +316,8 @@ class EpisodeRollout:
         return grouped
 
     def _completion(self, e: Episode, paused_key: Optional[str]) -> Completion:
+        if e.result is not None:
+            return e.result
         mismatch = 0.0
         strict = self.settings.tokenization_sanity_check_mode == "strict"
         if strict and paused_key is None and not e.budget_hit and not e.failed:

@@ -45,6 +45,7 @@ class ToolAgent:
 
     name = "tool_agent"
     own_turn_limits = True  # its step ends a turn past the limits before running the calls
+    drives_episodes = False
 
     def __init__(self, settings: Any, tokenizer, tools: dict[str, BaseTool]):
         """settings: `megappo.envs.loop.EpisodeSettings` (format, turn limits, tool answer limits, pool)."""

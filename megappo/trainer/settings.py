@@ -152,7 +152,8 @@ def episodes(cfg: MegappoConfig) -> Optional[EpisodeSettings]:
         tool_response_truncate_side=mt.tool_response_truncate_side, tool_backend=mt.tool_backend,
         tool_workers=mt.tool_workers, tool_timeout_s=mt.tool_timeout_s,
         default_agent=agent.default_agent_loop, agent_config_path=agent.agent_loop_config_path,
-        num_workers=agent.num_workers, step_timeout_s=agent.step_timeout_s)
+        num_workers=agent.num_workers, step_timeout_s=agent.step_timeout_s, agent_deadline_s=agent.deadline_s,
+        endpoint_host=agent.endpoint_host, endpoint_port=agent.endpoint_port)
 
 
 def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:

@@ -39,7 +39,7 @@ class Again(Environment):
 class ShortTurns:
     """An agent whose turns end at any of half the vocabulary (a random model's turns are then a few tokens)."""
 
-    name, own_turn_limits, step_timeout_s = "again", False, 10.0
+    name, own_turn_limits, drives_episodes, step_timeout_s = "again", False, False, 10.0
 
     def __init__(self, tok):
         self.delta = ChatDelta(tok, [])

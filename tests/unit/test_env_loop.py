@@ -248,3 +248,35 @@ def test_gsm8k_feedback_environment():
     env.step({"role": "assistant", "content": "#### 1"})
     last = env.step({"role": "assistant", "content": "#### 2"})
     assert last.done and last.truncated and last.reward == 0.0
+
+
+def test_a_rows_tools_kwargs_reach_the_tools_create(tok):
+    """verl's per-row `extra_info.tools_kwargs[tool].create_kwargs` is given to that tool's `create`, per episode."""
+    from megappo.envs.agents import tool_rollout
+    from megappo.multi_turn.calculator import CalculatorTool
+
+    created: list = []
+
+    class Seeded(CalculatorTool):
+        def create(self, instance_id, **kwargs):
+            created.append(kwargs)
+
+    cfg = MegappoConfig()
+    cfg.actor_rollout_ref.rollout.multi_turn = MultiTurnConfig(enable=True, tool_config_path="unused.yaml")
+    cfg.data.max_response_length = 120
+    loop = tool_rollout(settings.episodes(cfg), tok, {"calculator": Seeded({}, tool_sum.TOOL_SCHEMA)})
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+
+    class Calls(Scripted):
+        def generate(self, prompts, params, *, prompt_offset=0):
+            return [[Completion(k, self.tok.encode(call if "tool_response" not in self.tok.decode(p) else "2<|im_end|>",
+                                                   add_special_tokens=False), [0.0] * 30, "stop")
+                     for _ in range(params.n)] for k, p in enumerate(prompts)]
+
+    kwargs = {"calculator": {"create_kwargs": {"ground_truth": "2"}}}
+    row = EpisodeRow([{"role": "user", "content": "1+1="}], "d", "2", {"tools_kwargs": kwargs}, 0)
+    p = tok.encode(tok.apply_chat_template([{"role": "user", "content": "1+1="}], tools=[tool_sum.TOOL_SCHEMA],
+                                           tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+    [[c]] = loop.generate(Calls(tok), [p], SamplingParams(max_new_tokens=120), rows=[row])
+    assert created == [{"ground_truth": "2"}] and c.extra["tool_results"][0]["text"] == "2"
+    loop.close()
