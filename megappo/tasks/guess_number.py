@@ -60,8 +60,11 @@ class GuessTask:
     low: int = 1
     high: int = 15
     max_turns: int = 4
-    smoothing: float = 0.8  # each guess token's target: 1 - smoothing on the middle, smoothing spread over the range
-    history_mid_share: float = 0.5  # warm-start episodes are played by the middle guess this often (else uniform)
+    smoothing: float = 0.75  # each guess token's target: 1 - smoothing on the middle, smoothing spread over the range
+    # warm-start episodes are played by the middle guess this often (else uniform): mostly binary search, so that the
+    # deep states RL will reach (three hints read) are well learnt, with enough stray guesses to cover the initial
+    # policy's histories
+    history_mid_share: float = 0.8
     warm_start_lr: float = 3e-3
     warm_start_batch: int = 64
     model: dict = field(default_factory=lambda: dict(
@@ -161,7 +164,7 @@ def builtin_rewards() -> dict[str, Any]:
 # files
 # ---------------------------------------------------------------------------------------------------------------
 def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_val_prompts: int = 64,
-                 warm_start_steps: int = 300, seed: int = 0) -> TaskFiles:
+                 warm_start_steps: int = 500, seed: int = 0) -> TaskFiles:
     """`megappo.tasks.synthetic.prepare_task` for the guessing task (same files, manifest, locking and reuse)."""
     task = TASKS[name]
     params = synthetic.dataclass_params(name, task, FORMAT_VERSION, num_train_prompts, num_val_prompts,
@@ -301,11 +304,12 @@ def _loss(model, task: GuessTask, batch, range_ids, eos_id: int):
     import torch
 
     x, guesses, eos = batch
-    logq = torch.log_softmax(model(input_ids=x).logits.float(), -1)
-    at_guess = logq[guesses[:, 0], guesses[:, 1] - 1]  # [G, V]: the distribution each guess is drawn from
+    hidden = model.model(input_ids=x).last_hidden_state  # [n, T, H]; the vocabulary only where supervised
+    at_guess = torch.log_softmax(model.lm_head(hidden[guesses[:, 0], guesses[:, 1] - 1]).float(), -1)  # [G, V]
+    at_eos = torch.log_softmax(model.lm_head(hidden[eos[:, 0], eos[:, 1] - 1]).float(), -1)  # [E, V]
     guess_nll = -(1 - task.smoothing) * at_guess.gather(-1, guesses[:, 2:3])[:, 0] \
         - task.smoothing * at_guess[:, range_ids].mean(-1)
-    eos_nll = -logq[eos[:, 0], eos[:, 1] - 1, eos_id]
+    eos_nll = -at_eos[:, eos_id]
     return (guess_nll.sum() + eos_nll.sum()) / (len(guess_nll) + len(eos_nll)), at_guess
 
 
