@@ -113,9 +113,9 @@ class GuessNumberEnv(Environment):
 
     def start(self, row: EpisodeRow) -> list[dict]:
         info, defaults = dict(row.extra_info or {}), TASKS["guess_number"]
-        self.low = int(info.get("low", defaults.low))
-        self.high = int(info.get("high", defaults.high))
-        self.max_turns = int(info.get("max_turns", defaults.max_turns))
+        # a key absent from some rows reads back from Parquet as None in the others (one struct type per column)
+        arg = lambda key: int(getattr(defaults, key) if info.get(key) is None else info[key])  # noqa: E731
+        self.low, self.high, self.max_turns = arg("low"), arg("high"), arg("max_turns")
         secret = parse_guess(str(row.ground_truth))
         if secret is None or not self.low <= secret <= self.high or self.max_turns < 1:
             raise ValueError(f"guess_number row {row.index}: secret {row.ground_truth!r} is not in "

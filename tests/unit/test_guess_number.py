@@ -63,7 +63,7 @@ def test_env_turn_limit_and_non_numbers_are_wrong_guesses():
     assert env.step("3").messages == [{"role": "user", "content": "not a number"}]
     assert say(env, "99").done  # max_turns from extra_info: two guesses
     env = GuessNumberEnv()
-    env.start(row(3, high=5))
+    env.start(row(3, high=5, low=None, max_turns=None))  # None (a column other rows lack): the default
     assert say(env, "0").messages == [{"role": "user", "content": "higher"}]
     assert say(env, "99").messages == [{"role": "user", "content": "lower"}]
 
