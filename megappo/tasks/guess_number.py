@@ -4,7 +4,7 @@
 A secret integer in `low..high` (1..15); the model's whole message is a guess; the environment (`GuessNumberEnv`)
 answers `higher` or `lower` as a user message, or ends the episode: reward 1.0 when the guess is right, 0.0 after
 `max_turns` (4) wrong guesses. Fifteen numbers in four guesses is exactly what binary search covers (2^4 - 1), so
-a policy that follows the hints (8, then 4 or 12, ...) always wins, and one that ignores them wins ~0.23 of
+a policy that follows the hints (8, then 4 or 12, ...) always wins, and one that ignores them wins ~0.25 of
 episodes (four uniform guesses). Per-row arguments live in `extra_info` (`low`, `high`, `max_turns`), so a dataset
 can vary them; the prompt states the range: `guess 1-15`.
 
@@ -20,11 +20,13 @@ a guess is one token and EOS, a hint turn ten tokens, a four-turn episode under 
 `prepare_task` writes (like `megappo.tasks.synthetic`, whose file layout, manifest and locking it shares) a tiny
 Qwen2 with tool_sum's byte-level tokenizer and Qwen-style chat template, and Parquet rows in verl's schema with an
 `agent_name` column. Every row has the same prompt (the range), so train and val differ only in their secrets,
-balanced over the range. The warm start is supervised on episodes played by a mix of the hint-following guess
-(the middle of the range the hints leave) and a uniform guess; each guess token's target is smoothed: the middle
-with weight 1 - `smoothing`, each number of the range with `smoothing` / size. The warm model ranks the middle
-first (greedy play wins nearly always) but samples it seldom, so at temperature 1 it wins ~0.3 of episodes and RL
-has to make it follow the hints it already reads (as digit_max's smoothed warm start, `megappo.tasks.synthetic`).
+balanced over the range. The warm start (500 steps, ~40 s on one thread) is supervised on episodes played by a mix
+of the hint-following guess (the middle of the range the hints leave; 80% of guesses) and a uniform guess; each
+guess token's target is smoothed: the middle with weight 1 - `smoothing` (0.75), each number of the range with
+`smoothing` / size. The warm model ranks the middle first (greedy play wins every episode) but samples it with
+probability ~0.3, so at temperature 1 it wins ~0.3 of episodes and RL has to make it follow the hints it already
+reads (as digit_max's smoothed warm start, `megappo.tasks.synthetic`). Measured outside the trainer: REINFORCE
+(64 episodes a step, Adam 1e-3) takes the win rate from ~0.3 to ~0.57 in 50 steps and ~0.88 in 100.
 
 The reward (`guess_number_reward`) is the episode's summed environment reward, which the trainer puts in
 `extra_info["env_reward"]`. This module imports neither torch nor pyarrow at import time (reward workers import it).
