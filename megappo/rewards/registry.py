@@ -58,7 +58,7 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 # may then import megappo.rewards freely, in either order. The GSM8K reward (below) is registered here and imports
 # its scoring module when first called.
 _BUILTINS = (("megappo.tasks.synthetic", "builtin_rewards"), ("megappo.tasks.tool_sum", "builtin_rewards"),
-             ("megappo.tasks.colour_square", "builtin_rewards"))
+             ("megappo.tasks.colour_square", "builtin_rewards"), ("megappo.tasks.guess_number", "builtin_rewards"))
 
 
 def _load_builtins() -> None:
