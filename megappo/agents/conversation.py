@@ -14,7 +14,9 @@ else starts a new segment from the whole rendering (`Plan.continued` False).
 """
 from __future__ import annotations
 
+import functools
 import json
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -110,22 +112,37 @@ class Plan:
     tail: list[dict]  # continued: the messages after the last turn (recorded as `between`)
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class PromptBuilder:
-    """Renders requests with one tokenizer's chat template (see the module docstring)."""
+    """Renders requests with one tokenizer's chat template (see the module docstring).
+
+    Every use of the tokenizer holds `lock`: a fast tokenizer's escaped encoding (`split_special_tokens`) switches
+    the shared Rust tokenizer's special-token matching off and on, so a concurrent encoding of template text could
+    lose its control tokens (and a concurrent borrow raises "Already borrowed")."""
 
     def __init__(self, tokenizer, markup: Sequence[str] = MARKUP["hermes"]):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the agent endpoint needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
+        self.lock = threading.RLock()
         self.tool_text = ToolText(tokenizer, markup)
         self._nonce = uuid.uuid4().hex
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if eos is not None else set()
 
     # -- text -------------------------------------------------------------------------------------------------------
+    @_locked
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    @_locked
     def turn_text(self, output_ids: Sequence[int]) -> str:
         """An assistant turn's text as the template renders it: its tokens decoded, a closing EOS left out."""
         ids = list(output_ids)
@@ -133,6 +150,7 @@ class PromptBuilder:
             ids = ids[:-1]
         return self.decode(ids)
 
+    @_locked
     def escape_tools(self, tools: Any) -> Optional[list]:
         """The request's tool schemas with every string escaped (the template renders them as its own text)."""
         if tools is None:
@@ -179,7 +197,13 @@ class PromptBuilder:
             ids += self.tokenizer.encode(piece, add_special_tokens=False) + self.tool_text.encode(content)
         return ids + self.tokenizer.encode(rest, add_special_tokens=False)
 
+    @_locked
+    def encode(self, text: str) -> list[int]:
+        """The template's own text (its control tokens are real)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     # -- plans ------------------------------------------------------------------------------------------------------
+    @_locked
     def fresh(self, messages: list[dict], tools: Optional[list]) -> Plan:
         """A new segment: the whole rendering, each content escaped and tokenised alone."""
         shown = [self._template_message(m, self._slot(k)) for k, m in enumerate(messages)]
@@ -191,6 +215,7 @@ class PromptBuilder:
             ids = self.tokenizer.encode(self._render(escaped, tools), add_special_tokens=False)
         return Plan(False, ids, ids, messages, [])
 
+    @_locked
     def continuation(self, segment: Segment, messages: list[dict], tools: Optional[list]) -> Optional[Plan]:
         """The segment continued by these messages, or None when they are another history."""
         tail = _tail(segment, messages)

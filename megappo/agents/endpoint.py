@@ -202,7 +202,7 @@ class AgentEndpoint:
     def _stop_id(self, text: str) -> Optional[int]:
         """The token of a stop string that is one token (the engine then stops on it), else None."""
         if text not in self._single_token:
-            ids = self.builder.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.builder.encode(text)
             self._single_token[text] = ids[0] if len(ids) == 1 else None
         return self._single_token[text]
 
