@@ -30,6 +30,7 @@ class Pending:
     params: SamplingParams  # row_seeds holds this call's one seed
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0
+    busy_s: float = 0.0  # waited while the engine served earlier batches (the rest of the wait is the gathering)
     engine_s: float = 0.0
     completion: Optional[Completion] = None
     error: Optional[BaseException] = None
@@ -85,6 +86,7 @@ class Batcher:
 
     def _take(self) -> Optional[list[Pending]]:
         """The next batch: the first waiting call and those of the same parameters, after the gathering window."""
+        free = time.perf_counter()  # the engine is free from here
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait()
@@ -102,7 +104,9 @@ class Batcher:
             batch = [c for c in self._queue if _key(c.params) == key][:self.max_batch]
             taken = {id(c) for c in batch}
             self._queue = [c for c in self._queue if id(c) not in taken]
-            return batch
+        for c in batch:
+            c.busy_s = max(free - c.queued_at, 0.0)
+        return batch
 
     def _loop(self) -> None:
         while True:

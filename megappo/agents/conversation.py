@@ -136,10 +136,15 @@ class PromptBuilder:
         self._nonce = uuid.uuid4().hex
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if eos is not None else set()
+        # a fast tokenizer's Rust tokenizer, called directly: what `encode`/`decode` do for it, a third of the cost
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) \
+            else None
 
     # -- text -------------------------------------------------------------------------------------------------------
     @_locked
     def decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @_locked
@@ -189,18 +194,41 @@ class PromptBuilder:
         return out
 
     def _encode_slots(self, text: str, contents: list[str]) -> list[int]:
-        ids, rest = [], text
-        for k, content in enumerate(contents):
+        pieces, rest = [], text
+        for k in range(len(contents)):
             piece, found, rest = rest.partition(self._slot(k))
             if not found or self._slot(k) in rest:
                 raise _NotVerbatim()
-            ids += self.tokenizer.encode(piece, add_special_tokens=False) + self.tool_text.encode(content)
-        return ids + self.tokenizer.encode(rest, add_special_tokens=False)
+            pieces.append(piece)
+        pieces.append(rest)
+        template, untrusted = self._encode_many(pieces), self._encode_untrusted(contents)
+        return [i for k, ids in enumerate(untrusted) for i in template[k] + ids] + template[-1]
+
+    def _encode_many(self, texts: list[str]) -> list[list[int]]:
+        if self._backend is None:
+            return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+
+    def _encode_untrusted(self, texts: list[str]) -> list[list[int]]:
+        """Each text escaped and tokenised with special-token matching off (`ToolText.encode`)."""
+        if self._backend is None or not texts:
+            return [self.tool_text.encode(t) for t in texts]
+        before = self._backend.encode_special_tokens
+        self._backend.encode_special_tokens = True
+        try:
+            out = [e.ids for e in self._backend.encode_batch([self.tool_text.escape(t) for t in texts],
+                                                             add_special_tokens=False)]
+        finally:
+            self._backend.encode_special_tokens = before
+        bad = self.tool_text.control_ids.intersection(i for ids in out for i in ids)
+        if bad:  # as ToolText.encode: refuse rather than show the model a control token from untrusted text
+            raise BadRequest(f"a message tokenises to control token(s) {sorted(bad)} even escaped")
+        return out
 
     @_locked
     def encode(self, text: str) -> list[int]:
         """The template's own text (its control tokens are real)."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode_many([text])[0]
 
     # -- plans ------------------------------------------------------------------------------------------------------
     @_locked
@@ -212,7 +240,7 @@ class PromptBuilder:
             ids = self._encode_slots(self._render(shown, tools), contents)
         except _NotVerbatim:  # the template transforms contents: tokenise its rendering of the escaped contents
             escaped = [self._template_message(m, self.tool_text.escape(m["content"])) for m in messages]
-            ids = self.tokenizer.encode(self._render(escaped, tools), add_special_tokens=False)
+            ids = self._encode_many([self._render(escaped, tools)])[0]
         return Plan(False, ids, ids, messages, [])
 
     @_locked

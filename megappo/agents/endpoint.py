@@ -258,7 +258,7 @@ class AgentEndpoint:
         queue_s = max(call.started_at - call.queued_at, 0.0) if call.started_at else 0.0
         record.calls.append(CallRecord(index, len(record.segments) - 1, list(plan.prompt_ids), list(ids), list(logps),
                                        completion.weight_version, reply.finish_reason,
-                                       not plan.continued and index > 0, queue_s, engine_s,
+                                       not plan.continued and index > 0, queue_s, call.busy_s, engine_s,
                                        max(time.perf_counter() - t0 - queue_s - engine_s, 0.0)))
         record.messages = [m for m in raw_messages] + [message_json(reply)]
         traj.last_key, traj.last_reply, traj.delivered = key, (f"chatcmpl-{record.id}-{index}", reply,

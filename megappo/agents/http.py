@@ -32,6 +32,7 @@ class Reply:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 1024  # the listen backlog: socketserver's 5 resets agents that connect together
 
     def __init__(self, address, handler, owner: "HttpServer"):
         self.owner = owner
@@ -51,6 +52,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.owner.settings.socket_timeout_s  # a stalled client is dropped
         super().setup()
+        # one write per response and no Nagle: headers and body in two segments would wait out the client's
+        # delayed ACK (40 ms a call)
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def finish(self) -> None:
         try:
@@ -70,8 +74,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Cache-Control", "no-cache")
             if self.close_connection:
                 self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(reply.body)
+            self._headers_buffer.append(b"\r\n")
+            self.wfile.write(b"".join(self._headers_buffer) + reply.body)
+            self._headers_buffer = []
             self.wfile.flush()
         except OSError:  # the client went away (or the server is stopping): nothing to answer
             self.close_connection = True

@@ -54,6 +54,7 @@ class CallRecord:
     finish_reason: str  # "stop", "length", "tool_calls", "abort"
     retokenized: bool  # the call's history did not continue the segment: a new segment from its whole rendering
     queue_s: float = 0.0  # waiting for the engine (a batch in flight) and for the batch to gather
+    busy_s: float = 0.0  # the part of queue_s the engine was busy with earlier batches
     engine_s: float = 0.0  # the engine's generate call that served it (the whole batch's)
     overhead_s: float = 0.0  # the rest of the request's time in the endpoint (parsing, rendering, tokenising, JSON)
 
