@@ -30,11 +30,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import random
 import secrets
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 from megappo.agents.batcher import Batcher, Closed, Pending
@@ -47,6 +48,23 @@ from megappo.multi_turn.parser import TOOL_CALL_END
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import sample_seed
+
+
+logger = logging.getLogger(__name__)
+_MAX_PARTS = 64  # continuations of one aborted turn, at most
+
+
+@dataclass
+class _Generated:
+    """A call's turn as the engine sampled it, in one part or more (see `AgentEndpoint._generate`)."""
+
+    ids: list[int]
+    log_probs: list[float]
+    versions: list[int]  # per token: the weight version that sampled it
+    finish: str
+    queue_s: float = 0.0
+    busy_s: float = 0.0
+    engine_s: float = 0.0
 
 
 class _Trajectory:
@@ -206,11 +224,7 @@ class AgentEndpoint:
             self._single_token[text] = ids[0] if len(ids) == 1 else None
         return self._single_token[text]
 
-    def _generate(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[Completion, Pending]:
-        if params.max_new_tokens <= 0:  # the budget is spent: an empty turn, the engine is not asked
-            empty = Pending(prompt, params)
-            empty.finish(Completion(0, [], [], "length", weight_version=self.engine.weight_version))
-            return empty.completion, empty
+    def _submit(self, prompt: list[int], params: SamplingParams, seed: int) -> tuple[Completion, Pending]:
         call = self.batcher.submit(prompt, params, seed)
         with self._lock:
             self._inflight.add(call)
@@ -219,6 +233,29 @@ class AgentEndpoint:
         finally:
             with self._lock:
                 self._inflight.discard(call)
+
+    def _generate(self, prompt: list[int], params: SamplingParams, seed: int) -> _Generated:
+        """The call's turn. A generation the engine aborted (a weight sync: finish "abort") goes on from the tokens
+        it has, as a partial rollout does, each part under the weights that sampled it (part k > 0 draws with
+        `sample_seed(seed, k, 0, 1)`), so the agent always gets a whole turn."""
+        out = _Generated([], [], [], "length")
+        if params.max_new_tokens <= 0:  # the budget is spent: an empty turn, the engine is not asked
+            return out
+        for part in range(_MAX_PARTS):
+            left = params.max_new_tokens - len(out.ids)
+            part_seed = seed if part == 0 else sample_seed(seed, part, 0, 1)
+            completion, call = self._submit(prompt + out.ids, replace(params, max_new_tokens=left), part_seed)
+            out.ids += completion.output_ids
+            out.log_probs += completion.log_probs
+            out.versions += [completion.weight_version] * len(completion.output_ids)
+            out.finish, out.engine_s = completion.finish_reason, out.engine_s + call.engine_s
+            out.queue_s += max(call.started_at - call.queued_at, 0.0) if call.started_at else 0.0
+            out.busy_s += call.busy_s
+            if out.finish != "abort" or len(out.ids) >= params.max_new_tokens:
+                break
+        if out.finish == "abort":
+            out.finish = "length"
+        return out
 
     def _call(self, traj: _Trajectory, messages: list[dict], tools: Optional[list], samp: RequestSampling,
               raw_messages: Any, key: str, t0: float) -> Reply:
@@ -233,49 +270,50 @@ class AgentEndpoint:
                 else self._seeds.randrange(2**63))
         epoch = self._epoch
         try:
-            completion, call = self._generate(plan.prompt_ids, params, seed)
+            turn = self._generate(plan.prompt_ids, params, seed)
         except Closed:
             return _error(503, "the endpoint stopped before the call was answered; retry")
         except TimeoutError as e:
             return _error(503, f"generation timed out: {e}")
         except Exception as e:  # the engine failed: the call is not recorded, the agent may retry
+            logger.warning("agent endpoint: generation failed: %s: %s", type(e).__name__, e)
             return _error(500, f"generation failed: {type(e).__name__}: {e}")
         with self._lock:
             if epoch != self._epoch or record.closed:
                 return _error(503 if not record.closed else 401, "the call was cut off (restart or revoked key)")
-        ids, logps, finish = completion.output_ids, completion.log_probs, completion.finish_reason
-        cut = stop_cut(self.builder.decode, ids, samp.stop)
-        text = self.builder.turn_text(ids)
-        if cut is not None:
-            ids, logps, finish = ids[:cut[0]], logps[:cut[0]], "stop"
-            text = self.builder.decode(ids)[:cut[1]]
-        calls_made = sum(len(t.tool_calls) for s in record.segments for t in s.turns)
-        reply = answer(text, finish, bool(tools), lambda k: f"call_{record.id}_{calls_made + k}")
-        turn_text = self.builder.turn_text(ids)
-        turn = Turn(reply.content, reply.tool_calls, turn_text)
-        self._record(record, plan, ids, logps, completion.weight_version, turn)
-        engine_s = call.engine_s
-        queue_s = max(call.started_at - call.queued_at, 0.0) if call.started_at else 0.0
-        record.calls.append(CallRecord(index, len(record.segments) - 1, list(plan.prompt_ids), list(ids), list(logps),
-                                       completion.weight_version, reply.finish_reason,
-                                       not plan.continued and index > 0, queue_s, call.busy_s, engine_s,
-                                       max(time.perf_counter() - t0 - queue_s - engine_s, 0.0)))
-        record.messages = [m for m in raw_messages] + [message_json(reply)]
+        reply = self._finish(record, plan, turn, samp, bool(tools))
+        record.calls.append(CallRecord(index, len(record.segments) - 1, list(plan.prompt_ids), turn.ids,
+                                       turn.log_probs, turn.versions, reply.finish_reason,
+                                       not plan.continued and index > 0, turn.queue_s, turn.busy_s, turn.engine_s,
+                                       max(time.perf_counter() - t0 - turn.queue_s - turn.engine_s, 0.0)))
+        record.messages = list(raw_messages) + [message_json(reply)]
         traj.last_key, traj.last_reply, traj.delivered = key, (f"chatcmpl-{record.id}-{index}", reply,
-                                                               len(plan.prompt_ids), len(ids)), False
+                                                               len(plan.prompt_ids), len(turn.ids)), False
         return self._reply(traj, samp, *traj.last_reply)
 
+    def _finish(self, record: TrajectoryRecord, plan: Plan, turn: _Generated, samp: RequestSampling,
+                tools: bool) -> Answer:
+        """The turn cut at its first stop string, as the assistant message the client gets, recorded."""
+        cut = stop_cut(self.builder.decode, turn.ids, samp.stop)
+        text = self.builder.turn_text(turn.ids)
+        if cut is not None:
+            turn.ids, turn.log_probs, turn.versions = turn.ids[:cut[0]], turn.log_probs[:cut[0]], turn.versions[:cut[0]]
+            turn.finish, text = "stop", self.builder.decode(turn.ids)[:cut[1]]
+        issued = sum(len(t.tool_calls) for s in record.segments for t in s.turns)
+        reply = answer(text, turn.finish, tools, lambda k: f"call_{record.id}_{issued + k}")
+        self._record(record, plan, turn, Turn(reply.content, reply.tool_calls, self.builder.turn_text(turn.ids)))
+        return reply
+
     @staticmethod
-    def _record(record: TrajectoryRecord, plan: Plan, ids: list[int], logps: list[float], version: int,
-                turn: Turn) -> None:
+    def _record(record: TrajectoryRecord, plan: Plan, generated: _Generated, turn: Turn) -> None:
         if plan.continued:
             segment = record.segments[-1]
-            segment.add(plan.delta, None, -1, model=False)
+            segment.add(plan.delta, None, None, model=False)
             segment.between.append(plan.tail)
         else:
             segment = Segment(len(plan.prompt_ids), list(plan.prompt_ids), [], [], [], plan.base)
             record.segments.append(segment)
-        segment.add(list(ids), logps, version, model=True)
+        segment.add(list(generated.ids), generated.log_probs, generated.versions, model=True)
         segment.turns.append(turn)
 
     def _reply(self, traj: _Trajectory, samp: RequestSampling, call_id: str, reply: Answer, prompt_tokens: int,

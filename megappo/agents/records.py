@@ -50,13 +50,19 @@ class CallRecord:
     prompt_ids: list[int]  # the whole prompt the engine was given
     output_ids: list[int]  # the model's tokens (cut after a stop string when one ended the turn)
     log_probs: list[float]  # one per output token
-    weight_version: int  # the engine's weights that sampled the tokens
+    versions: list[int]  # per output token: the weight version that sampled it (more than one when a weight
+    # sync aborted the generation and it went on under the new weights)
     finish_reason: str  # "stop", "length", "tool_calls", "abort"
     retokenized: bool  # the call's history did not continue the segment: a new segment from its whole rendering
     queue_s: float = 0.0  # waiting for the engine (a batch in flight) and for the batch to gather
     busy_s: float = 0.0  # the part of queue_s the engine was busy with earlier batches
     engine_s: float = 0.0  # the engine's generate call that served it (the whole batch's)
     overhead_s: float = 0.0  # the rest of the request's time in the endpoint (parsing, rendering, tokenising, JSON)
+
+    @property
+    def weight_version(self) -> Optional[int]:
+        """The oldest weights among the turn's tokens (None for an empty turn)."""
+        return min(self.versions) if self.versions else None
 
 
 @dataclass
@@ -81,16 +87,12 @@ class Segment:
     turns: list[Turn] = field(default_factory=list)
     between: list[list[dict]] = field(default_factory=list)  # canonical messages sent after each turn but the last
 
-    def add(self, ids: list[int], log_probs: Optional[list[float]], version: int, model: bool) -> None:
+    def add(self, ids: list[int], log_probs: Optional[list[float]], versions: Optional[list[int]],
+            model: bool) -> None:
         self.ids += ids
         self.mask += [1 if model else 0] * len(ids)
         self.log_probs += list(log_probs) if model else [0.0] * len(ids)
-        self.versions += [version if model else -1] * len(ids)
-
-    def rewind(self, length: int) -> None:
-        """Drop every token from `length` (a call undone)."""
-        cut = max(length - self.prompt_len, 0)
-        del self.ids[length:], self.mask[cut:], self.log_probs[cut:], self.versions[cut:]
+        self.versions += list(versions) if model else [-1] * len(ids)
 
 
 @dataclass

@@ -4,9 +4,10 @@ engine's, a trajectory's calls continue one token-exact segment, rewritten histo
 stitched sample is the conversation's tokens, and hostile requests are refused."""
 from __future__ import annotations
 
-import json
 import http.client
+import json
 import threading
+from dataclasses import replace
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ import torch
 from megappo.agents.endpoint import AgentEndpoint
 from megappo.agents.records import EndpointSettings
 from megappo.agents.stitch import stitch
+from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.sampling import SamplingParams
 from megappo.rollout.seeds import sample_seed
@@ -230,5 +232,49 @@ def test_keys_requests_and_limits_are_checked(model):
             client(ep, b).chat.completions.create(model="any", messages=PROMPT)
         ok = {"messages": PROMPT, "unknown_field": {"x": 1}, "logit_bias": {}, "user": "u"}
         assert raw(ep, "POST", "/v1/chat/completions", json.dumps(ok).encode(), auth)[0] == 200
+    finally:
+        ep.close()
+
+
+class SyncMidTurn(RolloutEngine):
+    """The real engine, whose first generation a weight sync aborts after 3 tokens (finish "abort", the tokens it
+    had); the sync then loads the same weights as version 1."""
+
+    def __init__(self, inner):
+        self.inner, self.synced = inner, False
+
+    @property
+    def weight_version(self):
+        return self.inner.weight_version
+
+    def generate(self, prompts, params, **kw):
+        if self.synced:
+            return self.inner.generate(prompts, params, **kw)
+        out = self.inner.generate(prompts, replace(params, max_new_tokens=3), **kw)
+        self.synced = True
+        self.inner.update_weights(list(self.inner.model.state_dict().items()), version=self.inner.weight_version + 1)
+        return [[replace(c, finish_reason="abort") for c in group] for group in out]
+
+    def load_weights(self, buckets, *, version, mode, partial=False):
+        return version
+
+    def prompt_log_probs(self, token_ids):
+        return self.inner.prompt_log_probs(token_ids)
+
+
+def test_a_turn_a_weight_sync_aborts_goes_on_under_the_new_weights(model):
+    tok, engine = model
+    ep = AgentEndpoint(SyncMidTurn(engine), tok)
+    try:
+        v0 = engine.weight_version
+        handle = ep.open(4, PARAMS, budget_tokens=64)
+        reply = client(ep, handle).chat.completions.create(model="any", messages=PROMPT)
+        (call,) = ep.close_trajectory(handle).calls
+        assert call.versions == [v0] * 3 + [v0 + 1] * 5 and call.weight_version == v0
+        assert len(call.output_ids) == 8 and reply.choices[0].finish_reason == "length"
+        assert reply.choices[0].message.content == tok.decode(call.output_ids)
+        # the continuation is the model's own: scored with the (unchanged) weights, its log-probs are the engine's
+        scored = engine.prompt_log_probs(call.prompt_ids + call.output_ids)[0][len(call.prompt_ids) - 1:]
+        assert scored == pytest.approx(call.log_probs, abs=1e-4)
     finally:
         ep.close()
