@@ -155,23 +155,26 @@ class PromptBuilder:
             ids = ids[:-1]
         return self.decode(ids)
 
-    @_locked
+    def escape_all(self, x: Any) -> Any:
+        """`x` (JSON data) with every string in it escaped: what the template renders as its own text."""
+        if isinstance(x, str):
+            return self.tool_text.escape(x)
+        if isinstance(x, list):
+            return [self.escape_all(v) for v in x]
+        if isinstance(x, dict):
+            return {self.escape_all(k): self.escape_all(v) for k, v in x.items()}
+        return x
+
     def escape_tools(self, tools: Any) -> Optional[list]:
-        """The request's tool schemas with every string escaped (the template renders them as its own text)."""
+        """The request's tool schemas, every string escaped (the template renders them as its own text)."""
         if tools is None:
             return None
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise BadRequest("tools must be a list of objects")
-
-        def walk(x):
-            if isinstance(x, str):
-                return self.tool_text.escape(x)
-            if isinstance(x, list):
-                return [walk(v) for v in x]
-            if isinstance(x, dict):
-                return {walk(k): walk(v) for k, v in x.items()}
-            return x
-        return walk(tools) or None
+        try:
+            return self.escape_all(tools) or None
+        except RecursionError:
+            raise BadRequest("tools nest too deeply") from None
 
     def _slot(self, k: int) -> str:
         return f"\ue000{self._nonce}:{k}\ue001"
@@ -184,13 +187,16 @@ class PromptBuilder:
             raise BadRequest(f"the chat template cannot render these messages: {e}") from None
 
     def _template_message(self, m: dict, content: str) -> dict:
+        """The message as the template gets it: `content` (a slot or escaped text), and every other string the
+        template may render (name, tool_call_id, a tool call's name and arguments) escaped."""
         out = {"role": m["role"], "content": content}
         for key in ("tool_call_id", "name"):
             if key in m:
-                out[key] = m[key]
+                out[key] = self.tool_text.escape(m[key])
         if m.get("tool_calls"):
-            out["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": _args(a)}}
-                                 for i, n, a in m["tool_calls"]]
+            out["tool_calls"] = self.escape_all([{"id": i, "type": "function",
+                                                  "function": {"name": n, "arguments": _args(a)}}
+                                                 for i, n, a in m["tool_calls"]])
         return out
 
     def _encode_slots(self, text: str, contents: list[str]) -> list[int]:

@@ -21,6 +21,8 @@ def parse_body(body: bytes) -> dict:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply") from None
     if not isinstance(obj, dict):
         raise BadRequest("the request body must be a JSON object")
     return obj
