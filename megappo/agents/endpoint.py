@@ -10,7 +10,9 @@ unchanged against `base_url` with a per-trajectory API key, while megappo record
 Serves `POST /v1/chat/completions` and `GET /v1/models`. Every call renders its messages with the tokenizer's chat
 template, continues the trajectory's segment of recorded token ids when the messages continue it, or starts a new
 segment (counted as retokenized, megappo/agents/conversation.py), and is sampled in a batch with other trajectories'
-calls (megappo/agents/batcher.py). Records: megappo/agents/records.py; wire format: megappo/agents/openai_format.py.
+calls (megappo/agents/batcher.py). Records: megappo/agents/records.py; wire format: megappo/agents/openai_format.py
+(tool calls: the hermes calls in the model's text as OpenAI `tool_calls`; `stream: true` is answered as server-sent
+events the `openai` client reads, sent once the turn is generated: generation itself is not streamed).
 
 Sampling: the trainer's parameters (`open(..., params)`: temperature, top_p, top_k) win over the request's unless
 `EndpointSettings.request_sampling`, since training assumes the run's sampling distribution; a request's
@@ -278,22 +280,25 @@ class AgentEndpoint:
         except Exception as e:  # the engine failed: the call is not recorded, the agent may retry
             logger.warning("agent endpoint: generation failed: %s: %s", type(e).__name__, e)
             return _error(500, f"generation failed: {type(e).__name__}: {e}")
-        with self._lock:
+        reply, shown = self._answer(record, turn, samp, bool(tools))
+        with self._lock:  # recorded at once or not at all: close_trajectory and restart take this lock too
             if epoch != self._epoch or record.closed:
                 return _error(503 if not record.closed else 401, "the call was cut off (restart or revoked key)")
-        reply = self._finish(record, plan, turn, samp, bool(tools))
-        record.calls.append(CallRecord(index, len(record.segments) - 1, list(plan.prompt_ids), turn.ids,
-                                       turn.log_probs, turn.versions, reply.finish_reason,
-                                       not plan.continued and index > 0, turn.queue_s, turn.busy_s, turn.engine_s,
-                                       max(time.perf_counter() - t0 - turn.queue_s - turn.engine_s, 0.0)))
-        record.messages = list(raw_messages) + [message_json(reply)]
+            self._record(record, plan, turn, shown)
+            record.calls.append(CallRecord(index, len(record.segments) - 1, list(plan.prompt_ids), turn.ids,
+                                           turn.log_probs, turn.versions, reply.finish_reason,
+                                           not plan.continued and index > 0, turn.queue_s, turn.busy_s,
+                                           turn.engine_s,
+                                           max(time.perf_counter() - t0 - turn.queue_s - turn.engine_s, 0.0)))
+            record.messages = list(raw_messages) + [message_json(reply)]
         traj.last_key, traj.last_reply, traj.delivered = key, (f"chatcmpl-{record.id}-{index}", reply,
                                                                len(plan.prompt_ids), len(turn.ids)), False
         return self._reply(traj, samp, *traj.last_reply)
 
-    def _finish(self, record: TrajectoryRecord, plan: Plan, turn: _Generated, samp: RequestSampling,
-                tools: bool) -> Answer:
-        """The turn cut at its first stop string, as the assistant message the client gets, recorded."""
+    def _answer(self, record: TrajectoryRecord, turn: _Generated, samp: RequestSampling,
+                tools: bool) -> tuple[Answer, Turn]:
+        """The turn cut at its first stop string (in place), the assistant message the client gets, and the turn
+        as the segment keeps it."""
         cut = stop_cut(self.builder.decode, turn.ids, samp.stop)
         text = self.builder.turn_text(turn.ids)
         if cut is not None:
@@ -301,8 +306,7 @@ class AgentEndpoint:
             turn.finish, text = "stop", self.builder.decode(turn.ids)[:cut[1]]
         issued = sum(len(t.tool_calls) for s in record.segments for t in s.turns)
         reply = answer(text, turn.finish, tools, lambda k: f"call_{record.id}_{issued + k}")
-        self._record(record, plan, turn, Turn(reply.content, reply.tool_calls, self.builder.turn_text(turn.ids)))
-        return reply
+        return reply, Turn(reply.content, reply.tool_calls, self.builder.turn_text(turn.ids))
 
     @staticmethod
     def _record(record: TrajectoryRecord, plan: Plan, generated: _Generated, turn: Turn) -> None:

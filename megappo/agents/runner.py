@@ -6,7 +6,8 @@
         return reward                     # float, or {"reward": float, "metrics": {...}}, or None
 
 named "path/to/file.py:my_agent" or "package.module:my_agent". `AgentRunner.run(engine, rows, params)` opens one
-trajectory per row, runs the agents in a bounded pool of threads (at most `max_workers` at once), each with a
+trajectory per row, runs the agents in a bounded pool of threads (at most `max_workers` at once; threads only: an
+agent needs no more than the base URL, its key and its row, so a process pool could come later), each with a
 deadline of `deadline_s` from its start, and returns one `Completion` per row, in order, from the trajectory's
 stitched sample (megappo/agents/stitch.py). Its `extra`: `prompt_ids`, `loss_mask`, `token_versions`, `messages`
 (the last call's conversation and answer), `env_reward` (the agent's reward, or None), `agent` (the sample's stats:
