@@ -7,6 +7,9 @@ every call generates the same number of tokens), each call continuing its conver
 answer), so every call after the first goes through the segment-continuation path. The episodes' clients run in a
 process of their own (their CPU is not the server's), one thread per episode, all starting together.
 
+--think-ms spreads the calls: each episode waits uniform(0, think) before each call, as an agent that runs tools
+between calls does (0: every episode calls at once, the worst case for a single-process server).
+
 Per call, overhead = the client's latency - the engine time of the call's batch - the time the engine was busy
 with an earlier batch when the call arrived (what calling the engine directly also waits for). What remains is the
 batch's gathering window (--batch-wait-ms), the HTTP round trip, parsing, rendering, tokenising, recording and the
@@ -37,9 +40,12 @@ from multiprocessing import get_context
 PROMPT = [{"role": "user", "content": "37+85+19="}]
 
 
-def _episode(mode: str, base_url: str, key: str, turns: int, max_tokens: int, barrier) -> list[float]:
+def _episode(mode: str, base_url: str, key: str, turns: int, max_tokens: int, think_s: float, barrier
+             ) -> list[float]:
     """One episode's call latencies in seconds."""
-    messages, out = list(PROMPT), []
+    import random
+
+    messages, out, rng = list(PROMPT), [], random.Random(key)
     if mode == "openai":
         import openai
 
@@ -49,6 +55,7 @@ def _episode(mode: str, base_url: str, key: str, turns: int, max_tokens: int, ba
         conn = http.client.HTTPConnection(host, int(port), timeout=300)
     barrier.wait()
     for turn in range(turns):
+        time.sleep(rng.uniform(0, think_s))  # the agent's own work between calls (tools, parsing)
         t0 = time.perf_counter()
         if mode == "openai":
             content = client.chat.completions.create(model="m", messages=messages,
@@ -64,13 +71,14 @@ def _episode(mode: str, base_url: str, key: str, turns: int, max_tokens: int, ba
     return out
 
 
-def run_clients(mode: str, base_url: str, keys: list[str], turns: int, max_tokens: int) -> list[list[float]]:
+def run_clients(mode: str, base_url: str, keys: list[str], turns: int, max_tokens: int, think_s: float
+                ) -> list[list[float]]:
     """Every episode at once, one thread each (in the clients' process)."""
     barrier = threading.Barrier(len(keys))
     out: list = [None] * len(keys)
 
     def one(k):
-        out[k] = _episode(mode, base_url, keys[k], turns, max_tokens, barrier)
+        out[k] = _episode(mode, base_url, keys[k], turns, max_tokens, think_s, barrier)
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(keys))]
     for t in threads:
@@ -117,6 +125,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--batch-wait-ms", type=float, default=2.0)
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="each episode waits uniform(0, think) before each call (0: all in lockstep)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", default="direct,raw,openai")
     ap.add_argument("--engine", choices=("hf", "process"), default="process",
@@ -146,7 +156,7 @@ def main() -> None:
                                 max_prompt_tokens=1 << 20)
     endpoint = AgentEndpoint(engine, tok, settings)
     print(f"engine {args.engine}; episodes {args.episodes}, {args.turns} calls each of {args.max_tokens} tokens; "
-          f"batch wait {args.batch_wait_ms} ms; torch threads {args.threads}; cpus {os.cpu_count()}; "
+          f"batch wait {args.batch_wait_ms} ms; think {args.think_ms} ms; torch threads {args.threads}; cpus {os.cpu_count()}; "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'mode':>7} {'median ms':>10} {'p99 ms':>8} {'engine ms/batch':>16} {'calls/batch':>12}")
     clients = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
@@ -159,7 +169,7 @@ def main() -> None:
         else:
             handles = [endpoint.open(k, params, budget_tokens=1 << 20) for k in range(args.episodes)]
             latencies = clients.submit(run_clients, mode, endpoint.base_url, [h.api_key for h in handles],
-                                       args.turns, args.max_tokens).result()
+                                       args.turns, args.max_tokens, args.think_ms / 1e3).result()
             records = [endpoint.close_trajectory(h) for h in handles]
             overhead, own, engine_times = [], [], []
             for record, lat in zip(records, latencies):
