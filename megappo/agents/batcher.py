@@ -77,12 +77,14 @@ class Batcher:
         for call in queued:
             call.finish(error=error)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
+        """Stop taking calls and fail those waiting. A batch in the engine is not waited for past `wait_s` (the
+        thread ends once the engine returns it; its answers are dropped)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self.fail_all(Closed("the endpoint is closed"))
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=wait_s)
 
     def _take(self) -> Optional[list[Pending]]:
         """The next batch: the first waiting call and those of the same parameters, after the gathering window."""

@@ -6,14 +6,17 @@ server thread down: anything raised becomes a 500.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
 
 from megappo.agents.openai_format import error_json
 
+logger = logging.getLogger(__name__)
 _DISCARD_LIMIT = 16 << 20  # an oversized body up to this is read and dropped so the client sees its 413
 
 
@@ -37,6 +40,9 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address, handler, owner: "HttpServer"):
         self.owner = owner
         super().__init__(address, handler)
+
+    def handle_error(self, request, client_address) -> None:  # a client that went away: no traceback on stderr
+        logger.debug("agent endpoint: connection from %s ended with an error", client_address, exc_info=True)
 
     def process_request(self, request, client_address):
         if not self.owner.admit(request):  # too many connections: closed at once
@@ -112,7 +118,24 @@ class _Handler(BaseHTTPRequestHandler):
                 left -= len(chunk)
             self._refuse(413, f"the request body is over {limit} bytes")
             return None
-        return self.rfile.read(length)
+        return self._read(length)
+
+    def _read(self, length: int) -> Optional[bytes]:
+        """`length` bytes within `socket_timeout_s` in all (a client trickling its body is dropped, 408)."""
+        deadline = time.monotonic() + self.server.owner.settings.socket_timeout_s
+        chunks, left = [], length
+        while left > 0:
+            if time.monotonic() > deadline:
+                self.close_connection = True
+                self._refuse(408, "the request body took too long to arrive")
+                return None
+            chunk = self.rfile.read1(min(left, 1 << 16))
+            if not chunk:
+                self.close_connection = True
+                return None
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
 
     def do_POST(self) -> None:
         owner = self.server.owner
@@ -120,14 +143,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._refuse(404, f"no such endpoint: POST {self.path[:200]}")
             return
+        body = self._body()  # read before taking a slot: a slow sender holds a connection, not a slot
+        if body is None:
+            return
         if not owner.slots.acquire(blocking=False):
-            self.close_connection = True
             self._refuse(429, "too many requests in flight; retry")
             return
         try:
-            body = self._body()
-            if body is None:
-                return
             reply = owner.endpoint.chat(self.headers.get("Authorization"), body)
         except Exception as e:  # never a dead thread: the client gets the error
             reply = Reply.json(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",

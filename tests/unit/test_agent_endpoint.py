@@ -285,3 +285,29 @@ def test_a_turn_a_weight_sync_aborts_goes_on_under_the_new_weights(model):
         assert scored == pytest.approx(call.log_probs, abs=1e-4)
     finally:
         ep.close()
+
+
+def test_a_client_trickling_its_body_is_dropped_without_holding_a_slot(model):
+    import socket
+    import time
+
+    tok, engine = model
+    ep = AgentEndpoint(engine, tok, EndpointSettings(socket_timeout_s=0.6, max_concurrent_requests=1))
+    try:
+        handle = ep.open(1, PARAMS, 64)
+        slow = socket.create_connection((ep.http.host, ep.http.port))
+        slow.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {handle.api_key}\r\n"
+                     "Content-Length: 100\r\n\r\n{".encode())
+        # meanwhile a well-behaved call is served: the slow one holds a connection, not the one request slot
+        assert client(ep, ep.open(2, PARAMS, 64)).chat.completions.create(model="any", messages=PROMPT).choices
+        for _ in range(6):
+            time.sleep(0.2)
+            try:
+                slow.sendall(b" ")
+            except OSError:
+                break
+        slow.settimeout(5)
+        assert slow.recv(100).startswith(b"HTTP/1.1 408")
+        slow.close()
+    finally:
+        ep.close()

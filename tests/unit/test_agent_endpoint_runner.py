@@ -207,3 +207,41 @@ def test_a_lost_answer_is_replayed_not_resampled(model):
         assert len(record.calls) == 2 and record.calls[1].retokenized
     finally:
         ep.close()
+
+
+def test_requests_beyond_the_limit_get_429_and_close_fails_calls_in_flight(model):
+    from megappo.agents.records import EndpointSettings
+
+    tok, engine = model
+    gate = Gate(engine)
+    ep = AgentEndpoint(gate, tok, EndpointSettings(max_concurrent_requests=1))
+    closed = False
+    try:
+        a, b = ep.open(1, PARAMS, 100), ep.open(2, PARAMS, 100)
+        gate.hold.set()
+        errors = []
+
+        def held():
+            try:
+                openai.OpenAI(base_url=ep.base_url, api_key=a.api_key, max_retries=0).chat.completions.create(
+                    model="any", messages=PROMPT)
+            except openai.APIError as e:
+                errors.append(e)
+
+        caller = threading.Thread(target=held)
+        caller.start()
+        assert gate.entered.wait(30)
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=ep.base_url, api_key=b.api_key, max_retries=0).chat.completions.create(
+                model="any", messages=PROMPT)
+        t0 = time.monotonic()
+        ep.close()  # the held call is failed, not waited for
+        closed = True
+        caller.join(30)
+        assert time.monotonic() - t0 < 10 and len(errors) == 1 and not caller.is_alive()
+        assert ep.record(a).calls == [] and ep.record(b).calls == []
+    finally:
+        gate.go.set()
+        if not closed:
+            ep.close()
+        ep.batcher._thread.join(30)  # the held batch ends in the engine (not at interpreter exit, inside torch)
