@@ -120,6 +120,7 @@ class AgentEndpoint:
         return TrajectoryHandle(tid, f"mp-{tid}.{secret}")
 
     def record(self, handle: Union[TrajectoryHandle, str]) -> TrajectoryRecord:
+        """An open trajectory's record as it stands (KeyError once closed: `close_trajectory` returns it)."""
         tid = handle.id if isinstance(handle, TrajectoryHandle) else handle
         with self._lock:
             return self._trajectories[tid].record
