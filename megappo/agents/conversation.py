@@ -123,7 +123,7 @@ def _locked(method):
 class PromptBuilder:
     """Renders requests with one tokenizer's chat template (see the module docstring).
 
-    Every use of the tokenizer holds `lock`: a fast tokenizer's escaped encoding (`split_special_tokens`) switches
+    Every call into the tokenizer (encoding, decoding; not the template's rendering) holds `lock`: a fast tokenizer's escaped encoding (`split_special_tokens`) switches
     the shared Rust tokenizer's special-token matching off and on, so a concurrent encoding of template text could
     lose its control tokens (and a concurrent borrow raises "Already borrowed")."""
 
@@ -147,7 +147,6 @@ class PromptBuilder:
             return self._backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    @_locked
     def turn_text(self, output_ids: Sequence[int]) -> str:
         """An assistant turn's text as the template renders it: its tokens decoded, a closing EOS left out."""
         ids = list(output_ids)
@@ -210,11 +209,13 @@ class PromptBuilder:
         template, untrusted = self._encode_many(pieces), self._encode_untrusted(contents)
         return [i for k, ids in enumerate(untrusted) for i in template[k] + ids] + template[-1]
 
+    @_locked
     def _encode_many(self, texts: list[str]) -> list[list[int]]:
         if self._backend is None:
             return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
 
+    @_locked
     def _encode_untrusted(self, texts: list[str]) -> list[list[int]]:
         """Each text escaped and tokenised with special-token matching off (`ToolText.encode`)."""
         if self._backend is None or not texts:
@@ -237,7 +238,6 @@ class PromptBuilder:
         return self._encode_many([text])[0]
 
     # -- plans ------------------------------------------------------------------------------------------------------
-    @_locked
     def fresh(self, messages: list[dict], tools: Optional[list]) -> Plan:
         """A new segment: the whole rendering, each content escaped and tokenised alone."""
         shown = [self._template_message(m, self._slot(k)) for k, m in enumerate(messages)]
@@ -249,7 +249,6 @@ class PromptBuilder:
             ids = self._encode_many([self._render(escaped, tools)])[0]
         return Plan(False, ids, ids, messages, [])
 
-    @_locked
     def continuation(self, segment: Segment, messages: list[dict], tools: Optional[list]) -> Optional[Plan]:
         """The segment continued by these messages, or None when they are another history."""
         tail = _tail(segment, messages)
