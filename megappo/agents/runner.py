@@ -164,20 +164,3 @@ class AgentRunner:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
-
-
-def agent_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """A batch's agent metrics from its completions' `extra["agent"]`: fractions of samples (error, timeout, no
-    call), retokenized calls over calls, and per-sample means."""
-    stats = [c.extra["agent"] for c in completions if "agent" in c.extra]
-    if not stats:
-        return {}
-    n, calls = len(stats), sum(s["calls"] for s in stats)
-    return {"agent/error_fraction": sum(s["error"] for s in stats) / n,
-            "agent/timeout_fraction": sum(s["timeout"] for s in stats) / n,
-            "agent/no_call_fraction": sum(s["no_calls"] for s in stats) / n,
-            "agent/retokenized_fraction": sum(s["retokenized_calls"] for s in stats) / calls if calls else 0.0,
-            "agent/calls_per_episode": calls / n,
-            "agent/segments_per_episode": sum(s["segments"] for s in stats) / n,
-            "agent/dropped_tokens": sum(s["dropped_tokens"] for s in stats) / n,
-            "agent/truncated_tokens": sum(s["truncated_tokens"] for s in stats) / n}

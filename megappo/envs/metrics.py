@@ -27,6 +27,9 @@ def multi_turn_metrics(stats: Sequence[Optional[dict]], tool_results: Sequence[S
            "env/reward_mean": sum(s.get("env_reward", 0.0) for s in rows) / n,
            "env/error_fraction": sum(s.get("env_error", 0.0) for s in rows) / n,
            "env/timeout_fraction": sum(s.get("env_timeout", 0.0) for s in rows) / n}
+    programs = [s["agent"] for s in rows if s.get("agent")]  # agent programs' episodes (megappo.agents.program)
+    if programs:
+        out.update(agent_metrics(programs))
     env_keys = sorted({k for s in rows for k in s.get("env_metrics") or {}})
     for key in env_keys:  # the environments' own step metrics (summed over an episode), over the episodes that had them
         vals = [s["env_metrics"][key] for s in rows if key in (s.get("env_metrics") or {})]
@@ -46,3 +49,18 @@ def multi_turn_metrics(stats: Sequence[Optional[dict]], tool_results: Sequence[S
             if vals:
                 out[f"tool/{name}/{key}"] = sum(vals) / len(vals)
     return out
+
+
+def agent_metrics(stats: Sequence[dict]) -> dict[str, float]:
+    """agent/*: agent programs' episodes (`megappo.agents.stitch.StitchedSample.stats` with error and timeout flags):
+    fractions of episodes that raised, passed their deadline or never called; retokenized calls over calls (a call
+    whose prompt did not extend the episode's tokens, `megappo.agents.conversation`), and per-episode means."""
+    n, calls = len(stats), sum(s["calls"] for s in stats)
+    return {"agent/error_fraction": sum(s["error"] for s in stats) / n,
+            "agent/timeout_fraction": sum(s["timeout"] for s in stats) / n,
+            "agent/no_call_fraction": sum(s["no_calls"] for s in stats) / n,
+            "agent/retokenized_fraction": sum(s["retokenized_calls"] for s in stats) / calls if calls else 0.0,
+            "agent/calls_per_episode": calls / n,
+            "agent/segments_per_episode": sum(s["segments"] for s in stats) / n,
+            "agent/dropped_tokens": sum(s["dropped_tokens"] for s in stats) / n,
+            "agent/truncated_tokens": sum(s["truncated_tokens"] for s in stats) / n}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megappo.agents.endpoint import AgentEndpoint
-from megappo.agents.runner import AgentRunner, agent_metrics, resolve_agent
+from megappo.agents.runner import AgentRunner, resolve_agent
+from megappo.envs.metrics import agent_metrics
 from megappo.envs.base import EpisodeRow
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.engine import HFEngine
@@ -99,7 +100,7 @@ def test_every_row_gives_one_sample_whatever_its_agent_does(model):
         for c in out:
             n = len(c.output_ids)
             assert len(c.log_probs) == len(c.extra["loss_mask"]) == len(c.extra["token_versions"]) == n
-        m = agent_metrics(out)
+        m = agent_metrics([c.extra["agent"] for c in out])
         assert m["agent/error_fraction"] == 3 / 8 and m["agent/timeout_fraction"] == 1 / 8
         assert m["agent/no_call_fraction"] == 1 / 8 and m["agent/retokenized_fraction"] == 0.0
         assert m["agent/calls_per_episode"] == 9 / 8
