@@ -24,16 +24,22 @@ class ProgramAgent:
     step_timeout_s: Optional[float] = None
     stop_ids: tuple[int, ...] = ()
 
-    def __init__(self, name: str, fn: Callable[..., Any], tokenizer, settings: Any, *,
+    def __init__(self, name: str, fn: Callable[..., Any], tokenizer, settings: Any, *, spec: str = "",
                  kwargs: Optional[dict] = None, deadline_s: Optional[float] = None):
+        """fn: the agent function; spec: its "path.py:function" name (absolute), which a process backend imports."""
         from megappo.agents.records import EndpointSettings
         from megappo.agents.runner import AgentRunner
 
         self.name = name
         self.delta = ChatDelta(tokenizer, [])
-        fn = functools.partial(fn, **kwargs) if kwargs else fn
-        self.runner = AgentRunner(fn, tokenizer, max_workers=settings.num_workers,
-                                  deadline_s=float(deadline_s or settings.agent_deadline_s),
+        deadline = float(deadline_s or settings.agent_deadline_s)
+        if settings.agent_backend == "process":
+            from megappo.agents.processes import ProcessAgent
+
+            fn = ProcessAgent(spec, kwargs, deadline)
+        elif kwargs:
+            fn = functools.partial(fn, **kwargs)
+        self.runner = AgentRunner(fn, tokenizer, max_workers=settings.num_workers, deadline_s=deadline,
                                   settings=EndpointSettings(host=settings.endpoint_host, port=settings.endpoint_port))
 
     def run_episodes(self, engine: RolloutEngine, rows: Sequence[EpisodeRow], params: SamplingParams

@@ -33,6 +33,9 @@ class AgentConfig:
     # agent programs: an episode's deadline (past it its key is revoked and its sample made of what it recorded), and
     # where the OpenAI-compatible endpoint listens (loopback; port 0: a free one per holder)
     deadline_s: float = 300.0
+    # agent programs run in threads of the holder, or each episode in a spawned process of its own (killed at its
+    # deadline; an interpreter start per episode)
+    backend: Literal["thread", "process"] = "thread"
     endpoint_host: str = "127.0.0.1"
     endpoint_port: int = 0
 

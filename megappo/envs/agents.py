@@ -173,7 +173,11 @@ def _maker(entry: dict, base: str, settings: Any, tokenizer) -> Callable[[], Any
     def program() -> Any:
         from megappo.agents.program import ProgramAgent
 
-        return ProgramAgent(entry["name"], load_object(entry["agent"], base, where), tokenizer, settings,
+        target = entry["agent"]
+        module, _, function = target.rpartition(":")
+        spec = f"{os.path.join(base, module)}:{function}" if module.endswith(".py") and not os.path.isabs(module) \
+            else target
+        return ProgramAgent(entry["name"], load_object(target, base, where), tokenizer, settings, spec=spec,
                             kwargs=entry.get("kwargs"), deadline_s=entry.get("deadline_s"))
     return program
 

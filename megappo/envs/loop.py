@@ -65,6 +65,7 @@ class EpisodeSettings:
     num_workers: int = 64
     step_timeout_s: Optional[float] = 60.0
     agent_deadline_s: float = 300.0  # an agent program's episode
+    agent_backend: str = "thread"  # where agent programs run: threads of the trainer, or a process per episode
     endpoint_host: str = "127.0.0.1"
     endpoint_port: int = 0
 

@@ -153,6 +153,7 @@ def episodes(cfg: MegappoConfig) -> Optional[EpisodeSettings]:
         tool_workers=mt.tool_workers, tool_timeout_s=mt.tool_timeout_s,
         default_agent=agent.default_agent_loop, agent_config_path=agent.agent_loop_config_path,
         num_workers=agent.num_workers, step_timeout_s=agent.step_timeout_s, agent_deadline_s=agent.deadline_s,
+        agent_backend=agent.backend,
         endpoint_host=agent.endpoint_host, endpoint_port=agent.endpoint_port)
 
 

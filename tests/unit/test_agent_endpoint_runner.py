@@ -246,3 +246,50 @@ def test_requests_beyond_the_limit_get_429_and_close_fails_calls_in_flight(model
         if not closed:
             ep.close()
         ep.batcher._thread.join(30)  # the held batch ends in the engine (not at interpreter exit, inside torch)
+
+
+PROCESS_AGENT = '''import os, time
+import openai
+
+
+def play(base_url, api_key, row):
+    kind = row.extra_info["kind"]
+    if kind == "hang":
+        open(os.environ["PID_FILE"] + str(row.index), "w").write(str(os.getpid()))
+        time.sleep(600)
+    if kind == "raise":
+        raise ValueError("agent bug in a process")
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client.chat.completions.create(model="any", messages=list(row.prompt))
+    return 0.5
+'''
+
+
+def test_process_backend_kills_a_hung_agent_at_its_deadline(model, tmp_path, monkeypatch):
+    """rollout.agent.backend=process: each episode in a spawned process; the hung one is killed at the deadline
+    (a thread could not be), the raising one is flagged, the good one's call and reward come back."""
+    import os
+
+    from megappo.agents.processes import ProcessAgent
+
+    tok, engine = model
+    (tmp_path / "proc_agent.py").write_text(PROCESS_AGENT)
+    monkeypatch.setenv("PID_FILE", str(tmp_path / "pid"))
+    runner = AgentRunner(ProcessAgent(f"{tmp_path / 'proc_agent.py'}:play", deadline_s=10.0), tok, deadline_s=10.0)
+    try:
+        ok, bad, hung = runner.run(engine, [row(0, "ok"), row(1, "raise"), row(2, "hang")], PARAMS)
+    finally:
+        runner.close()
+    assert ok.extra["env_reward"] == 0.5 and ok.extra["agent"]["calls"] == 1 and len(ok.output_ids) > 0
+    assert bad.extra["agent"]["error"] == 1.0 and "agent bug in a process" in bad.extra["agent_error"]
+    assert hung.extra["agent"]["error"] + hung.extra["agent"]["timeout"] >= 1.0
+    pid = int((tmp_path / "pid2").read_text())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the hung agent's process {pid} outlived its deadline")
