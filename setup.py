@@ -26,6 +26,7 @@ EXTRAS = {
     "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
     "sglang": ["sglang>=0.5.23", "sglang-router>=0.3.2"],  # the router: rollout.router=sglang
     "bench": ["trl==1.12.0"],
+    "agents": ["openai>=1.40"],  # the agent programs' client (recipes/cpu/agents/guess_agent.py); megappo needs none
 }
 
 setup(

@@ -105,6 +105,10 @@ def test_stopped_and_resumed_trains_every_prompt_once(sync_batches, tmp_path, mo
     rows = read_metrics(str(tmp_path / "fa"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert max(r["async/staleness_max"] for r in rows) <= 1.0
+    # batches still generating at the save (episodes in flight among them) were generated again from their rows,
+    # said once, at the resumed run's first step: whole batches of 16 samples
+    restarted = [r["async/restarted_samples"] for r in rows]
+    assert restarted[2] % 16 == 0 and restarted[:2] == [0, 0] and restarted[3:] == [0, 0, 0]
 
 
 def test_resumed_under_a_tighter_threshold_drops_and_regenerates_the_stale_batch(tmp_path, monkeypatch):
