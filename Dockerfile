@@ -71,6 +71,7 @@ RUN printf '%s\n' \
       "pytest==9.2.0" \
       "pytest-timeout==2.4.0" \
       "peft==0.21.2" \
+      "openai==3.63.0" \
       "pip==26.3" \
       "setuptools==84.2.1" \
       "wheel==0.48.0" \
