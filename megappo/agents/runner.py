@@ -23,7 +23,6 @@ run in this process (they are the user's); what they send to the endpoint is not
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import threading
 import time
@@ -37,6 +36,7 @@ from megappo.agents.conversation import canonical
 from megappo.agents.records import EndpointSettings, TrajectoryRecord
 from megappo.agents.stitch import stitch
 from megappo.envs.base import EpisodeRow
+from megappo.platform.user_code import import_file
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
@@ -54,9 +54,7 @@ def resolve_agent(spec: Union[str, AgentFn]) -> AgentFn:
         path = os.path.abspath(where)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"agent {spec!r}: no file {path}")
-        module_spec = importlib.util.spec_from_file_location(f"megappo_user_agent_{abs(hash(path))}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = import_file(path, "megappo_user_agent")
     else:
         module = importlib.import_module(where)
     fn = getattr(module, name, None)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.util
 import os
 from typing import Any, Callable, Optional
 
 from megappo.envs.base import Environment, EpisodeRow
 from megappo.multi_turn.template import ChatDelta
+from megappo.platform.user_code import import_file
 
 # the built-in environments: name -> "module:Class", imported when a run uses them
 BUILTIN = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv",
@@ -65,10 +65,8 @@ def load_object(target: str, base_dir: Optional[str], where: str) -> Any:
         if not os.path.isfile(path):
             raise AgentConfigError(f"{where}: {target!r}: no file {os.path.abspath(path)} (a relative path is read "
                                    "from the agent config's folder)")
-        spec = importlib.util.spec_from_file_location(f"megappo_user_agent_{abs(hash(os.path.abspath(path)))}", path)
-        module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            module = import_file(path, "megappo_user_agent")
         except Exception as e:
             raise AgentConfigError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
     else:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from megappo.platform.user_code import import_file
 
 
 @dataclass
@@ -70,10 +71,8 @@ def _import_class(class_name: str, base_dir: Optional[str], where: str) -> type:
         if not os.path.isfile(path):
             raise ToolConfigError(f"{where}: class_name {class_name!r}: no file {path}; a relative path is read "
                                   "from the tool config's folder")
-        spec = importlib.util.spec_from_file_location(f"megappo_user_tool_{abs(hash(path))}", path)
-        module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            module = import_file(path, "megappo_user_tool")
         except Exception as e:
             raise ToolConfigError(f"{where}: class_name {class_name!r}: importing {path} failed: "
                                   f"{type(e).__name__}: {e}") from e

@@ -11,11 +11,8 @@ function is wrapped in `CustomRewardFn`, which pickles as (path, name) and re-im
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import os
-import sys
 from typing import Any, Callable, Optional
 
 RewardFn = Callable[[str, str, Any, "dict | None"], "float | dict"]
@@ -138,28 +135,18 @@ def geo3k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_i
 # user functions from a file
 # ---------------------------------------------------------------------------------------------------------------
 def _import_file(path: str):
-    # One module per file, under a name derived from its path, so two files both called reward.py do not clash and
-    # a re-load in the same process reuses the module.
-    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-    mod_name = f"megappo_custom_reward_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(
-            f"custom_reward_function.path {path!r} cannot be imported as Python; point it at a .py file"
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
+    from megappo.platform.user_code import import_file
+
     try:
-        spec.loader.exec_module(module)
+        return import_file(path, "megappo_custom_reward")
+    except ImportError as e:
+        raise RewardFunctionError(f"custom_reward_function.path {path!r} cannot be imported as Python; point it at a "
+                                  ".py file") from e
     except Exception as e:
-        del sys.modules[mod_name]
         raise RewardFunctionError(
             f"importing custom_reward_function.path {path!r} failed with {type(e).__name__}: {e}; fix the file "
             f"(run `python {path}` to see the full traceback)"
         ) from e
-    return module
 
 
 class CustomRewardFn:

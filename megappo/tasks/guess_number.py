@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 from megappo.envs.base import Environment, EnvStep, EpisodeRow
 from megappo.tasks import synthetic
 from megappo.tasks.synthetic import TaskFiles, _one_thread
-from megappo.tasks.tool_sum import CHAT_TEMPLATE, _byte_alphabet
+from megappo.tasks.tool_sum import write_chat_tokenizer
 
 FORMAT_VERSION = 1
 PAD, EOS, BOS_TURN = "<|endoftext|>", "<|im_end|>", "<|im_start|>"
@@ -193,20 +193,7 @@ def balanced_secrets(task: GuessTask, n: int, rng: random.Random) -> list[int]:
 
 def make_tokenizer(task: GuessTask, model_dir: str):
     """Write the tokenizer and model config; return (the tokenizer as loaded back, the config)."""
-    import transformers
-
-    vocab = {w: i for i, w in enumerate((PAD, EOS, BOS_TURN) + _byte_alphabet())}
-    tok = transformers.Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS, pad_token=PAD, unk_token=PAD,
-                                      bos_token=None, model_max_length=1 << 20)
-    tok.add_special_tokens({"additional_special_tokens": [BOS_TURN]})
-    tok.add_tokens(list(task.added_tokens()))
-    tok.chat_template = CHAT_TEMPLATE
-    config = transformers.Qwen2Config(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id, bos_token_id=None, **task.model)
-    os.makedirs(model_dir, exist_ok=True)
-    tok.save_pretrained(model_dir)
-    config.save_pretrained(model_dir)
-    loaded = transformers.AutoTokenizer.from_pretrained(model_dir)
+    loaded, config = write_chat_tokenizer(task.added_tokens(), task.model, model_dir)
     probe = [(task.low, HIGHER), (task.high, LOWER), (task.high - 1, None)]
     messages = task.prompt() + conversation(probe)
     text = loaded.apply_chat_template(messages, tokenize=False)

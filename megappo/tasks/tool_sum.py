@@ -27,7 +27,7 @@ import random
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megappo.tasks import synthetic
 from megappo.tasks.synthetic import TaskFiles, _one_thread
@@ -107,25 +107,32 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
 
 def make_tokenizer(task: ToolTask, model_dir: str):
     """Write the tokenizer and model config; return (the tokenizer as loaded back, the config)."""
+    loaded, config = write_chat_tokenizer(ADDED, task.model, model_dir)
+    probe = render(loaded, (12, 34, 56), tool=True)
+    if loaded.decode(loaded.encode(probe, add_special_tokens=False)) != probe or loaded.unk_token_id in \
+            loaded.encode(probe, add_special_tokens=False):
+        raise RuntimeError(f"the tool task's tokenizer does not round-trip its trajectories ({type(loaded).__name__})")
+    return loaded, config
+
+
+def write_chat_tokenizer(added: Sequence[str], model: dict, model_dir: str):
+    """A byte-level Qwen2 tokenizer (every byte a token, `added` as whole tokens) with Qwen's chat template, and a
+    Qwen2 config of `model`'s sizes for it, written to `model_dir`; returns (the tokenizer as loaded back, the
+    config). The built-in multi-turn tasks' (this one's, megappo.tasks.guess_number's)."""
     import transformers
 
     vocab = {w: i for i, w in enumerate((PAD, EOS, BOS_TURN) + _byte_alphabet())}
     tok = transformers.Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS, pad_token=PAD, unk_token=PAD,
                                       bos_token=None, model_max_length=1 << 20)
     tok.add_special_tokens({"additional_special_tokens": [BOS_TURN]})
-    tok.add_tokens(list(ADDED))
+    tok.add_tokens(list(added))
     tok.chat_template = CHAT_TEMPLATE
     config = transformers.Qwen2Config(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id, bos_token_id=None, **task.model)
+                                      pad_token_id=tok.pad_token_id, bos_token_id=None, **model)
     os.makedirs(model_dir, exist_ok=True)
     tok.save_pretrained(model_dir)
     config.save_pretrained(model_dir)
-    loaded = transformers.AutoTokenizer.from_pretrained(model_dir)
-    probe = render(loaded, (12, 34, 56), tool=True)
-    if loaded.decode(loaded.encode(probe, add_special_tokens=False)) != probe or loaded.unk_token_id in \
-            loaded.encode(probe, add_special_tokens=False):
-        raise RuntimeError(f"the tool task's tokenizer does not round-trip its trajectories ({type(loaded).__name__})")
-    return loaded, config
+    return transformers.AutoTokenizer.from_pretrained(model_dir), config
 
 
 def _byte_alphabet() -> tuple[str, ...]:
