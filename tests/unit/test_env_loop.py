@@ -280,3 +280,37 @@ def test_a_rows_tools_kwargs_reach_the_tools_create(tok):
     [[c]] = loop.generate(Calls(tok), [p], SamplingParams(max_new_tokens=120), rows=[row])
     assert created == [{"ground_truth": "2"}] and c.extra["tool_results"][0]["text"] == "2"
     loop.close()
+
+
+def one_call(base_url, api_key, row):
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    reply = client.chat.completions.create(model="policy", messages=list(row.prompt), max_tokens=8)
+    return {"reward": 2.0 if reply.choices[0].message.content == "go" else -1.0, "metrics": {"said_go": 1.0}}
+
+
+def test_one_request_mixes_an_agent_program_and_an_environment(tok):
+    """Rows name their agents: an agent program (through the real endpoint and openai client) and an environment
+    in the same request; each sample comes back once, in order, shaped alike (stats, mask, versions, reward)."""
+    from megappo.agents.program import ProgramAgent
+
+    s = episode_settings()
+    makers = {"countdown": lambda: EnvironmentAgent("countdown", Countdown, tok, {"target": 1}),
+              "prog": lambda: ProgramAgent("prog", one_call, tok, s)}
+    loop = EpisodeRollout(s, AgentTable(s, tok, makers, "countdown"))
+    mixed = [EpisodeRow([{"role": "user", "content": "start"}], "d", None, {}, 0, agent_name="prog"),
+             EpisodeRow([{"role": "user", "content": "start"}], "d", None, {}, 1)]
+    try:
+        [[a], [b]] = loop.generate(Scripted(tok), [prompt(tok)] * 2, SamplingParams(max_new_tokens=60, seed=4),
+                                   rows=mixed)
+    finally:
+        loop.close()
+    assert (a.extra["agent"], a.extra["env_reward"], a.finish_reason) == ("prog", 2.0, "stop")
+    assert a.extra["prompt_ids"] == prompt(tok) and tok.decode(a.output_ids) == "go<|im_end|>"
+    assert a.extra["loss_mask"] == [1] * len(a.output_ids) and a.token_versions == [0] * len(a.output_ids)
+    assert a.extra["multi_turn"]["agent"]["calls"] == 1 and a.extra["multi_turn"]["env_metrics"] == {"said_go": 1.0}
+    assert (b.extra["agent"], b.extra["env_reward"]) == ("countdown", 10.0)
+    m = multi_turn_metrics([a.extra["multi_turn"], b.extra["multi_turn"]], [[], []])
+    assert m["agent/calls_per_episode"] == 1.0 and m["agent/retokenized_fraction"] == 0.0
+    assert m["env/reward_mean"] == 6.0
