@@ -166,7 +166,9 @@ def test_vlm_fully_async_resumes_its_queued_images(tmp_path):
     shutil.copytree(out / "synthetic", again / "synthetic")
     resumed = run_recipe(RECIPE, again, *ASYNC, "trainer.resume_mode=resume_path",
                          f"trainer.resume_from_path={out / 'checkpoints' / 'global_step_2'}")
-    assert_same_rows([r for r in rows if r["step"] > 2], resumed, ignore=("async/queue_size",))
+    # the resumed run says the batches it generated again (async/restarted_samples): the engine's timing decides
+    assert_same_rows([r for r in rows if r["step"] > 2], resumed,
+                     ignore=("async/queue_size", "async/restarted_samples"))
 
 
 @pytest.mark.multirank
