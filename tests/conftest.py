@@ -66,6 +66,26 @@ def tokenizer_dir(tmp_path_factory):
 SGLANG_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "sglang"
 
 
+@pytest.fixture(scope="session")
+def guess_task_dir(tmp_path_factory) -> str:
+    """A `synthetic/` folder holding the guess_number task (tiny_env_ppo's and tiny_openai_agent_ppo's data section)
+    made once under the golden environment, as those recipes' runs make it: a test copies it into its run's output
+    folder and the run reuses it (its manifest matches) instead of warm-starting again (~50 s)."""
+    import subprocess
+    import sys
+
+    from megappo.config import load_config
+    from megappo.testing.golden import GOLDEN_ENV
+
+    syn = load_config("cpu/tiny_env_ppo").data.synthetic
+    out = tmp_path_factory.mktemp("guess_task") / "synthetic"
+    code = (f"from megappo.tasks import prepare_task; prepare_task({syn.name!r}, {str(out / syn.name)!r}, "
+            f"num_train_prompts={syn.num_train_prompts}, num_val_prompts={syn.num_val_prompts}, "
+            f"warm_start_steps={syn.warm_start_steps}, seed={syn.seed})")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **GOLDEN_ENV}, timeout=600)
+    return str(out)
+
+
 def _install_hash() -> str:
     h = hashlib.sha256()
     for name in ("install_cpu.sh", "requirements-cpu.txt", "sgl_kernel_stub.py", "patch_torchvision.py"):

@@ -5,6 +5,8 @@ steps, validation too) and repeats its golden metrics; fully asynchronous, with 
 run still learns."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from megappo.testing import golden
@@ -15,8 +17,9 @@ pytestmark = pytest.mark.e2e
 RECIPE = "recipes/cpu/tiny_env_ppo.yaml"
 
 
-def test_env_recipe_learns_and_repeats_its_golden_metrics(tmp_path):
+def test_env_recipe_learns_and_repeats_its_golden_metrics(tmp_path, guess_task_dir):
     out = tmp_path / "env"
+    shutil.copytree(guess_task_dir, out / "synthetic")  # the task's warm start, made once (tests/conftest.py)
     rows = run_recipe(RECIPE, out, env=golden.GOLDEN_ENV)
     assert [r["step"] for r in read_rows(str(out))] == list(range(41))  # no step rolled back
     assert learned(rows) >= 0.3, [r.get("reward/mean") for r in rows]
@@ -46,13 +49,17 @@ class SlowGuess(GuessNumberEnv):
 '''
 
 
-def test_env_recipe_fully_async_continues_episodes_across_syncs(tmp_path):
+# the mechanism is tests/e2e/test_episodes_across_sync.py's (real engine, every token's log-prob its version's) and
+# the stop/resume test's in test_fully_async.py; this is the recipe learning through it (~2 minutes): the long tier
+@pytest.mark.long
+def test_env_recipe_fully_async_continues_episodes_across_syncs(tmp_path, guess_task_dir):
     """fully_async, a sync every step with one batch generated ahead, partial rollouts. The agent config names a
     file beside it and replaces the built-in guess_number (the rows' agent_name) with its slow variant. Trained on
     samples a version behind, the run learns more slowly than the synchronous one (measured: +0.22 in 40 steps,
     +0.51 in 80; +0.32 in 60 with rollout_correction.preset=decoupled_token_is), so it runs 80 steps."""
     (tmp_path / "slow_guess.py").write_text(SLOW_ENV)
     (tmp_path / "agents.yaml").write_text("- name: guess_number\n  environment: slow_guess.py:SlowGuess\n")
+    shutil.copytree(guess_task_dir, tmp_path / "async" / "synthetic")
     rows = run_recipe(RECIPE, tmp_path / "async", "async_training.mode=fully_async",
                       "async_training.partial_rollout=true", "async_training.trigger_parameter_sync_step=1",
                       "async_training.staleness_threshold=1", "async_training.require_batches=2",

@@ -4,6 +4,8 @@ log the multi-turn metrics."""
 from __future__ import annotations
 
 
+import shutil
+
 import pytest
 
 from megappo.testing.recipes import learned, run_recipe
@@ -12,8 +14,21 @@ pytestmark = pytest.mark.e2e
 RECIPE = "recipes/cpu/tiny_tool_ppo.yaml"
 
 
-def test_tool_recipe_learns(tmp_path):
-    """~70 s on 2 cores (the warm start ~50 s of it), so it stays in the default suite."""
+@pytest.fixture(scope="module")
+def tool_task(tmp_path_factory) -> str:
+    """The recipe's `synthetic/` folder (the tool task, warm-started once, ~50 s): each run copies it and reuses it."""
+    from megappo.config import load_config
+    from megappo.tasks import prepare_task
+
+    syn = load_config("cpu/tiny_tool_ppo").data.synthetic
+    out = tmp_path_factory.mktemp("tool_task") / "synthetic"
+    prepare_task(syn.name, str(out / syn.name), num_train_prompts=syn.num_train_prompts,
+                 num_val_prompts=syn.num_val_prompts, warm_start_steps=syn.warm_start_steps, seed=syn.seed)
+    return str(out)
+
+
+def test_tool_recipe_learns(tmp_path, tool_task):
+    shutil.copytree(tool_task, tmp_path / "tool_full" / "synthetic")
     rows = run_recipe(RECIPE, tmp_path / "tool_full")
     for key in ("multi_turn/turns_mean", "multi_turn/turns_max", "multi_turn/budget_hit_fraction",
                 "tool/calls_per_sample", "tool/error_fraction", "tool/timeout_fraction", "tool/latency_s",
@@ -25,10 +40,10 @@ def test_tool_recipe_learns(tmp_path):
     assert max(r["multi_turn/template_mismatch_fraction"] for r in rows if r["step"] > 0) <= 0.15
 
 
-def test_a_broken_tool_stops_the_run(tmp_path):
+def test_a_broken_tool_stops_the_run(tmp_path, tool_task):
     """A calculator whose execute raises, named by a file path beside its tool config, run from another
     directory: the console says what the tool raised, and the run stops with exit 3 once more than half the calls
-    failed for 3 steps in a row (~60 s: the warm start)."""
+    failed for 3 steps in a row."""
     import os
     import subprocess
     import sys
@@ -43,6 +58,7 @@ def test_a_broken_tool_stops_the_run(tmp_path):
     config = (repo / "recipes/cpu/tools/calculator.yaml").read_text()
     (tools / "calculator.yaml").write_text(config.replace("megappo.multi_turn.calculator.CalculatorTool",
                                                           "broken.py:Broken"))
+    shutil.copytree(tool_task, tmp_path / "out" / "synthetic")
     proc = subprocess.run(
         [sys.executable, "-m", "megappo.cli", "train", "--config", str(repo / RECIPE),
          f"trainer.default_local_dir={tmp_path / 'out'}", f"actor_rollout_ref.rollout.multi_turn.tool_config_path="
