@@ -59,6 +59,9 @@ def _until(what: str, ready, slurm, job_id: str, log: Path, timeout: float = JOB
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT)
+# ~75 s: the wait is tests/e2e/test_one_run_per_directory.py's (with the sbatch's wait, no Slurm) and the requeue
+# test_slurm.py's (SIGUSR1, real Slurm); this is the two together: the long tier
+@pytest.mark.long
 def test_a_requeued_job_waits_for_its_lingering_previous_incarnation(slurm, tmp_path):
     out = tmp_path / "run"
     home = tmp_path / "home"

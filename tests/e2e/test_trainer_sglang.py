@@ -85,6 +85,9 @@ def _rollout_processes(model_dir: str) -> list[str]:
     return _servers(model_dir) + [line for line in ps.splitlines() if "sglang_router" in line]
 
 
+# ~70 s: a killed server behind the real router, its restart and weights are tests/e2e/test_sglang_fleet.py's on the
+# engine side; this is the trainer's steps over it: the long tier
+@pytest.mark.long
 def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_python, hf_model_dir, tmp_path):
     """rollout.servers_per_node=2 behind a real sglang-router. One server is SIGKILLed after step 1: step 2 still
     gets every sample (the router sends the dead server's requests to the other), the sync of step 2 restarts it
