@@ -135,11 +135,11 @@ def geo3k_reward(data_source: str, solution_str: str, ground_truth: Any, extra_i
 # user functions from a file
 # ---------------------------------------------------------------------------------------------------------------
 def _import_file(path: str):
-    from megappo.platform.user_code import import_file
+    from megappo.platform.user_code import NotPython, import_file
 
     try:
         return import_file(path, "megappo_custom_reward")
-    except ImportError as e:
+    except NotPython as e:
         raise RewardFunctionError(f"custom_reward_function.path {path!r} cannot be imported as Python; point it at a "
                                   ".py file") from e
     except Exception as e:

@@ -67,6 +67,9 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
+# ~65 s: a SIGKILL'd run resuming from the step-0 checkpoint is tests/e2e/test_fresh_optimizer_resume.py's on one rank,
+# and the distributed optimizer's empty state at TP2 x PP2 is this file's guard test's: the long tier
+@pytest.mark.long
 def test_sigkill_in_step_1_resumes_from_the_step_0_checkpoint_exactly(data, tmp_path):
     ref = tmp_path / "uninterrupted"
     assert _finish(_start(data, ref), ref) == 0, _log(ref)

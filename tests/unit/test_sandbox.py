@@ -350,13 +350,13 @@ def test_refuses_where_it_cannot_isolate(tmp_path):
         assert sb.state["net"] is False and sb.state["fs"] is False
         res = sb.run("import os\nprint(os.getcwd())\nprint(sum(range(4)))", Limits(timeout_s=10, max_processes=64))
         assert res.exit_code == 0 and res.stdout.endswith("\n6\n"), res
-        workdir, deadline = res.stdout.splitlines()[0], time.monotonic() + 3
+        workdir, deadline = res.stdout.splitlines()[0], time.monotonic() + 15  # a loaded machine is slow to clean
         while os.path.exists(workdir) and time.monotonic() < deadline:  # removed just after the answer
             time.sleep(0.02)
         assert not os.path.exists(workdir)
         res = sb.run("import time\ntime.sleep(100)")
         assert res.timed_out
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 15
     while {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")} - before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not {n for n in os.listdir("/tmp") if n.startswith("megappo-sandbox-")} - before
