@@ -22,8 +22,6 @@ run in this process (they are the user's); what they send to the endpoint is not
 """
 from __future__ import annotations
 
-import importlib
-import os
 import threading
 import time
 import traceback
@@ -36,7 +34,7 @@ from megappo.agents.conversation import canonical
 from megappo.agents.records import EndpointSettings, TrajectoryRecord
 from megappo.agents.stitch import stitch
 from megappo.envs.base import EpisodeRow
-from megappo.platform.user_code import import_file
+from megappo.platform.user_code import load_named
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
@@ -47,19 +45,9 @@ def resolve_agent(spec: Union[str, AgentFn]) -> AgentFn:
     """The function a "path/to/file.py:function" or "module:function" string names (a callable is itself)."""
     if callable(spec):
         return spec
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ValueError(f"agent {spec!r}: write it as path/to/file.py:function or package.module:function")
-    if where.endswith(".py") or os.sep in where:
-        path = os.path.abspath(where)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"agent {spec!r}: no file {path}")
-        module = import_file(path, "megappo_user_agent")
-    else:
-        module = importlib.import_module(where)
-    fn = getattr(module, name, None)
+    fn = load_named(spec, None, f"agent {spec!r}")
     if not callable(fn):
-        raise ValueError(f"agent {spec!r}: {where} has no function {name}")
+        raise ValueError(f"agent {spec!r}: {spec.rpartition(':')[2]} is not a function")
     return fn
 
 

@@ -18,20 +18,20 @@ environment keeps its own) and `own_turn_limits` (its steps end the episode at t
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 from typing import Any, Callable, Optional
 
 from megappo.envs.base import Environment, EpisodeRow
 from megappo.multi_turn.template import ChatDelta
-from megappo.platform.user_code import import_file
+from megappo.platform.user_code import UserCodeError
+from megappo.platform.user_code import load_named as load_object
 
 # the built-in environments: name -> "module:Class", imported when a run uses them
 BUILTIN = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv",
            "gsm8k_feedback": "megappo.envs.gsm8k_feedback:Gsm8kFeedback"}
 
 
-class AgentConfigError(ValueError):
+class AgentConfigError(UserCodeError):
     """An agent config that cannot run (says which entry and the fix)."""
 
 
@@ -53,32 +53,6 @@ class EnvironmentAgent:
 
     def close(self) -> None:
         pass
-
-
-def load_object(target: str, base_dir: Optional[str], where: str) -> Any:
-    """`package.module:Name` or `path/to/file.py:Name` (a relative path from `base_dir`)."""
-    module_part, sep, name = target.rpartition(":")
-    if not sep or not name:
-        raise AgentConfigError(f"{where}: {target!r}: write it as package.module:Name or path/to/file.py:Name")
-    if module_part.endswith(".py"):
-        path = module_part if os.path.isabs(module_part) else os.path.join(base_dir or os.getcwd(), module_part)
-        if not os.path.isfile(path):
-            raise AgentConfigError(f"{where}: {target!r}: no file {os.path.abspath(path)} (a relative path is read "
-                                   "from the agent config's folder)")
-        try:
-            module = import_file(path, "megappo_user_agent")
-        except Exception as e:
-            raise AgentConfigError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except Exception as e:
-            raise AgentConfigError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e})") from e
-    if not hasattr(module, name):
-        near = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1)
-        raise AgentConfigError(f"{where}: {target!r}: no {name} there" + (f"; did you mean {near[0]!r}?" if near
-                                                                          else ""))
-    return getattr(module, name)
 
 
 def read_agent_config(path: str) -> list[dict]:

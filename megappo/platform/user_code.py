@@ -3,11 +3,14 @@ path: one module per file, under a name made from its path (two files both calle
 second import in the same process reuses the module)."""
 from __future__ import annotations
 
+import difflib
 import hashlib
+import importlib
 import importlib.util
 import os
 import sys
 from types import ModuleType
+from typing import Any, Optional
 
 
 class NotPython(ValueError):
@@ -31,3 +34,38 @@ def import_file(path: str, prefix: str = "megappo_user") -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+class UserCodeError(ValueError):
+    """A name of user code that cannot be loaded (says which and the fix)."""
+
+
+class MissingUserFile(UserCodeError, FileNotFoundError):
+    """The named file does not exist."""
+
+
+def load_named(target: str, base_dir: Optional[str] = None, where: str = "") -> Any:
+    """What `package.module:Name` or `path/to/file.py:Name` names (a relative path from `base_dir`, else the current
+    folder); `where`: the config entry that named it, for the messages."""
+    where = where or repr(target)
+    module_part, sep, name = target.rpartition(":")
+    if not sep or not module_part or not name:
+        raise UserCodeError(f"{where}: {target!r}: write it as package.module:Name or path/to/file.py:Name")
+    if module_part.endswith(".py"):
+        path = module_part if os.path.isabs(module_part) else os.path.join(base_dir or os.getcwd(), module_part)
+        if not os.path.isfile(path):
+            raise MissingUserFile(f"{where}: {target!r}: no file {os.path.abspath(path)} (a relative path is read "
+                                  "from the config's folder)")
+        try:
+            module = import_file(path, "megappo_user_agent")
+        except Exception as e:
+            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as e:
+            raise UserCodeError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e})") from e
+    if not hasattr(module, name):
+        near = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1)
+        raise UserCodeError(f"{where}: {target!r}: no {name} there" + (f"; did you mean {near[0]!r}?" if near else ""))
+    return getattr(module, name)
