@@ -151,3 +151,22 @@ class RolloutConfig:
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+
+
+@dataclass
+class InferenceConfig:
+    """An engine that serves a fixed model beside the policy's (a distillation teacher, a generative judge): the
+    rollout engines' machinery (`megappo.rollout.fixed`), a fleet of its own whose weights no sync touches. Every
+    unset key is the policy's rollout's (actor_rollout_ref.rollout); the server keys not named here (server_python,
+    timeouts, health checks, router) are always the policy's."""
+
+    name: Optional[str] = None  # hf | sglang; None: actor_rollout_ref.rollout.name
+    # sglang: URLs of running servers that serve this model; empty: the trainer starts its own (servers_per_node)
+    server_urls: list[str] = field(default_factory=list)
+    servers_per_node: Optional[int] = None  # None: one per tensor_model_parallel_size GPUs (one on a CPU node)
+    tensor_model_parallel_size: Optional[int] = None  # None: the rollout's
+    max_num_seqs: Optional[int] = None  # sequences per forward batch; None: the rollout's
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # the engine's own arguments, as the rollout's
+    # hf: run the model in the trainer's process (true) or in a process of its own that works while the trainer
+    # does (false: async modes overlap it with training); None: actor_rollout_ref.hybrid_engine
+    hybrid_engine: Optional[bool] = None
