@@ -5,7 +5,7 @@ Names, nesting and meanings follow verl's `ppo_megatron_trainer.yaml`, so a verl
 command-line overrides only change values here; they never add keys.
 
 The rollout section's dataclasses are in `schema_rollout.py`, the trainer's and async_training's in
-`schema_trainer.py`; every one is importable from here.
+`schema_trainer.py`, distillation's in `schema_distill.py`; every one is importable from here.
 
 A field left `None` with a "resolved" comment is filled from another field by `megappo.config.derived.resolve`,
 the one place derived defaults live. Everything else is plain data: no imports of torch or megatron.
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from megappo.config.fields import DType, KLKind, LossAggMode
+from megappo.config.schema_distill import DistillationConfig
 from megappo.config.schema_rollout import MultiTurnConfig, RolloutConfig, ValKwargsConfig
 from megappo.config.schema_trainer import AsyncTrainingConfig, GuardConfig, TrainerConfig
 
 __all__ = ["ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CriticConfig",
-           "CustomFunctionConfig", "CustomRewardFunctionConfig", "DType", "DataConfig", "FilterGroupsConfig",
+           "CustomFunctionConfig", "CustomRewardFunctionConfig", "DType", "DataConfig", "DistillationConfig", "FilterGroupsConfig",
            "GuardConfig", "KLCtrlConfig", "KLKind", "LoRAConfig", "LossAggMode", "MegappoConfig", "MegatronConfig",
            "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig", "RefConfig",
            "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "SyntheticTaskConfig", "TrainerConfig",
@@ -292,6 +293,11 @@ class SyntheticTaskConfig:
     num_val_prompts: int = 64
     warm_start_steps: int = 200  # supervised steps on the task before RL (~8 s on 2 cores; 0: the random model)
     seed: int = 0
+    # a distillation teacher for the task (megappo/tasks/teacher.py: a larger Llama with the task's tokenizer,
+    # ~16 s), warm-started with this target smoothing (the student's: 0.85); distillation.teacher_model.model_path
+    # null takes it. None: no teacher
+    teacher_smoothing: Optional[float] = None
+    teacher_warm_start_steps: int = 300
 
 
 @dataclass
@@ -373,3 +379,4 @@ class MegappoConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)

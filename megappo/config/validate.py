@@ -70,6 +70,9 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
 
     check_lora(cfg, errors, check_files)
+    from megappo.distill.checks import check_distillation  # distillation's rules live with it
+
+    check_distillation(cfg, errors, check_files)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):
         _check_optim(prefix, optim, errors)

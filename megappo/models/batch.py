@@ -47,7 +47,8 @@ def _index(t: Optional[torch.Tensor], idx: Index) -> Optional[torch.Tensor]:
 
 @dataclass
 class TrainInputs:
-    """Per-token inputs of the PPO losses; every field is optional and, when set, [B, R] float."""
+    """Per-token inputs of the PPO losses; every field is optional and, when set, [B, R] float (the top-k
+    distillation fields [B, R, K])."""
 
     old_log_probs: Optional[torch.Tensor] = None  # [B, R] log-probs of the policy that sampled the response
     ref_log_probs: Optional[torch.Tensor] = None  # [B, R] log-probs of the frozen reference model
@@ -55,6 +56,9 @@ class TrainInputs:
     returns: Optional[torch.Tensor] = None  # [B, R] value targets
     values: Optional[torch.Tensor] = None  # [B, R] critic values at rollout time (value clipping)
     rollout_is_weights: Optional[torch.Tensor] = None  # [B, R] old / rollout importance weights (rollout correction)
+    teacher_log_probs: Optional[torch.Tensor] = None  # [B, R] a distillation teacher's log-probs of the tokens
+    teacher_topk_log_probs: Optional[torch.Tensor] = None  # [B, R, K] the teacher's top-k tokens' log-probs
+    teacher_topk_ids: Optional[torch.Tensor] = None  # [B, R, K] long, those tokens
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -99,7 +103,7 @@ class ModelBatch:
             )
         if self.train is not None:
             for name, v in self.train.tensors().items():
-                if tuple(v.shape) != tuple(self.response_mask.shape):
+                if tuple(v.shape[:2]) != tuple(self.response_mask.shape):
                     raise ValueError(
                         f"ModelBatch: train.{name} has shape {tuple(v.shape)}; it must equal response_mask's "
                         f"{tuple(self.response_mask.shape)}"
@@ -167,7 +171,8 @@ class ModelBatch:
         left, right, extra = prompt_len - p, response_len - r, rows - b
 
         def grow(t: torch.Tensor, fill: float, lo: int, hi: int) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (lo, hi, 0, extra), value=fill)
+            inner = (0, 0) * (t.dim() - 2)  # a trailing per-token dimension (top-k) is not padded
+            return torch.nn.functional.pad(t, (*inner, lo, hi, 0, extra), value=fill)
 
         train = None
         if self.train is not None:

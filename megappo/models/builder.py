@@ -41,7 +41,7 @@ from megappo.parallel import ParallelState
 from megappo.platform.device import Platform
 from megappo.platform.layout import ParallelLayout
 
-ROLES = ("actor", "ref", "critic", "reward")
+ROLES = ("actor", "ref", "critic", "reward", "teacher")  # teacher: a frozen LM of its own (distillation)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -130,7 +130,7 @@ def build_gpt_model(hf_dir_or_config: Any, role: str, parallel_state: ParallelSt
         model.megappo_config = config
         model.megappo_spec = spec
         model.megappo_role = role
-        if role == "ref":
+        if role in ("ref", "teacher"):
             model.eval()
             model.requires_grad_(False)
         chunks.append(model)

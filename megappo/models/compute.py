@@ -39,12 +39,13 @@ from megappo.models.builder import unwrap
 from megappo.models.layout.plan import Layout, gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
 from megappo.kinds.qwen2_vl.inputs import micro_batch_inputs
+from megappo.models.topk import vocab_parallel_log_probs_at, vocab_parallel_topk
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
 
 __all__ = [
     "ModelOutputs", "MicroBatchContext", "StepMetrics", "MicroBatching", "LossFn",
-    "compute_log_probs", "compute_values", "train_step",
+    "compute_log_probs", "compute_topk_log_probs", "compute_values", "train_step",
 ]
 
 
@@ -56,6 +57,10 @@ class ModelOutputs:
     entropy: Optional[torch.Tensor] = None  # [b, r] entropy of the next-token distribution, when asked
     values: Optional[torch.Tensor] = None  # [b, r] critic value of the state before each response token
     sum_pi_squared: Optional[torch.Tensor] = None  # [b, r] sum over the vocabulary of p^2, forward-only, when asked
+    # top-k distillation: a teacher's k most likely tokens [b, r, k] (forward-only, when asked) and their log-probs;
+    # in a student's training step, the student's log-probs [b, r, k] of its batch's train.teacher_topk_ids
+    topk_log_probs: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -103,14 +108,15 @@ def _real_vocab_size(model_chunks: Sequence[nn.Module]) -> Optional[int]:
 
 def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Layout, *, value_model: bool,
                       calculate_entropy: bool, temperature: float, tp_group: Any, vocab_size: Optional[int],
-                      sum_pi_squared: bool = False) -> ModelOutputs:
+                      sum_pi_squared: bool = False, topk: int = 0) -> ModelOutputs:
     """The last stage's output (logits [.., V/tp] or values, in the micro-batch's `layout`) -> per-response-token
     outputs [b, r].
 
     Response token j (column P + j) is predicted from column P + j - 1, so both log-probs and the critic's values
     (the value of the state before token j) are read from columns P-1 .. P+R-2: in the left-aligned rows the model
     ran on, each row's last prompt token and the R - 1 columns after it; the layout reads them wherever it put
-    them. sum_pi_squared: also sum_v p_v^2 (no gradient).
+    them. sum_pi_squared: also sum_v p_v^2 (no gradient). topk: also the k most likely tokens and their log-probs
+    (no gradient); a batch with train.teacher_topk_ids also gets its log-probs of those tokens (with gradient).
     """
     if mb.prompt_len < 1:
         raise ValueError("every batch needs at least one prompt column: the first response token is scored from it")
@@ -121,14 +127,21 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Layout, *, v
         raise ValueError(f"temperature={temperature}: log-probs need a positive temperature; a greedy rollout's "
                          "log-probs are under temperature 1 (use SamplingParams.logprob_temperature)")
 
+    at_ids = mb.train.teacher_topk_ids if mb.train is not None else None
+
     def stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         if temperature != 1.0:
             logits = logits / temperature
-        return vocab_parallel_token_stats(logits, targets, tp_group, calculate_entropy=calculate_entropy,
-                                          calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
+        out = vocab_parallel_token_stats(logits, targets, tp_group, calculate_entropy=calculate_entropy,
+                                         calculate_sum_pi_squared=sum_pi_squared, vocab_size=vocab_size)
+        if topk:
+            return (*out, *vocab_parallel_topk(logits, topk, tp_group, vocab_size=vocab_size))
+        if at_ids is not None:
+            return (*out, vocab_parallel_log_probs_at(logits, at_ids.long(), tp_group, vocab_size=vocab_size), None)
+        return (*out, None, None)
 
-    logp, ent, sq = layout.token_stats(output, window, mb.input_ids[:, mb.prompt_len:], stats)
-    return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq)
+    logp, ent, sq, top_lp, top_ids = layout.token_stats(output, window, mb.input_ids[:, mb.prompt_len:], stats)
+    return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq, topk_log_probs=top_lp, topk_ids=top_ids)
 
 
 def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Layout]], model: nn.Module, *,
@@ -206,7 +219,7 @@ def _mode(model_chunks: Sequence[nn.Module], train: bool):
 
 
 def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, calculate_entropy, temperature,
-                  sum_pi_squared=False):
+                  sum_pi_squared=False, topk=0):
     _prepare(model_chunks, parallel_state)
     vocab_size = _real_vocab_size(model_chunks)
     plan = plan_micro_batches(model_chunks, batch, micro, parallel_state)
@@ -214,18 +227,20 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
     def loss_func(mb: ModelBatch, layout: Layout, output: torch.Tensor):
         out = _response_outputs(output, mb, layout, value_model=value_model, calculate_entropy=calculate_entropy,
                                 temperature=temperature, tp_group=parallel_state.tp_group, vocab_size=vocab_size,
-                                sum_pi_squared=sum_pi_squared)
+                                sum_pi_squared=sum_pi_squared, topk=topk)
         return torch.zeros((), device=output.device), out
 
     with torch.no_grad(), _mode(model_chunks, train=False):
         results = _run_schedule(model_chunks, plan, loss_func, parallel_state=parallel_state, forward_only=True)
     keys = ["values"] if value_model else (["log_probs"] + (["entropy"] if calculate_entropy else [])
-                                           + (["sum_pi_squared"] if sum_pi_squared else []))
+                                           + (["sum_pi_squared"] if sum_pi_squared else [])
+                                           + (["topk_log_probs", "topk_ids"] if topk else []))
     restored: list[Optional[torch.Tensor]] = [None] * len(keys)
-    if parallel_state.is_pipeline_last_stage:
+    if parallel_state.is_pipeline_last_stage:  # ids travel as fp32: exact below 2^24, past any vocabulary
         restored = [plan.restore([getattr(o, k).float() for o in results]) for k in keys]
     shape = (batch.batch_size, batch.response_len)
-    out = _broadcast_from_last_stage(restored, [shape] * len(keys), parallel_state, model_device(model_chunks))
+    shapes = [shape + ((topk,) if k.startswith("topk") else ()) for k in keys]
+    out = _broadcast_from_last_stage(restored, shapes, parallel_state, model_device(model_chunks))
     return [t.to(batch.input_ids.device) for t in out]  # results live where the batch came from
 
 
@@ -252,6 +267,21 @@ def compute_log_probs(
     mask = batch.response_mask.to(out[0].dtype)
     logp, ent = out[0] * mask, (out[1] * mask if calculate_entropy else None)
     return (logp, ent, out[-1] * mask) if calculate_sum_pi_squared else (logp, ent)
+
+
+def compute_topk_log_probs(
+    model_chunks: Sequence[nn.Module], batch: ModelBatch, k: int, *, parallel_state: ParallelState,
+    micro: MicroBatching = MicroBatching(), temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward-only (log p(response token) [B, R], the k most likely tokens' log-probs [B, R, k] fp32 and their ids
+    [B, R, k] long) at each response position of an LM-head model (a distillation teacher); zero on padding.
+    Identical on every rank of the model-parallel group. Not with context parallelism."""
+    if parallel_state.cp_size > 1:
+        raise ValueError("top-k log-probs are not computed under context parallelism (context_parallel_size > 1)")
+    logp, top_lp, top_ids = _forward_only(model_chunks, batch, parallel_state, micro, value_model=False,
+                                          calculate_entropy=False, temperature=temperature, topk=k)
+    mask = batch.response_mask.to(logp.dtype)
+    return logp * mask, top_lp * mask.unsqueeze(-1), top_ids.long() * batch.response_mask.long().unsqueeze(-1)
 
 
 def compute_values(

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megappo import algos
+from megappo.algos import distillation
 from megappo.algos.policy_losses import PolicyLossParams, get_policy_loss
 from megappo.algos.rollout_correction import RolloutCorrection, bypass_policy_loss
 from megappo.models.compute import LossFn, MicroBatchContext, ModelOutputs
@@ -37,6 +38,17 @@ class ActorLossSettings:
     # seq-mean-token-sum-norm's divisor: a constant (loss_scale_factor or the response length limit), so every
     # micro-batch, whatever its own padded length, divides by the same number
     norm_length: Optional[float] = None
+    distill: Optional["DistillLossSettings"] = None  # a distillation loss term (None: none)
+
+
+@dataclass(frozen=True)
+class DistillLossSettings:
+    """On-policy distillation as a loss term (distillation.distillation_loss.use_policy_gradient false)."""
+
+    mode: str  # a megappo.algos.distillation divergence: k3, k2, ... or forward_kl_topk
+    coef: float  # loss += coef * the aggregated divergence
+    log_prob_min_clamp: Optional[float] = None
+    loss_max_clamp: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +73,8 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
     """Clipped (and dual-clip) surrogate + optional KL loss - entropy bonus. Needs log-probs and entropy
     (`train_step(..., calculate_entropy=True)`) and train inputs old_log_probs, advantages (and ref_log_probs;
     rollout_is_weights when algorithm.rollout_correction.rollout_is multiplies each token's loss).
-    Metrics (shares, see `train_step`): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss; with
+    Metrics (shares, see `train_step`): pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss,
+    distill_loss (with a distillation loss term: train inputs teacher_log_probs or the top-k pair); with
     bypass_mode also the micro-batches' rollout_corr/* diagnostics."""
 
     pg = get_policy_loss(s.loss_mode, *s.custom_loss)
@@ -93,9 +106,22 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
                            s.norm_length)
             loss = loss + s.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
+        if s.distill is not None:
+            distill_loss = _agg(_divergence(s.distill, out, t), mask, s.agg_mode, ctx, s.norm_length)
+            loss = loss + s.distill.coef * distill_loss
+            metrics["distill_loss"] = distill_loss.detach()
         return loss, metrics
 
     return loss_fn
+
+
+def _divergence(d: DistillLossSettings, out: ModelOutputs, t) -> torch.Tensor:
+    """[b, r] the student's divergence from the teacher, differentiable in the student's log-probs."""
+    if d.mode in distillation.TOPK_MODES:
+        return distillation.forward_kl_topk(out.topk_log_probs, t.teacher_topk_log_probs,
+                                            loss_max_clamp=d.loss_max_clamp)
+    return distillation.token_divergence(out.log_probs, t.teacher_log_probs, d.mode,
+                                         log_prob_min_clamp=d.log_prob_min_clamp, loss_max_clamp=d.loss_max_clamp)
 
 
 def critic_loss_fn(s: CriticLossSettings) -> LossFn:

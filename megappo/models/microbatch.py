@@ -72,14 +72,15 @@ class MicroBatchPlan:
         return torch.cat(self.indices)
 
     def restore(self, outputs: Sequence[torch.Tensor], fill: float = 0.0) -> torch.Tensor:
-        """Scatter per-micro-batch outputs [b_i, r_i] back into [B, R] in the original row order.
+        """Scatter per-micro-batch outputs [b_i, r_i, ...] back into [B, R, ...] in the original row order.
 
         Columns beyond a micro-batch's own response length (padding) get `fill`.
         """
         if len(outputs) != len(self.indices):
             raise ValueError(f"restore got {len(outputs)} outputs for {len(self.indices)} micro-batches")
         ref = outputs[0]
-        out = torch.full((self.batch_size, self.response_len), fill, dtype=ref.dtype, device=ref.device)
+        out = torch.full((self.batch_size, self.response_len, *ref.shape[2:]), fill, dtype=ref.dtype,
+                         device=ref.device)
         for idx, o in zip(self.indices, outputs):
             out[idx.to(o.device), : o.shape[1]] = o[: len(idx)]  # rows past len(idx): shape padding
         return out

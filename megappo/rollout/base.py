@@ -114,6 +114,11 @@ class RolloutEngine(ABC):
     def prompt_log_probs(self, token_ids: Sequence[int]) -> list[list[float]]:
         """log p(token_ids[k] | token_ids[:k]) for k >= 1, one list per model replica behind this engine."""
 
+    def sequence_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`prompt_log_probs` of each sequence from the first model replica (a distillation teacher's scoring):
+        [log p(seq[k] | seq[:k]) for k >= 1] per sequence. Engines that batch override it."""
+        return [self.prompt_log_probs(seq)[0] for seq in sequences]
+
     def close(self) -> None:
         """Release what the engine holds in this process (weight groups, a model)."""
         self.shutdown_submitter()

@@ -450,13 +450,15 @@ def _one_thread() -> Iterator[None]:
 
 
 def _warm_started_model(task: SyntheticTask, tokenizer, cfg, steps: int, seed: int, val_codes: list[int],
-                        train_pools: dict[int, list[int]]):
+                        train_pools: dict[int, list[int]], smoothing: Optional[float] = None, model_cls=None):
+    """smoothing: the target's (None: the task's); model_cls: the transformers class (None: Qwen2ForCausalLM)."""
     import torch
     import transformers
 
+    smoothing = task.smoothing if smoothing is None else smoothing
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(cfg).float()
+        model = (model_cls or transformers.Qwen2ForCausalLM)(cfg).float()
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list(DIGITS)))
@@ -480,7 +482,7 @@ def _warm_started_model(task: SyntheticTask, tokenizer, cfg, steps: int, seed: i
                 logq = torch.log_softmax(model(input_ids=x).logits[:, p - 1:-1].float(), dim=-1)  # [B, 2, V]
                 nll = -logq.gather(-1, x[:, p:, None])[..., 0]  # answer digit, EOS
                 spread = -logq[:, 0, digit_ids].mean(-1)  # uniform over the ten digits
-                loss = ((1 - task.smoothing) * nll[:, 0] + task.smoothing * spread + nll[:, 1]).mean()
+                loss = ((1 - smoothing) * nll[:, 0] + smoothing * spread + nll[:, 1]).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

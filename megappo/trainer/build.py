@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megappo.config import resolve
 from megappo.config.schema import MegappoConfig
+from megappo.distill.teachers import build_teachers
 from megappo.models.losses import actor_loss_fn, critic_loss_fn
 from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
@@ -57,6 +58,17 @@ def _synthetic(cfg: MegappoConfig, local_dir: str) -> None:
     for model in (arr.model, cfg.critic.model):
         model.path, model.tokenizer_path = task.model_dir, task.model_dir
     cfg.data.train_files, cfg.data.val_files = task.train_files, task.val_files
+    if syn.teacher_smoothing is not None:
+        teacher = [None]
+        if dist.get_rank() == 0:
+            from megappo.tasks.teacher import prepare_teacher
+
+            teacher = [prepare_teacher(syn.name, os.path.join(local_dir, "synthetic", syn.name + "-teacher"),
+                                       smoothing=syn.teacher_smoothing, warm_start_steps=syn.teacher_warm_start_steps,
+                                       num_val_prompts=syn.num_val_prompts, seed=syn.seed)]
+        dist.broadcast_object_list(teacher, src=0)
+        if cfg.distillation.teacher_model.model_path is None:
+            cfg.distillation.teacher_model.model_path = teacher[0]
 
 
 def _scorer(cfg: MegappoConfig):
@@ -104,6 +116,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                   sampling=settings.sampling(cfg), actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
                   critic_loss=critic_loss_fn(settings.critic_loss(cfg)), state=state,
                   correction=settings.rollout_correction(cfg))
+        run.teachers = build_teachers(cfg, ps, platform, settings.rollout_settings(cfg))
         apply_guard_scales(run)
         _resume(run, state)
         if dist.get_rank() == 0:
@@ -226,5 +239,7 @@ def teardown_run(run: Optional[Run], state: Optional[TrainState]) -> None:
         state.logger.close()
     if run is not None:
         run.rollout.close()
+        if run.teachers is not None:
+            run.teachers.close()  # an engine teacher's servers or process
         if run.scorer is not None:
             run.scorer.close()

@@ -7,6 +7,7 @@ from typing import Optional
 
 from megappo.config.derived import estimator_needs
 from megappo.config.schema import MegappoConfig
+from megappo.distill import phases as distill
 from megappo.trainer import checkpointing, dynamic_sampling, phases
 from megappo.trainer.async_rollout import rollout_source
 from megappo.trainer.build import rollback, setup, teardown
@@ -120,6 +121,9 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
                 phases.ref_log_probs(run, exp)
         with timer("old_log_prob"):
             m.update(phases.old_log_probs(run, exp))
+        if run.teachers is not None:
+            with timer("teacher"):
+                m.update(distill.teacher_log_probs(run, exp))
         if run.roles.critic is not None:
             with timer("values"):
                 phases.values(run, exp)
@@ -127,6 +131,8 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
             m.update(phases.token_rewards(run, exp))
             m.update(phases.rollout_correction(run, exp))
             phases.advantages(run, exp)
+            if run.teachers is not None:
+                m.update(distill.distill_advantages(run, exp))
         if run.roles.critic is not None:
             with timer("update_critic"):
                 m.update(phases.update_critic(run, exp, step))

@@ -67,6 +67,10 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
         if not uses_synthetic_task(cfg):
             _check_parquet_schemas(cfg, errors)
         _check_custom_reward_function(cfg, errors)
+        if cfg.distillation.enabled:
+            from megappo.distill.checks import teacher_model_problems
+
+            errors += teacher_model_problems(cfg, cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size)
     if errors:
         raise ConfigError(errors)
 

@@ -128,6 +128,11 @@ def _frozen(name: str, path: str, model_cfg, ps: ParallelState, platform: Platfo
     return role
 
 
+def frozen_role(name: str, path: str, ps: ParallelState, platform: Platform, seed: int) -> Role:
+    """A frozen model of its own HF checkpoint in the run's layout (a distillation teacher), offloaded on GPU."""
+    return _frozen(name, path, ModelConfig(), ps, platform, seed)
+
+
 def build_roles(cfg: MegappoConfig, ps: ParallelState, platform: Platform, total_steps: int) -> Roles:
     arr, seed = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor.megatron.seed
     path = arr.model.path

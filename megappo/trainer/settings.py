@@ -15,7 +15,7 @@ from megappo.algos.policy_losses import PolicyLossParams
 from megappo.algos.rollout_correction import RolloutCorrection
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
-from megappo.models.losses import ActorLossSettings, CriticLossSettings
+from megappo.models.losses import ActorLossSettings, CriticLossSettings, DistillLossSettings
 from megappo.models.lora.adapter import served_adapter
 from megappo.models.lora.layers import LoRASettings
 from megappo.models.optim import OptimSettings
@@ -37,7 +37,18 @@ def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.
                              clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
                              use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef * kl_scale,
                              kl_loss_type=a.kl_loss_type, bypass=bypass, loss_mode=pl.loss_mode,
-                             loss_params=params, custom_loss=(pl.path, pl.name), norm_length=norm_length(cfg))
+                             loss_params=params, custom_loss=(pl.path, pl.name), norm_length=norm_length(cfg),
+                             distill=distill_loss(cfg))
+
+
+def distill_loss(cfg: MegappoConfig) -> Optional[DistillLossSettings]:
+    """On-policy distillation's loss term, when distillation is enabled without use_policy_gradient."""
+    d = cfg.distillation
+    dl = d.distillation_loss
+    if not d.enabled or dl.use_policy_gradient:
+        return None
+    return DistillLossSettings(mode=dl.loss_mode, coef=dl.distillation_loss_coef if dl.use_task_rewards else 1.0,
+                               log_prob_min_clamp=dl.log_prob_min_clamp, loss_max_clamp=dl.loss_max_clamp)
 
 
 def norm_length(cfg: MegappoConfig) -> float:

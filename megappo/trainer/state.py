@@ -29,6 +29,8 @@ from megappo.trainer.run_lock import RunLock
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from megappo.distill.teachers import Teachers
+
     from megappo.data.dataset import PromptBatch
     from megappo.data.loader import PromptLoader
     from megappo.multi_turn.health import ToolWatch
@@ -121,6 +123,7 @@ class Run:
     correction: RolloutCorrection  # algorithm.rollout_correction, checked
     reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
     tool_watch: Optional["ToolWatch"] = None  # multi-turn tool warnings and failing streak, made at the first step
+    teachers: Optional["Teachers"] = None  # distillation's teachers (`megappo.distill.teachers`), when enabled
 
     @property
     def kl_ctrl(self) -> KLController:

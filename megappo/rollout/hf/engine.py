@@ -269,6 +269,23 @@ class HFEngine(RolloutEngine):
         logits = self.model(input_ids=ids, **kw).logits[0, :-1].float()
         return [torch.log_softmax(logits, -1).gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()]
 
+    @torch.no_grad()
+    def sequence_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`prompt_log_probs` of text sequences, max_num_seqs at a time in one right-padded forward each."""
+        self._check_weights()
+        out: list[list[float]] = []
+        for start in range(0, len(sequences), self.max_num_seqs):
+            chunk = [list(s) for s in sequences[start:start + self.max_num_seqs]]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long, device=self.device)
+            mask = torch.zeros_like(ids)
+            for i, seq in enumerate(chunk):
+                ids[i, :len(seq)], mask[i, :len(seq)] = torch.tensor(seq, device=self.device), 1
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            lp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:].unsqueeze(2)).squeeze(2)
+            out += [lp[i, :len(seq) - 1].tolist() for i, seq in enumerate(chunk)]
+        return out
+
     def close(self) -> None:
         self.shutdown_submitter()
         self.model = None
