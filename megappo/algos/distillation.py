@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megappo.algos import kl_penalty, masked_mean
+from megappo.algos import kl_penalty
 
 TOPK_MODES = ("forward_kl_topk",)
 

@@ -37,7 +37,8 @@ def teacher_configs(cfg) -> dict[str, TeacherModelConfig]:
     """Every teacher's config by name: "teacher" (distillation.teacher_model, when it has a model_path) and
     distillation.teacher_models' entries. Raises ValueError on a malformed entry."""
     d = cfg.distillation
-    out = {"teacher": d.teacher_model} if d.teacher_model.model_path else {}
+    synthetic = cfg.data.synthetic.teacher_smoothing is not None  # the trainer fills in its path at setup
+    out = {"teacher": d.teacher_model} if d.teacher_model.model_path or synthetic else {}
     for name, entry in d.teacher_models.items():
         if name == "teacher":
             raise ValueError(f"{KEY}.teacher_models.teacher: the name 'teacher' is distillation.teacher_model's; "
@@ -63,7 +64,7 @@ def check_distillation(cfg, errors: list[str], check_files: bool) -> None:
     except ValueError as e:
         errors.append(str(e))
         return
-    if not teachers and cfg.data.synthetic.teacher_smoothing is None:
+    if not teachers:
         errors.append(f"{KEY}.teacher_model.model_path: distillation is enabled but no teacher is named; set it to "
                       f"the teacher's Hugging Face directory (or add {KEY}.teacher_models)")
     _check_routes(teachers, errors)
@@ -71,7 +72,8 @@ def check_distillation(cfg, errors: list[str], check_files: bool) -> None:
     for name, t in teachers.items():
         key = f"{KEY}.teacher_model" if name == "teacher" else f"{KEY}.teacher_models.{name}"
         if not t.model_path:
-            errors.append(f"{key}.model_path: a teacher needs its Hugging Face directory")
+            if name != "teacher":  # "teacher" without a path is the synthetic task's
+                errors.append(f"{key}.model_path: a teacher needs its Hugging Face directory")
         elif check_files and not os.path.isfile(os.path.join(os.path.expanduser(t.model_path), "config.json")):
             errors.append(f"{key}.model_path: {t.model_path} has no config.json; point it at a Hugging Face "
                           "directory (megappo convert mcore-to-hf writes one)")
