@@ -86,6 +86,28 @@ def guess_task_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def distill_task_dir(tmp_path_factory) -> str:
+    """A `synthetic/` folder holding tiny_distill's task and its teacher, made once under the golden environment as
+    the recipe's runs make them (~25 s): a test copies it into its run's output folder and the run reuses both."""
+    import subprocess
+    import sys
+
+    from megappo.config import load_config
+    from megappo.testing.golden import GOLDEN_ENV
+
+    syn = load_config("cpu/tiny_distill").data.synthetic
+    out = tmp_path_factory.mktemp("distill_task") / "synthetic"
+    code = (f"from megappo.tasks import prepare_task; from megappo.tasks.teacher import prepare_teacher; "
+            f"prepare_task({syn.name!r}, {str(out / syn.name)!r}, num_train_prompts={syn.num_train_prompts}, "
+            f"num_val_prompts={syn.num_val_prompts}, warm_start_steps={syn.warm_start_steps}, seed={syn.seed}); "
+            f"prepare_teacher({syn.name!r}, {str(out / (syn.name + '-teacher'))!r}, "
+            f"smoothing={syn.teacher_smoothing}, warm_start_steps={syn.teacher_warm_start_steps}, "
+            f"num_val_prompts={syn.num_val_prompts}, seed={syn.seed})")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **GOLDEN_ENV}, timeout=600)
+    return str(out)
+
+
 def _install_hash() -> str:
     h = hashlib.sha256()
     for name in ("install_cpu.sh", "requirements-cpu.txt", "sgl_kernel_stub.py", "patch_torchvision.py"):
