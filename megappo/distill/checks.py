@@ -120,9 +120,10 @@ def _check_loss(cfg, teachers: dict, errors: list[str]) -> None:
                       "context_parallel_size=1 or use loss_mode=k3")
 
 
-def teacher_model_problems(cfg, tp: int) -> list[str]:
-    """Preflight, with the files: each megatron teacher's heads divide the tensor-parallel size, and its vocabulary
-    is the student's (one tokenizer: the teacher reads the student's token ids)."""
+def teacher_model_problems(cfg, tp: int, pp: int) -> list[str]:
+    """Preflight, with the files: each megatron teacher's heads divide the tensor-parallel size and its layers the
+    pipeline stages, its vocabulary is the student's (one tokenizer: the teacher reads the student's token ids),
+    and an SGLang teacher's servers can start."""
     out = []
     student = _config_json(cfg.actor_rollout_ref.model.path)
     for name, t in teacher_configs(cfg).items():
@@ -133,11 +134,27 @@ def teacher_model_problems(cfg, tp: int) -> list[str]:
         if hf.get("vocab_size") != student.get("vocab_size"):
             out.append(f"{key}: the teacher's vocabulary ({hf.get('vocab_size')} tokens) is not the student's "
                        f"({student.get('vocab_size')}); on-policy distillation needs one tokenizer")
-        heads = hf.get("num_attention_heads", 1)
+        heads, layers = hf.get("num_attention_heads", 1), hf.get("num_hidden_layers", 1)
         if t.backend == "megatron" and heads % tp:
             out.append(f"{key}: the teacher's {heads} attention heads do not divide over tensor_model_parallel_size="
                        f"{tp}; use a TP size that divides them, or backend=engine (its own layout)")
-    return out
+        if t.backend == "megatron" and layers % pp:
+            out.append(f"{key}: the teacher's {layers} layers do not split into pipeline_model_parallel_size={pp} "
+                       "stages; use a PP size that divides them, or backend=engine (its own layout)")
+    return out + _engine_problems(cfg)
+
+
+def _engine_problems(cfg) -> list[str]:
+    """An engine teacher on SGLang servers the run starts needs a python with SGLang (the policy's server_python)."""
+    from megappo.rollout.sglang.deploy import _python_problems
+
+    started = [t for t in teacher_configs(cfg).values() if t.backend == "engine" and not t.inference.server_urls
+               and (t.inference.name or cfg.actor_rollout_ref.rollout.name) == "sglang"]
+    if not started or cfg.actor_rollout_ref.rollout.name == "sglang":  # the policy's preflight checked it
+        return []
+    return [p.replace("actor_rollout_ref.rollout.name: sglang servers", "a distillation teacher's sglang servers")
+            .replace("actor_rollout_ref.rollout.name=hf", f"{KEY}.teacher_model.inference.name=hf")
+            for p in _python_problems(cfg.actor_rollout_ref.rollout.server_python)]
 
 
 def _config_json(path) -> Any:

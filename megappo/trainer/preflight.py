@@ -70,7 +70,8 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
         if cfg.distillation.enabled:
             from megappo.distill.checks import teacher_model_problems
 
-            errors += teacher_model_problems(cfg, cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size)
+            meg = cfg.actor_rollout_ref.actor.megatron
+            errors += teacher_model_problems(cfg, meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size)
     if errors:
         raise ConfigError(errors)
 

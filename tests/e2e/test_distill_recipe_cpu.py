@@ -120,3 +120,34 @@ def test_distill_recipe_fully_async_with_partial_rollouts(tmp_path, distill_task
                       "async_training.staleness_threshold=0.5", "async_training.partial_rollout=true",
                       "actor_rollout_ref.hybrid_engine=false", "trainer.total_training_steps=30")
     assert learned(rows) >= 0.3, [r.get("reward/mean") for r in rows]
+
+
+@pytest.mark.sglang
+def test_a_teacher_on_sglang_servers_of_its_own(tmp_path, distill_task_dir, sglang_python):
+    """The teacher served by an SGLang server the run starts for it (the policy stays on the in-process engine):
+    batched prompt log-probs of the student's tokens, the first step's reverse KL the megatron teacher's (SGLang's
+    CPU kernels sum in another order: 1e-4), and the server gone with the run."""
+    out = _out(tmp_path, "sglang", distill_task_dir)
+    rows = run_recipe(RECIPE, out, "distillation.teacher_model.backend=engine",
+                      "distillation.teacher_model.inference.name=sglang",
+                      f"actor_rollout_ref.rollout.server_python={sglang_python}", "trainer.total_training_steps=2",
+                      "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1")
+    _, want = golden.read("tiny_distill")
+    got, recorded = {r["step"]: r for r in rows}, {r["step"]: r for r in want}
+    assert abs(got[1]["distill/reverse_kl"] - recorded[1]["distill/reverse_kl"]) <= 1e-4
+    assert got[2]["distill/teacher_log_prob_mean"] < 0
+    assert not _processes_naming(str(out)), "a process of the run outlived it"
+
+
+def _processes_naming(text: str) -> list[int]:
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found

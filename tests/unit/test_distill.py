@@ -108,3 +108,25 @@ def test_teachers_route_by_data_source():
     only = Teachers([Stub("math", ["gsm8k"])], topk=0)
     assert only.route(["gsm8k", "other"]) == [0, None]
     assert math.isfinite(len(both.names)) and both.names == ["math", "rest"]
+
+
+def test_preflight_names_a_teacher_that_cannot_serve_the_student(tmp_path):
+    import json
+
+    from megappo.distill.checks import teacher_model_problems
+
+    def model(name, **hf):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(hf))
+        return str(tmp_path / name)
+
+    student = model("student", vocab_size=20, num_attention_heads=4, num_hidden_layers=2)
+    good = model("good", vocab_size=20, num_attention_heads=4, num_hidden_layers=4)
+    other = model("other", vocab_size=32, num_attention_heads=6, num_hidden_layers=3)
+    cfg = load_config(RECIPE, [f"actor_rollout_ref.model.path={student}", f"distillation.teacher_model.model_path={good}"])
+    assert teacher_model_problems(cfg, 2, 2) == []
+    cfg = load_config(RECIPE, [f"actor_rollout_ref.model.path={student}", f"distillation.teacher_model.model_path={other}"])
+    problems = " ".join(teacher_model_problems(cfg, 4, 2))
+    assert "vocabulary (32 tokens) is not the student's (20)" in problems
+    assert "6 attention heads do not divide over tensor_model_parallel_size=4" in problems
+    assert "3 layers do not split into pipeline_model_parallel_size=2" in problems

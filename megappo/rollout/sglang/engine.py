@@ -358,6 +358,16 @@ class SGLangEngine(RolloutEngine):
             answer = answer[0]
         return [[lp for lp, *_ in answer["meta_info"]["input_token_logprobs"][1:]]]
 
+    def sequence_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`prompt_log_probs` of every sequence in one batched request."""
+        if not sequences:
+            return []
+        body = {"input_ids": [list(map(int, s)) for s in sequences], "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        body.update(self.request_fields)
+        answers = http_json(self.url + "/generate", body, timeout=self.timeout, api_key=self.api_key)
+        return [[lp for lp, *_ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
+
     def close(self) -> None:
         self.shutdown_submitter()
         self.close_weight_group()

@@ -381,6 +381,19 @@ class SGLangFleet(RolloutEngine):
         what `rollout.verify_sync` compares with the trainer's."""
         return [self.engines[k].prompt_log_probs(token_ids)[0] for k in self.live()]
 
+    def sequence_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`prompt_log_probs` of every sequence, the live servers each scoring a contiguous share at once."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        live = self.live()
+        if not live:
+            raise RuntimeError("no live SGLang server to score the sequences")
+        size = -(-len(sequences) // len(live))
+        shares = [(k, sequences[i * size:(i + 1) * size]) for i, k in enumerate(live)]
+        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+            parts = list(pool.map(lambda share: self.engines[share[0]].sequence_log_probs(share[1]), shares))
+        return [lp for part in parts for lp in part]
+
     def close_weight_group(self) -> None:
         import torch.distributed as dist
 
