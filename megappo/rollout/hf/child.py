@@ -62,7 +62,8 @@ class EngineChild:
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.deferred: list[tuple] = []  # requests that came during a weight update's stream, run after it
         self.handlers = {"close": self.on_close, "generate": self.on_generate, "update_begin": self.on_update_begin,
-                         "update_from_disk": self.on_update_from_disk, "prompt_log_probs": self.on_prompt_log_probs}
+                         "update_from_disk": self.on_update_from_disk, "prompt_log_probs": self.on_prompt_log_probs,
+                         "sequence_log_probs": self.on_sequence_log_probs}
 
     def request_aborted(self) -> bool:
         with self.lock:
@@ -145,6 +146,9 @@ class EngineChild:
 
     def on_prompt_log_probs(self, rid: int, token_ids, images) -> list[list[float]]:
         return self.engine.prompt_log_probs(token_ids, multi_modal=vlm.one_from_pipe(images))
+
+    def on_sequence_log_probs(self, rid: int, sequences) -> list[list[float]]:
+        return self.engine.sequence_log_probs(sequences)
 
     # -- a weight update's stream ----------------------------------------------------------------------------------
     def _update_stream(self, rid: int, ended: list) -> Iterator[Any]:

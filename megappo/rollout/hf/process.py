@@ -388,6 +388,10 @@ class HFProcessEngine(RolloutEngine):
         images = vlm.one_to_pipe(multi_modal)
         return self._channel.request("prompt_log_probs", [int(t) for t in token_ids], images)[1].result()
 
+    def sequence_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """`HFEngine.sequence_log_probs` in the child: one request, batched forwards there."""
+        return self._channel.request("sequence_log_probs", [[int(t) for t in s] for s in sequences])[1].result()
+
     # -- life --------------------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
