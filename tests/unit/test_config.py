@@ -495,6 +495,7 @@ MODEL_DIMS = {
     "Qwen2.5-7B-Instruct": dict(num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28),
     "Qwen2.5-7B": dict(num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28),  # the base model
     "Qwen3-8B": dict(num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36),
+    "Qwen3-1.7B": dict(num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=28),
     "Qwen3-30B-A3B": dict(num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=128),
 }
 

@@ -130,3 +130,27 @@ def test_preflight_names_a_teacher_that_cannot_serve_the_student(tmp_path):
     assert "vocabulary (32 tokens) is not the student's (20)" in problems
     assert "6 attention heads do not divide over tensor_model_parallel_size=4" in problems
     assert "3 layers do not split into pipeline_model_parallel_size=2" in problems
+
+
+def test_the_gpu_distillation_recipe_fits_its_models(tmp_path):
+    """gsm8k/qwen3-1.7b_opd_from_qwen3-8b against the real models' shapes: the teacher's heads and layers in the
+    student's layout, one vocabulary (Qwen3's 151936)."""
+    import json
+
+    from megappo.distill.checks import teacher_model_problems
+    from megappo.trainer.preflight import preflight
+
+    def model(name, **hf):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 151936, **hf}))
+        return str(tmp_path / name)
+
+    student = model("Qwen3-1.7B", num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=28)
+    teacher = model("Qwen3-8B", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36)
+    cfg = load_config("gsm8k/qwen3-1.7b_opd_from_qwen3-8b", [f"actor_rollout_ref.model.path={student}",
+                                                              f"distillation.teacher_model.model_path={teacher}"])
+    preflight(cfg, 8, check_files=False)
+    assert teacher_model_problems(cfg, 2, 1) == []
+    d = cfg.distillation
+    assert d.enabled and d.teacher_model.backend == "megatron" and d.distillation_loss.loss_mode == "k1"
+    assert (cfg.actor_rollout_ref.actor.optim.lr, cfg.data.train_batch_size) == (1e-6, 512)  # verl's OPD example
