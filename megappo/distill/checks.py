@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import difflib
 import json
 import os
@@ -10,6 +11,7 @@ from typing import Any
 
 from megappo.config.schema_distill import TeacherModelConfig
 from megappo.config.schema_rollout import InferenceConfig
+from megappo.models.layout import per_position_topk_refusal
 
 KEY = "distillation"
 
@@ -47,9 +49,16 @@ def teacher_configs(cfg) -> dict[str, TeacherModelConfig]:
     return out
 
 
-def teacher_specs(cfg) -> list:
-    from megappo.distill.teachers import TeacherSpec
+@dataclass(frozen=True)
+class TeacherSpec:
+    name: str  # "teacher" for distillation.teacher_model; the key of distillation.teacher_models otherwise
+    model_path: str
+    backend: str  # megatron | engine
+    data_sources: tuple[str, ...]  # empty: every data source no other teacher names
+    inference: Any = None  # InferenceConfig (engine)
 
+
+def teacher_specs(cfg) -> list[TeacherSpec]:
     return [TeacherSpec(name, t.model_path, t.backend, tuple(t.data_sources), t.inference)
             for name, t in teacher_configs(cfg).items()]
 
@@ -115,9 +124,8 @@ def _check_loss(cfg, teachers: dict, errors: list[str]) -> None:
     if engines:
         errors.append(f"{key}.loss_mode=forward_kl_topk needs teachers in megatron (their logits); {engines} run on "
                       "an engine, which answers log-probs of the sampled tokens only: set their backend=megatron")
-    if cfg.actor_rollout_ref.actor.megatron.context_parallel_size > 1:
-        errors.append(f"{key}.loss_mode=forward_kl_topk is not computed under context parallelism: set "
-                      "context_parallel_size=1 or use loss_mode=k3")
+    if refusal := per_position_topk_refusal(cfg.actor_rollout_ref.actor.megatron):
+        errors.append(f"{key}.loss_mode=forward_kl_topk {refusal}")
 
 
 def teacher_model_problems(cfg, tp: int, pp: int) -> list[str]:

@@ -13,17 +13,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megappo.distill.checks import TeacherSpec, teacher_specs
 from megappo.models.batch import ModelBatch
 from megappo.models.compute import compute_log_probs, compute_topk_log_probs
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    name: str  # "teacher" for distillation.teacher_model; the key of distillation.teacher_models otherwise
-    model_path: str
-    backend: str  # megatron | engine
-    data_sources: tuple[str, ...]  # empty: every data source no other teacher names
-    inference: Any = None  # InferenceConfig (engine)
 
 
 @dataclass
@@ -122,7 +114,6 @@ def build_teachers(cfg: Any, ps: Any, platform: Any, policy_rollout: Any) -> Opt
     which an engine teacher's `inference` section overrides."""
     if not cfg.distillation.enabled:
         return None
-    from megappo.distill.checks import teacher_specs
     from megappo.rollout.fixed import deploy_fixed, fixed_settings
     from megappo.trainer.roles import frozen_role
 

@@ -275,9 +275,7 @@ def compute_topk_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward-only (log p(response token) [B, R], the k most likely tokens' log-probs [B, R, k] fp32 and their ids
     [B, R, k] long) at each response position of an LM-head model (a distillation teacher); zero on padding.
-    Identical on every rank of the model-parallel group. Not with context parallelism."""
-    if parallel_state.cp_size > 1:
-        raise ValueError("top-k log-probs are not computed under context parallelism (context_parallel_size > 1)")
+    Identical on every rank of the model-parallel group. Not with context parallelism (the layout refuses)."""
     logp, top_lp, top_ids = _forward_only(model_chunks, batch, parallel_state, micro, value_model=False,
                                           calculate_entropy=False, temperature=temperature, topk=k)
     mask = batch.response_mask.to(logp.dtype)

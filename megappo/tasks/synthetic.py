@@ -288,11 +288,9 @@ def _locked(path: str) -> Iterator[None]:
 def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_val_prompts: int = 64,
                  warm_start_steps: int = 200, seed: int = 0) -> TaskFiles:
     """Write task `name`'s warm-started model, tokenizer and train/val Parquet files under `out_dir` (see the module
-    docstring); reuse them when `out_dir` already holds them for the same parameters. Returns their paths.
-
-    Safe to call from several processes at once (they serialise on `<out_dir>.lock`); the usual pattern is rank 0
-    calling it while the other ranks wait, then sharing the returned `TaskFiles`.
-    """
+    docstring); reuse them when `out_dir` already holds them for the same parameters. Returns their paths. Safe to
+    call from several processes at once (they serialise on `<out_dir>.lock`); the usual pattern is rank 0 calling
+    it while the other ranks wait, then sharing the returned `TaskFiles`."""
     task = get_task(name)
     for key, value, least in (("num_train_prompts", num_train_prompts, 1), ("num_val_prompts", num_val_prompts, 1),
                               ("warm_start_steps", warm_start_steps, 0)):
@@ -451,14 +449,13 @@ def _one_thread() -> Iterator[None]:
 
 def _warm_started_model(task: SyntheticTask, tokenizer, cfg, steps: int, seed: int, val_codes: list[int],
                         train_pools: dict[int, list[int]], smoothing: Optional[float] = None, model_cls=None):
-    """smoothing: the target's (None: the task's); model_cls: the transformers class (None: Qwen2ForCausalLM)."""
-    import torch
+    import torch  # smoothing: the target's (None: the task's); model_cls: None is Qwen2ForCausalLM
     import transformers
 
-    smoothing = task.smoothing if smoothing is None else smoothing
+    smoothing, model_cls = task.smoothing if smoothing is None else smoothing, model_cls or transformers.Qwen2ForCausalLM
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = (model_cls or transformers.Qwen2ForCausalLM)(cfg).float()
+        model = model_cls(cfg).float()
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids(list(DIGITS)))

@@ -5,3 +5,12 @@ each micro-batch (`plan`), the packing math (`packing`), the context-parallel sp
 (`context_parallel`), and how megappo's SDPAttention attends in each layout (`attention`). The forward step, the
 loss closures and the attention ask the layout; none of them tests which one it is.
 """
+
+
+def per_position_topk_refusal(megatron) -> "str | None":
+    """Why a run's micro-batch layouts cannot give per-position top-k outputs (top-k logit distillation), or None.
+    megatron: the actor's `MegatronConfig`. Context-parallel chunks gather per-token scalars only."""
+    if megatron.context_parallel_size > 1:
+        return ("is not computed under context parallelism (its ranks gather per-token scalars only): set "
+                "context_parallel_size=1 or use loss_mode=k3")
+    return None

@@ -122,7 +122,11 @@ class ContextParallel:
         """output [b, s / cp, V/tp] -> `stats` of every local position and its next token, gathered, at the window
         ([b, R] each); `targets` (the response tokens) are the gathered positions' own."""
         split: CPSplit = self.split
-        return [None if t is None else split.gather(t).gather(1, window) for t in stats(output, split.targets)]
+        out = stats(output, split.targets)
+        if any(t is not None and t.dim() > 2 for t in out):
+            raise ValueError("per-position top-k log-probs are not computed under context parallelism (its ranks "
+                             "gather per-token scalars only): set context_parallel_size=1")
+        return [None if t is None else split.gather(t).gather(1, window) for t in out]
 
 
 Layout = Union[Padded, Packed, ContextParallel]
