@@ -104,6 +104,18 @@ class Teachers:
                 out.topk_log_probs[rows], out.topk_ids[rows] = got.topk_log_probs, got.topk_ids
         return out, route
 
+    def describe(self, ps: Any) -> list[str]:
+        """A line per teacher for the run's start-up summary."""
+        from megappo.models.builder import model_config_summary
+
+        out = []
+        for t in self.teachers:
+            sources = ", ".join(t.spec.data_sources) or "all no other teacher names"
+            where = (model_config_summary(t.role.chunks, ps) if isinstance(t, MegatronTeacher) else
+                     f"engine {t.spec.inference.name or 'as the rollout'} serving {t.spec.model_path}")
+            out.append(f"teacher {t.spec.name} (data sources: {sources}): {where}")
+        return out
+
     def close(self) -> None:
         for t in self.teachers:
             t.close()

@@ -121,7 +121,9 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         _resume(run, state)
         if dist.get_rank() == 0:
             run_config.record(local_dir, config_text, resumed=state.resumed)
-            print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps)]),
+            teachers = run.teachers.describe(ps) if run.teachers is not None else []
+            print("megappo train: " + "\n  ".join([f"{total} steps, output in {local_dir}", *describe(roles, ps),
+                                                   *teachers]),
                   file=sys.stderr, flush=True)
         state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
                                      start_step=state.step, resumed=state.resumed,
