@@ -154,3 +154,21 @@ def test_the_gpu_distillation_recipe_fits_its_models(tmp_path):
     d = cfg.distillation
     assert d.enabled and d.teacher_model.backend == "megatron" and d.distillation_loss.loss_mode == "k1"
     assert (cfg.actor_rollout_ref.actor.optim.lr, cfg.data.train_batch_size) == (1e-6, 512)  # verl's OPD example
+
+
+def test_a_fixed_model_engine_takes_the_policy_rollout_under_its_own_keys():
+    from megappo.config.schema_rollout import InferenceConfig
+    from megappo.rollout.fixed import fixed_settings
+    from megappo.trainer.settings import rollout_settings
+
+    cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.engine_kwargs={threads: 2}",
+                               "actor_rollout_ref.rollout.max_num_seqs=64"])
+    policy = rollout_settings(cfg)
+    same = fixed_settings(policy, "/teacher", InferenceConfig())
+    assert (same.name, same.model_path, same.engine_kwargs, same.max_num_seqs) == ("hf", "/teacher", {"threads": 2}, 64)
+    assert same.lora_adapter is None and same.hybrid_engine == policy.hybrid_engine
+    own = fixed_settings(policy, "/t", InferenceConfig(name="sglang", server_urls=["http://h:1"], max_num_seqs=8,
+                                                       tensor_model_parallel_size=4, hybrid_engine=False))
+    assert (own.name, own.server_urls, own.max_num_seqs, own.tensor_model_parallel_size) == (
+        "sglang", ("http://h:1",), 8, 4)
+    assert own.engine_kwargs == {} and own.hybrid_engine is False  # another engine: not the policy's arguments
