@@ -13,7 +13,7 @@ them (`max 3 9 1 4 = 9 ?`), and answers `yes` or `no` and EOS. `prepare_judge` w
 reused when present with the same parameters (`megappo.tasks.synthetic.prepared`: locked, written atomically).
 
 The answers it is trained on are the policy's kinds: the right digit (40%), another digit of the prompt (20%), any
-other digit (15%) and garbage (25%: up to three of the policy's tokens, the empty answer included, half of them
+other digit (15%, half of them above the right one) and garbage (25%: up to three of the policy's tokens, the empty answer included, half of them
 around the right digit, as "99" or "9="); the verdict is the task's rule (`exact_answer`).
 The target is smoothed: the right verdict with weight 1 - `smoothing` (0.08), the other with `smoothing`, so the
 judge knows the rule (greedy: right on ~100% of answers) but, sampled at temperature 1 (the tiny_judge_ppo recipe),
@@ -53,11 +53,12 @@ class DigitJudge:
     num_key_value_heads: int = 2
     steps: int = 600
     batch: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3  # at 3e-3 the warm start can settle on comparing digits without checking the answer is one
     smoothing: float = 0.08
     right_fraction: float = 0.40
     garbage_fraction: float = 0.25
     near_fraction: float = 0.20  # wrong answers that are another digit of the prompt (the rest: any other digit)
+    above_fraction: float = 0.5  # of the other digits, those above the answer
 
     def example(self, rng: random.Random, code: int) -> tuple[str, str]:
         """(the judge's prompt, the right verdict) for a drawn answer to digit_max prompt `code`."""
@@ -74,7 +75,11 @@ class DigitJudge:
             others = sorted({str(d) for d in task.digits(code)} - {answer})
             response = rng.choice(others or [d for d in DIGITS if d != answer])
         else:
-            response = rng.choice([d for d in DIGITS if d != answer])
+            # a digit not in the prompt; often one above its largest, which a judge that only compares digits
+            # (and not whether the answer is one of them) would accept, and which the policy learns to exploit
+            above = [d for d in DIGITS if d > answer]
+            response = rng.choice(above if above and rng.random() < self.above_fraction else
+                                  [d for d in DIGITS if d != answer])
         text = self.template.format(question=task.prompt(code), response=response.strip())
         return text, "yes" if exact_answer(response, answer, SPECIAL_TOKENS) else "no"
 
