@@ -122,7 +122,7 @@ def test_batching_makes_ceil_n_over_batch_calls(judge_engine):
     assert result.scores.tolist() == [1.0] * 20
     m = result.metrics()
     assert m["reward/judge_unparsed_fraction"] == 0.0 and m["reward/judge_retries"] == 0.0
-    assert m["reward/judge_samples_per_s"] > 0
+    assert m["perf/judge_samples_per_s"] > 0
     assert m["reward/rule_score_mean"] == pytest.approx(0.5)  # "9" and " 9" of each four are right
 
 
@@ -250,3 +250,18 @@ def test_config_rules_name_the_key_and_the_fix():
     with pytest.raises(Exception, match="on_unparsd"):
         load_config("cpu/tiny_judge_ppo", ["reward_model.judge.on_unparsd=skip"])
     validate(load_config("cpu/tiny_judge_ppo"), world_size=1)
+
+
+def test_the_gpu_genrm_recipe_loads_and_its_parser_reads_verdicts():
+    from megappo.config import load_config
+    from megappo.config.validate import validate
+
+    cfg = load_config("gsm8k/qwen2.5-3b_grpo_genrm")
+    validate(cfg, world_size=8, check_files=False)
+    j = cfg.reward_model.judge
+    assert j.enable and j.inference.name == "sglang" and "{response}" in j.template
+    filled = fill(template_text(j.template), "What is 2 + 2?", "4")
+    assert "\\boxed{True}" in filled and "What is 2 + 2?" in filled
+    parse = get_parser(j.parser)  # relative to the repository root, where runs start
+    assert parse("... so the solution is right. \\boxed{True}") == 1.0
+    assert parse("\\boxed{True} at first, but no: \\boxed{False}") == 0.0 and parse("it is right") is None

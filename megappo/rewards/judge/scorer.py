@@ -3,7 +3,7 @@ a generative judge, for the data sources it judges; the other sources go to the 
 
 Metrics (in `ScoreResult.stats`, logged as they are): reward/judge_unparsed_fraction (prompts still unparsed after
 the retries, of those asked), reward/judge_retries (re-asks), reward/judge_timeouts (calls aborted at their
-deadline), reward/judge_samples_per_s (judge prompts per second of engine calls), reward/judge_skipped_groups
+deadline), perf/judge_samples_per_s (judge prompts per second of engine calls), reward/judge_skipped_groups
 (on_unparsed=skip), and reward/rule_score_mean: the judged samples' rule reward, computed but not trained on
 (log_rule_score), the true accuracy where the rule is exact.
 """
@@ -160,5 +160,5 @@ def _place(out: ScoreResult, part: ScoreResult, rows: list[int]) -> None:
 def _loop_metrics(stats: LoopStats, skipped_groups: int) -> dict[str, float]:
     return {"reward/judge_unparsed_fraction": len(stats.unparsed) / max(stats.asked, 1),
             "reward/judge_retries": float(stats.retries), "reward/judge_timeouts": float(stats.timeouts),
-            "reward/judge_samples_per_s": stats.asked / stats.seconds if stats.seconds > 0 else 0.0,
+            "perf/judge_samples_per_s": stats.asked / stats.seconds if stats.seconds > 0 else 0.0,
             "reward/judge_skipped_groups": float(skipped_groups)}
