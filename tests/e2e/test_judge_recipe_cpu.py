@@ -77,7 +77,8 @@ def test_dynamic_sampling_filters_on_the_judges_reward(judge_run, tmp_path):
         assert 0.0 < r["reward/mean"] < 1.0 and "reward/rule_score_mean" in r
 
 
-# one_step_off with the judge in a process of its own (its generation overlaps training): ~1.5 minutes
+# one_step_off with the judge in a process of its own (its generation overlaps training): ~25 s after the first run
+# (measured +0.43 by true accuracy)
 @pytest.mark.long
 def test_judge_recipe_one_step_off_with_the_judge_in_its_own_process(judge_run, tmp_path):
     out = tmp_path / "async"
@@ -86,4 +87,4 @@ def test_judge_recipe_one_step_off_with_the_judge_in_its_own_process(judge_run, 
                       "reward_model.judge.inference.hybrid_engine=false")
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 30 and max(r["async/staleness_max"] for r in steps) == 1.0
-    assert learned(rows, "reward/rule_score_mean") >= 0.2, [r["reward/rule_score_mean"] for r in steps]
+    assert learned(rows, "reward/rule_score_mean") >= 0.3, [r["reward/rule_score_mean"] for r in steps]
