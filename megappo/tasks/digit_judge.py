@@ -13,12 +13,16 @@ them (`max 3 9 1 4 = 9 ?`), and answers `yes` or `no` and EOS. `prepare_judge` w
 reused when present with the same parameters (`megappo.tasks.synthetic.prepared`: locked, written atomically).
 
 The answers it is trained on are the policy's kinds: the right digit (40%), another digit of the prompt (20%), any
-other digit (15%, half of them above the right one) and garbage (25%: up to three of the policy's tokens, the empty answer included, half of them
-around the right digit, as "99" or "9="); the verdict is the task's rule (`exact_answer`).
-The target is smoothed: the right verdict with weight 1 - `smoothing` (0.08), the other with `smoothing`, so the
-judge knows the rule (greedy: right on ~100% of answers) but, sampled at temperature 1 (the tiny_judge_ppo recipe),
-gives the right verdict ~92% of the time: a judge good but not perfect, whose reward and the true accuracy differ
-visibly. About 15 s on 2 cores.
+other digit (15%, half of them above the right one) and garbage (25%: up to three of the policy's tokens, the empty
+answer included, half of them around the right digit, as "99" or "9="); the verdict is the task's rule
+(`exact_answer`). Prompts are drawn as the task draws them (every largest digit equally often).
+
+The target is smoothed: the right verdict with weight 1 - `smoothing` (0.08), the other with `smoothing`, so a judge
+that knew the rule would be right on every answer greedily and on 92% sampled at temperature 1 (the tiny_judge_ppo
+recipe samples it). Measured (manifest, held-out answers): greedy 94% right, sampled 87%; it errs towards "no" on
+right answers more than towards "yes" on wrong ones, so the policy finds no wrong answer it is paid for, and the
+judge's reward and the true accuracy differ visibly. About 40 s on 2 cores (75 s under the golden environment's
+scalar kernels).
 """
 from __future__ import annotations
 

@@ -88,3 +88,24 @@ def test_judge_recipe_one_step_off_with_the_judge_in_its_own_process(judge_run, 
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 30 and max(r["async/staleness_max"] for r in steps) == 1.0
     assert learned(rows, "reward/rule_score_mean") >= 0.3, [r["reward/rule_score_mean"] for r in steps]
+
+
+ANY = "def any_verdict(verdict):\n    return 1.0 if verdict.strip() else None\n"
+
+
+# episodes of the guess_number environment (tiny_env_ppo) judged: the judge reads the decoded episode (~1 minute
+# with the guess task's warm start made once per suite)
+@pytest.mark.long
+def test_multi_turn_episodes_are_judged(judge_run, guess_task_dir, tmp_path):
+    (tmp_path / "any.py").write_text(ANY)
+    out = tmp_path / "env"
+    shutil.copytree(guess_task_dir, out / "synthetic")
+    judge = judge_run[0] / "synthetic" / "digit_max_judge" / "model"
+    rows = run_recipe("recipes/cpu/tiny_env_ppo.yaml", out, *SHORT, "reward_model.judge.enable=true",
+                      f"reward_model.judge.path={judge}",
+                      f"reward_model.judge.parser={tmp_path / 'any.py'}:any_verdict",
+                      "reward_model.judge.template=digit_max", "reward_model.judge.max_new_tokens=4",
+                      "reward_model.judge.log_rule_score=false")
+    for r in rows:
+        assert r["multi_turn/turns_mean"] > 1.0 and r["reward/judge_unparsed_fraction"] == 0.0
+        assert r["reward/mean"] == 1.0  # every episode got the parser's score, not the environment's reward
