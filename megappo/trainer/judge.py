@@ -9,8 +9,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
-from megappo.rewards.judge import JudgeScorer, JudgeSettings, LoopSettings, get_parser
+from megappo.rewards.judge import JudgeScorer, JudgeSettings, JudgeUnparsed, LoopSettings, get_parser
 from megappo.rewards.judge.templates import template_text
+from megappo.trainer.guard import RunStopped
 
 
 def prepare_builtin(cfg: MegappoConfig, local_dir: str) -> None:
@@ -63,3 +64,22 @@ def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
         os.path.expanduser(j.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
     parse = get_parser(j.parser, (j.number_min, j.number_max))
     return JudgeScorer(deployment.engine, tokenizer, parse, settings(cfg), rule)
+
+
+def questions(tokenizer: Any, samples: Any) -> list[str]:
+    """Each sample's prompt as text, the question a judge reads (decoded once per prompt group)."""
+    first: dict[int, str] = {}
+    for uid, ids in zip(samples.uids, samples.prompt_ids):
+        if uid not in first:
+            first[uid] = tokenizer.decode(ids, skip_special_tokens=True)
+    return [first[uid] for uid in samples.uids]
+
+
+def score(scorer: Any, items: list) -> Any:
+    """`scorer.score(items)`, or the RunStopped that ends the run when a judge's verdict does not parse under
+    on_unparsed=fail (rank 0 judges; the caller sends it to every rank, which all stop with its message)."""
+    try:
+        return scorer.score(items)
+    except JudgeUnparsed as e:
+        return RunStopped(f"{e}; the run stopped (reward_model.judge.on_unparsed=fail) and resumes from its last "
+                          "checkpoint when started again")

@@ -22,7 +22,7 @@ from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.models.optim import gradients_allocated
 from megappo.parallel import ParallelState, reduce_over_ranks
 from megappo.rewards.scorer import ScoreItem
-from megappo.trainer import settings
+from megappo.trainer import judge, settings
 from megappo.trainer.dp import dp_gather, dp_gather_rows, dp_max, dp_metrics, dp_sum, dp_sum_tensor, masked_mean_dp
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
@@ -80,19 +80,16 @@ def score_samples(run: Run, samples: Samples, *, watch: bool = True) -> RuleScor
     payload: list = [None]
     if dist.get_rank() == 0:
         texts = run.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
-        # the question a judge reads (rule rewards ignore it): decoded once per prompt group
-        questions = _questions(run, samples) if run.cfg.reward_model.judge.enable else [""] * len(texts)
+        # the question a judge reads (rule rewards ignore it)
+        questions = judge.questions(run.tokenizer, samples) if run.judge is not None else [""] * len(texts)
         items = [ScoreItem(ds, text, gt, extra, q, uid) for ds, text, gt, extra, q, uid in
                  zip(samples.data_sources, texts, samples.ground_truths, samples.extra_infos, questions, samples.uids)]
-        result = run.scorer.score(items)
-        if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
-            print(f"megappo train: the reward function failed on {result.num_failed} of {len(items)} samples "
-                  f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
-        extras = {name: values.tolist() for name, values in result.extras.items()}
-        skipped = result.skipped.tolist() if result.skipped is not None else []
-        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3], extras, skipped)]
+        result = judge.score(run.scorer, items)  # a RunStopped when the judge fails the run (said on every rank)
+        payload = [result if isinstance(result, RunStopped) else _payload(result, len(items))]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], RunStopped):
+        raise payload[0]
     scores, metrics, errors, extras, skipped = payload[0]
     metrics.pop("reward/score_mean", None)  # reward/mean below is the same number over the step's samples
     if watch:
@@ -100,13 +97,14 @@ def score_samples(run: Run, samples: Samples, *, watch: bool = True) -> RuleScor
     return RuleScores(scores, metrics, extras, skipped if any(skipped) else [])
 
 
-def _questions(run: Run, samples: Samples) -> list[str]:
-    """Each sample's prompt as text (a prompt group's samples share it)."""
-    first: dict[int, str] = {}
-    for uid, ids in zip(samples.uids, samples.prompt_ids):
-        if uid not in first:
-            first[uid] = run.tokenizer.decode(ids, skip_special_tokens=True)
-    return [first[uid] for uid in samples.uids]
+def _payload(result, n: int) -> tuple:
+    """What rank 0 sends of a ScoreResult: scores, metrics, the first errors, extras and skipped flags."""
+    if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
+        print(f"megappo train: the reward function failed on {result.num_failed} of {n} samples "
+              f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
+    extras = {name: values.tolist() for name, values in result.extras.items()}
+    skipped = result.skipped.tolist() if result.skipped is not None else []
+    return result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3], extras, skipped
 
 
 def _watch_reward_failures(run: Run, fraction: float, errors: list[str], samples: Samples) -> None:

@@ -4,12 +4,15 @@ the true accuracy (+0.3, first five -> last five steps), the judge's verdicts di
 right), its metrics are logged and its golden repeats. The other tests reuse the first run's warm starts."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from megappo.testing import golden
-from megappo.testing.recipes import learned, run_recipe
+from megappo.testing.recipes import REPO, learned, run_recipe
 from megappo.trainer.metrics import read_rows
 
 pytestmark = pytest.mark.e2e
@@ -65,6 +68,20 @@ def test_skip_policy_trains_on_nothing_of_the_groups_it_skips(judge_run, tmp_pat
         assert "actor/pg_loss" in r
 
 
+def test_fail_policy_stops_the_run_quoting_the_verdict(judge_run, tmp_path):
+    (tmp_path / "strict.py").write_text(STRICT)
+    out = tmp_path / "fail"
+    _reuse(judge_run, out)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megappo.cli", "train", "--config", RECIPE, f"trainer.default_local_dir={out}", *SHORT,
+         f"reward_model.judge.parser={tmp_path / 'strict.py'}:strict", "reward_model.judge.on_unparsed=fail"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 3, (proc.stdout + proc.stderr)[-6000:]  # stopped on purpose, no traceback
+    err = proc.stderr
+    assert "the judge's verdict could not be parsed after 2 retries" in err and "it answered 'no'" in err, err[-3000:]
+    assert "reward_model.judge.on_unparsed=zero" in err and "Traceback" not in err, err[-3000:]
+
+
 def test_dynamic_sampling_filters_on_the_judges_reward(judge_run, tmp_path):
     out = tmp_path / "dapo"
     _reuse(judge_run, out)
@@ -107,5 +124,6 @@ def test_multi_turn_episodes_are_judged(judge_run, guess_task_dir, tmp_path):
                       "reward_model.judge.template=digit_max", "reward_model.judge.max_new_tokens=4",
                       "reward_model.judge.log_rule_score=false")
     for r in rows:
-        assert r["multi_turn/turns_mean"] > 1.0 and r["reward/judge_unparsed_fraction"] == 0.0
-        assert r["reward/mean"] == 1.0  # every episode got the parser's score, not the environment's reward
+        assert r["multi_turn/turns_mean"] > 1.0 and r["reward/judge_unparsed_fraction"] < 0.1
+        # every episode got the parser's score (an empty verdict, unparsed: 0), not the environment's reward
+        assert r["reward/mean"] == pytest.approx(1.0 - r["reward/judge_unparsed_fraction"])
