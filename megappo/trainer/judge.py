@@ -67,11 +67,12 @@ def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
 
 
 def questions(tokenizer: Any, samples: Any) -> list[str]:
-    """Each sample's prompt as text, the question a judge reads (decoded once per prompt group)."""
+    """The question a judge reads for each sample: its dataset row's last user message, else (a sample made
+    without one) its prompt decoded, once per prompt group (a chat template's role words stay in that text)."""
     first: dict[int, str] = {}
-    for uid, ids in zip(samples.uids, samples.prompt_ids):
+    for uid, ids, question in zip(samples.uids, samples.prompt_ids, samples.questions):
         if uid not in first:
-            first[uid] = tokenizer.decode(ids, skip_special_tokens=True)
+            first[uid] = question if question is not None else tokenizer.decode(ids, skip_special_tokens=True)
     return [first[uid] for uid in samples.uids]
 
 

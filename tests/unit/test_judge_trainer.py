@@ -22,3 +22,20 @@ def test_a_skipped_group_trains_on_nothing_and_keeps_its_rows():
     assert exp.mask[:2].sum().item() == 3 and exp.mask[2:].sum().item() == 0
     assert exp.last_scored_index().tolist()[2:] == [0, 0]  # no token of theirs carries a score
     assert build_experience(samples, [0, 1, 2, 3], 0).mask.sum().item() == 7  # the input is not changed
+
+
+def test_the_judge_reads_the_rows_question_else_the_decoded_prompt(tokenizer_dir):
+    import transformers
+
+    from megappo.trainer.experience import _question
+    from megappo.trainer.judge import questions
+
+    assert _question([{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?"}]) == "2 + 2?"
+    assert _question([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour?"}]}]) \
+        == "what colour?"
+    assert _question(None) is None and _question([]) is None
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    samples = _samples()
+    samples.questions = ["from the row", "from the row", None, None]
+    samples.prompt_ids = [tok("ignored")["input_ids"]] * 2 + [tok("hello world")["input_ids"]] * 2
+    assert questions(tok, samples) == ["from the row", "from the row", "hello world", "hello world"]
