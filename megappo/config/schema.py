@@ -17,12 +17,14 @@ from typing import Any, Literal, Optional, Union
 
 from megappo.config.fields import DType, KLKind, LossAggMode
 from megappo.config.schema_distill import DistillationConfig
+from megappo.config.schema_judge import JudgeConfig
 from megappo.config.schema_rollout import MultiTurnConfig, RolloutConfig, ValKwargsConfig
 from megappo.config.schema_trainer import AsyncTrainingConfig, GuardConfig, TrainerConfig
 
 __all__ = ["ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CriticConfig",
-           "CustomFunctionConfig", "CustomRewardFunctionConfig", "DType", "DataConfig", "DistillationConfig", "FilterGroupsConfig",
-           "GuardConfig", "KLCtrlConfig", "KLKind", "LoRAConfig", "LossAggMode", "MegappoConfig", "MegatronConfig",
+           "CustomFunctionConfig", "CustomRewardFunctionConfig", "DType", "DataConfig", "DistillationConfig",
+           "FilterGroupsConfig", "GuardConfig", "JudgeConfig", "KLCtrlConfig", "KLKind", "LoRAConfig", "LossAggMode",
+           "MegappoConfig", "MegatronConfig",
            "ModelConfig", "MultiTurnConfig", "OptimConfig", "OverlongBufferConfig", "PolicyLossConfig", "RefConfig",
            "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "SyntheticTaskConfig", "TrainerConfig",
            "ValKwargsConfig"]
@@ -358,6 +360,8 @@ class RewardModelConfig:
     max_failure_fraction: float = 0.5
     max_failure_steps: int = 3
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # rule rewards only
+    # a generative judge instead of (or, per data source, beside) the rule rewards; not with enable
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
+from megappo.config.validate_judge import judge_errors
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -64,6 +65,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_layouts(cfg, errors)
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
+    errors += judge_errors(cfg, check_files)
     _check_multi_turn(cfg, errors, check_files)
     _check_agent(cfg, errors, check_files)
     _check_dapo(cfg, errors)

@@ -48,6 +48,8 @@ class ScoreItem:
     solution_str: str  # the decoded response
     ground_truth: Any  # the dataset's reward_model.ground_truth
     extra_info: dict | None = None  # the dataset's extra_info row
+    prompt: str = ""  # the decoded prompt (a generative judge reads it as the question)
+    group: int | None = None  # the prompt's group in the step (its uid): a pairwise judge compares within it
 
 
 @dataclass
@@ -57,6 +59,9 @@ class ScoreResult:
     failed: torch.Tensor  # [B] bool: raised, returned a non-score, or its worker died
     timed_out: torch.Tensor  # [B] bool: ran past timeout_s
     errors: list[str] = field(default_factory=list)  # the first few failure messages, "sample i: ..."
+    # [B] bool: a sample whose group trains on nothing this step (a judge's unparsed verdict, on_unparsed=skip)
+    skipped: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)  # other scalars for the logger, full names (a judge's)
 
     @property
     def num_failed(self) -> int:
@@ -75,6 +80,7 @@ class ScoreResult:
         }
         for name, values in self.extras.items():
             out[f"{prefix}{name}"] = float(values.nanmean()) if values.numel() else math.nan
+        out.update(self.stats)
         return out
 
 

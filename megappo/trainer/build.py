@@ -18,7 +18,7 @@ from megappo.models.losses import actor_loss_fn, critic_loss_fn
 from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
 from megappo.platform.layout import ParallelLayout
-from megappo.trainer import checkpointing, run_config, settings
+from megappo.trainer import checkpointing, judge, run_config, settings
 from megappo.trainer.guard import KLGuard
 from megappo.trainer.inputs import load_data, load_tokenizer
 from megappo.trainer.metrics import MetricsLogger
@@ -100,6 +100,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         if t.total_training_steps:  # the end is known before the synthetic task is (re)built: nothing is written
             _stop_if_finished(cfg, local_dir, t.total_training_steps, config_text)
         _synthetic(cfg, local_dir)
+        judge.prepare_builtin(cfg, local_dir)
         preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
         tokenizer = load_tokenizer(cfg)
         loader, val_loader = load_data(cfg, tokenizer)
@@ -117,6 +118,9 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                   critic_loss=critic_loss_fn(settings.critic_loss(cfg)), state=state,
                   correction=settings.rollout_correction(cfg))
         run.teachers = build_teachers(cfg, ps, platform, settings.rollout_settings(cfg))
+        run.judge = judge.deploy_judge(cfg, ps, platform)  # collective
+        if run.judge is not None and dist.get_rank() == 0:
+            run.scorer = judge.judge_scorer(cfg, run.judge, run.scorer)
         apply_guard_scales(run)
         _resume(run, state)
         if dist.get_rank() == 0:
@@ -236,12 +240,15 @@ def teardown(run: Optional[Run], state: Optional[TrainState]) -> None:
 
 
 def teardown_run(run: Optional[Run], state: Optional[TrainState]) -> None:
-    """The logger, rollout engine and reward workers (not the process groups or the directory's lock)."""
+    """The logger, rollout engine, judge engine and reward workers (not the process groups or the directory's
+    lock)."""
     if state is not None and state.logger is not None:
         state.logger.close()
     if run is not None:
         run.rollout.close()
         if run.teachers is not None:
             run.teachers.close()  # an engine teacher's servers or process
+        if run.judge is not None:
+            run.judge.close()
         if run.scorer is not None:
             run.scorer.close()

@@ -48,7 +48,18 @@ def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) 
         metrics.update(_turn_metrics(run, samples))
     with timer("reward"):
         scores, reward_metrics, scored = _score(run, samples)
+    if scored is not None and scored.skipped:
+        samples = without_training(samples, scored.skipped)
     return Scored(samples, scores, metrics, reward_metrics, scored.extras if scored else None)
+
+
+def without_training(samples: Samples, skipped: list[bool]) -> Samples:
+    """The samples with nothing of the `skipped` ones trained on (a judge's unparsed verdict in their group,
+    reward_model.judge.on_unparsed=skip): their loss masks are all 0, so they add no token to a loss, a token count
+    or an advantage's statistics, while the batch keeps its size (mini-batches and data-parallel shares stay
+    even). Called after the step's turn metrics and tool rewards, which read the loss masks as multi-turn's."""
+    masks = [[0] * len(r) if skip else m for r, m, skip in zip(samples.response_ids, samples.loss_masks, skipped)]
+    return replace(samples, loss_masks=masks)
 
 
 def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
@@ -142,6 +153,9 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
             sums[k] = sums.get(k, 0.0) + v
         all_scores += scores
         keep = kept_groups(samples.uids, metric_values(fg.metric, scores, scored))
+        if scored is not None and scored.skipped:  # a judge's unparsed verdict: the group is dropped, as filtered
+            bad = {uid for uid, skip in zip(samples.uids, scored.skipped) if skip}
+            keep = [uid for uid in keep if uid not in bad]
         dropped += len(set(samples.uids)) - len(keep)
         keep = keep[:want - kept]  # the first train_batch_size kept groups of the step, as verl trims
         chosen = set(keep)

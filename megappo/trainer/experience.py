@@ -42,10 +42,13 @@ class Samples:
     multi_modal: list[Optional[MultiModalInputs]] = field(default_factory=list)
     # N, per response token the weights' version that produced it (None: every token is weight_versions[i]'s)
     token_versions: list[Optional[list[int]]] = field(default_factory=list)
+    # N, the text of the prompt's last user message in the dataset row (what a judge reads as the question; None:
+    # not known, the decoded prompt is used)
+    questions: list[Optional[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # the optional per-sample fields, when not given (or absent from a checkpoint's samples): None per sample
-        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal", "token_versions"):
+        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal", "token_versions", "questions"):
             if len(getattr(self, name)) != len(self.response_ids):
                 setattr(self, name, [None] * len(self.response_ids))
         # a checkpoint's samples (trainer_state.json) hold their images in JSON form
@@ -104,6 +107,7 @@ class Samples:
                 out.multi_modal.append(images[b])
                 versions = c.versions()
                 out.token_versions.append(versions if len(set(versions)) > 1 else None)
+                out.questions.append(_question(prompts.raw_prompts[b] if prompts.raw_prompts else None))
         return out
 
     def token_staleness(self, version: int) -> list[int]:
@@ -114,6 +118,17 @@ class Samples:
             mask = self.loss_masks[i] or [1] * len(response)
             behind += [version - v for v, m in zip(versions, mask) if m]
         return behind
+
+
+def _question(messages: Optional[list[dict]]) -> Optional[str]:
+    """The text of the last user message of a dataset row's prompt (its text parts, for a multimodal one)."""
+    for m in reversed(messages or []):
+        if m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, str):
+                return content
+            return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict)) or None
+    return None
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -22,7 +22,7 @@ from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.models.optim import gradients_allocated
 from megappo.parallel import ParallelState, reduce_over_ranks
 from megappo.rewards.scorer import ScoreItem
-from megappo.trainer import settings
+from megappo.trainer import judge, settings
 from megappo.trainer.dp import dp_gather, dp_gather_rows, dp_max, dp_metrics, dp_sum, dp_sum_tensor, masked_mean_dp
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
@@ -61,6 +61,9 @@ class RuleScores:
     scores: list[float]  # one per sample; failure_score where the function failed
     metrics: dict[str, float]  # reward/num_failed, reward/num_timeout, reward/<extra> means
     extras: dict[str, list[float]]  # each numeric extra the function returned, per sample (NaN where it did not)
+    # per sample, whether its group trains on nothing this step (a judge's unparsed verdict, on_unparsed=skip);
+    # empty: none is
+    skipped: list[bool] = field(default_factory=list)
 
 
 def rule_scores(run: Run, samples: Samples, *, watch: bool = True) -> tuple[Optional[list[float]], dict[str, float]]:
@@ -77,21 +80,31 @@ def score_samples(run: Run, samples: Samples, *, watch: bool = True) -> RuleScor
     payload: list = [None]
     if dist.get_rank() == 0:
         texts = run.tokenizer.batch_decode(samples.response_ids, skip_special_tokens=True)
-        items = [ScoreItem(ds, text, gt, extra) for ds, text, gt, extra in
-                 zip(samples.data_sources, texts, samples.ground_truths, samples.extra_infos)]
-        result = run.scorer.score(items)
-        if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
-            print(f"megappo train: the reward function failed on {result.num_failed} of {len(items)} samples "
-                  f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
-        extras = {name: values.tolist() for name, values in result.extras.items()}
-        payload = [(result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3], extras)]
+        # the question a judge reads (rule rewards ignore it)
+        questions = judge.questions(run.tokenizer, samples) if run.judge is not None else [""] * len(texts)
+        items = [ScoreItem(ds, text, gt, extra, q, uid) for ds, text, gt, extra, q, uid in
+                 zip(samples.data_sources, texts, samples.ground_truths, samples.extra_infos, questions, samples.uids)]
+        result = judge.score(run.scorer, items)  # a RunStopped when the judge fails the run (said on every rank)
+        payload = [result if isinstance(result, RunStopped) else _payload(result, len(items))]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)
-    scores, metrics, errors, extras = payload[0]
+    if isinstance(payload[0], RunStopped):
+        raise payload[0]
+    scores, metrics, errors, extras, skipped = payload[0]
     metrics.pop("reward/score_mean", None)  # reward/mean below is the same number over the step's samples
     if watch:
         _watch_reward_failures(run, metrics["reward/num_failed"] / max(len(scores), 1), errors, samples)
-    return RuleScores(scores, metrics, extras)
+    return RuleScores(scores, metrics, extras, skipped if any(skipped) else [])
+
+
+def _payload(result, n: int) -> tuple:
+    """What rank 0 sends of a ScoreResult: scores, metrics, the first errors, extras and skipped flags."""
+    if result.errors:  # the samples got failure_score; say why, so a broken reward function is seen early
+        print(f"megappo train: the reward function failed on {result.num_failed} of {n} samples "
+              f"({result.num_timeout} timed out), e.g. " + "; ".join(result.errors[:2]), file=sys.stderr)
+    extras = {name: values.tolist() for name, values in result.extras.items()}
+    skipped = result.skipped.tolist() if result.skipped is not None else []
+    return result.scores.tolist(), result.metrics(prefix="reward/"), result.errors[:3], extras, skipped
 
 
 def _watch_reward_failures(run: Run, fraction: float, errors: list[str], samples: Samples) -> None:
@@ -458,19 +471,24 @@ def step_metrics(run: Run, exp: Experience) -> dict[str, float]:
 
 
 def validate(run: Run, val_batches) -> dict[str, float]:
-    """Generate with `rollout.val_kwargs` (greedy by default) on the validation prompts; mean score per source."""
+    """Generate with `rollout.val_kwargs` (greedy by default) on the validation prompts; mean score per source (the
+    judge's, where reward_model.judge scores the source; then also the rule reward beside it,
+    val/judge/rule_score_mean)."""
     refill_engine(run)
     params = settings.sampling(run.cfg, validate=True, seed=run.cfg.data.seed)
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # score sum, length sum, count
     offset = 0  # every validation prompt its own seeds, whatever val_batch_size splits them into
+    rule = []  # a judge's batches: the judged samples' rule reward beside its verdicts (reward/rule_score_mean)
     for prompts in val_batches:
         samples = run.rollout.generate(prompts, params, prompt_offset=offset)
         offset += len(prompts)
-        scores, _ = rule_scores(run, samples, watch=False)
+        scores, metrics = rule_scores(run, samples, watch=False)
         for ds, s, r in zip(samples.data_sources, scores, samples.response_ids):
             t = totals[ds]
             t[0], t[1], t[2] = t[0] + s, t[1] + len(r), t[2] + 1
-    out = {}
+        if "reward/rule_score_mean" in metrics:
+            rule.append((metrics["reward/rule_score_mean"], len(samples)))
+    out = {"val/judge/rule_score_mean": sum(m * n for m, n in rule) / sum(n for _, n in rule)} if rule else {}
     for ds, (s, n_tokens, n) in sorted(totals.items()):
         out[f"val/{ds}/reward_mean"] = s / n
         out[f"val/{ds}/response_length_mean"] = n_tokens / n

@@ -8,7 +8,7 @@ the rollout engines hold. A checkpoint is `TrainState.state_dict()` plus the rol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from megappo.algos import AdaptiveKLController, FixedKLController
 from megappo.algos.rollout_correction import RolloutCorrection
@@ -124,6 +124,7 @@ class Run:
     reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
     tool_watch: Optional["ToolWatch"] = None  # multi-turn tool warnings and failing streak, made at the first step
     teachers: Optional["Teachers"] = None  # distillation's teachers (`megappo.distill.teachers`), when enabled
+    judge: Optional[Any] = None  # reward_model.judge's deployment (every rank; rank 0's engine judges)
 
     @property
     def kl_ctrl(self) -> KLController:
