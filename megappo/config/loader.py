@@ -349,7 +349,10 @@ def suggest_key(key: str, bad: int, parent: type) -> Optional[str]:
     if close:
         fixed = join(prefix, close[0], *parts[bad + 1:])
         return fixed if fixed in keys else join(prefix, close[0])
-    # 2. the same final name in another group (e.g. reward_model.model.path -> reward_model.path)
+    # 2. a level too many (verl's reward_model.model.path -> reward_model.path), then the same final name in another
+    #    group
+    if bad + 1 < len(parts) and (flat := join(prefix, *parts[bad + 1:])) in keys:
+        return flat
     same_name = [k for k in keys if k.rsplit(".", 1)[-1] == parts[-1]]
     if same_name:
         return max(same_name, key=lambda k: difflib.SequenceMatcher(None, key, k).ratio())

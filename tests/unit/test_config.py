@@ -99,7 +99,12 @@ def test_issue_defaults():
     raw = MegappoConfig()  # before resolve: the derived keys are unset
     assert raw.actor_rollout_ref.actor.clip_ratio_low is None and raw.actor_rollout_ref.actor.clip_ratio_high is None
     assert set(to_dict(cfg)) == {"data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function",
-                                 "algorithm", "trainer", "async_training"}
+                                 "algorithm", "trainer", "async_training", "distillation"}
+    # verl's distillation names and defaults (verl/workers/config/distillation.py)
+    dl = dataclasses.asdict(cfg.distillation.distillation_loss)
+    assert dl == {"loss_mode": "k3", "topk": 128, "use_task_rewards": True, "distillation_loss_coef": 1.0,
+                  "loss_max_clamp": 10.0, "log_prob_min_clamp": -10.0, "use_policy_gradient": True}
+    assert not cfg.distillation.enabled and cfg.distillation.teacher_model.model_path is None
     # verl's names and defaults for the asynchronous trainer and verl 0.9.1's rollout correction (its YAML's)
     assert dataclasses.asdict(cfg.async_training) == {
         "mode": "sync", "require_batches": 1, "trigger_parameter_sync_step": 1, "staleness_threshold": 0.1,
