@@ -141,6 +141,23 @@ def test_verdicts_do_not_depend_on_the_batch_size(judge_engine):
     assert seen[3] == seen[16]
 
 
+def test_a_prompt_draws_the_same_verdict_in_any_step_and_after_a_resume(judge_engine):
+    """The seed is the prompt's (its tokens, the try): a second scoring round of one scorer, and a new scorer (a
+    resumed run's), draw what the first did; reversed, each prompt still draws its own verdict."""
+    engine, tok = judge_engine
+    seen = []
+    scorer = JudgeScorer(engine, tok, lambda t: seen.append(t) or 1.0, _settings(batch_size=5, max_new_tokens=8))
+    items = _items(12)
+    scorer.score(items)
+    scorer.score(items)
+    JudgeScorer(engine, tok, lambda t: seen.append(t) or 1.0, _settings(batch_size=5, max_new_tokens=8)).score(items)
+    JudgeScorer(engine, tok, lambda t: seen.append(t) or 1.0, _settings(batch_size=7, max_new_tokens=8)).score(
+        items[::-1])
+    first = seen[:12]
+    assert seen[12:24] == first and seen[24:36] == first and seen[36:48] == first[::-1]
+    assert len(set(first)) > 1  # sampled verdicts: the equality is the seeds', not a constant answer
+
+
 def test_unparsed_verdicts_are_retried_with_a_new_seed_then_parsed(judge_engine, tmp_path):
     engine, tok = judge_engine
     (tmp_path / "second.py").write_text(

@@ -2,13 +2,15 @@
 the unparsed ones asked again with a new seed up to `max_retries` times.
 
 An engine call that passes `call_timeout_s` is aborted (`RolloutEngine.abort`: the generation ends at its next
-decode step) and its prompts count as unparsed for that try ("no verdict within the deadline"). Every prompt of a
-call is drawn with its own seed (`params.seed` and its index among the call's prompts, the engines' per-sample
-seeds), so verdicts do not depend on how the prompts were batched.
+decode step) and its prompts count as unparsed for that try ("no verdict within the deadline"). Every prompt is
+drawn with a seed of its own tokens and its try (`ask_seed`, the engines' `row_seeds`): a verdict does not depend on
+how the prompts were batched, which step asked, or whether the run was resumed in between.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -50,10 +52,17 @@ class LoopSettings:
     seed: int
 
 
+def ask_seed(seed: int, ids: Sequence[int], attempt: int) -> int:
+    """The seed a verdict is drawn with: of the judge's seed, the prompt's tokens and the try, and nothing else, so a
+    prompt draws the same verdict whatever it was batched with, whichever step asked, and after a resume."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(ids)}q", *ids), digest_size=8, key=struct.pack("<qq", seed, attempt))
+    return int.from_bytes(digest.digest(), "little") & (2**62 - 1)
+
+
 def judge(engine: Any, decode: Callable[[list[int]], str], parse: Callable[[str], Optional[float]],
-          asks: Sequence[Ask], s: LoopSettings, round_seed: int) -> LoopStats:
-    """Fill each ask's verdict and score (None where it never parsed). `round_seed`: this scoring round's seed
-    (tries add to it), so two rounds draw differently and a rerun draws the same."""
+          asks: Sequence[Ask], s: LoopSettings) -> LoopStats:
+    """Fill each ask's verdict and score (None where it never parsed). Each try of each prompt is drawn with its own
+    seed (`ask_seed`)."""
     stats = LoopStats(asked=len(asks))
     pending = list(range(len(asks)))
     for attempt in range(s.max_retries + 1):
@@ -61,11 +70,12 @@ def judge(engine: Any, decode: Callable[[list[int]], str], parse: Callable[[str]
             break
         if attempt:
             stats.retries += len(pending)
-        params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                greedy=s.temperature == 0, seed=round_seed + attempt * 1_000_003)
         still = []
         for start in range(0, len(pending), s.batch_size):
             rows = pending[start:start + s.batch_size]
+            params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                    greedy=s.temperature == 0,
+                                    row_seeds=tuple(ask_seed(s.seed, asks[r].ids, attempt) for r in rows))
             verdicts = _call(engine, [asks[r].ids for r in rows], params, start, s.call_timeout_s, stats)
             for r, verdict in zip(rows, verdicts):
                 asks[r].verdict = NO_VERDICT if verdict is None else decode(verdict)

@@ -45,7 +45,6 @@ class JudgeScorer:
     def __init__(self, engine: Any, tokenizer: Any, parse: Callable[[str], Optional[float]], s: JudgeSettings,
                  rule: Any = None):
         self.engine, self.tokenizer, self.parse, self.s, self.rule = engine, tokenizer, parse, s, rule
-        self._rounds = 0  # scoring rounds so far: each draws its verdicts with seeds of its own
 
     def judges(self, data_source: str) -> bool:
         return not self.s.data_sources or data_source in self.s.data_sources
@@ -72,9 +71,7 @@ class JudgeScorer:
     # -- internals ----------------------------------------------------------------------------------------------
     def _judge(self, items: Sequence[ScoreItem], judged: list[int], out: ScoreResult) -> None:
         asks = self._asks(items, judged)
-        self._rounds += 1
-        stats = judge(self.engine, self._decode, self.parse, asks, self.s.loop,
-                      round_seed=self.s.loop.seed * 7919 + self._rounds * 104_729)
+        stats = judge(self.engine, self._decode, self.parse, asks, self.s.loop)
         if stats.unparsed and self.s.on_unparsed == "fail":
             bad = stats.unparsed[0]
             raise JudgeUnparsed(
