@@ -13,12 +13,8 @@ where "rollout" falls below the sync run's, generation overlapped the teacher an
 from __future__ import annotations
 
 import argparse
-import shutil
-import statistics
-import tempfile
-from pathlib import Path
 
-from megappo.testing.recipes import run_recipe
+from recipe_phases import time_variants  # tools/bench/, beside this file
 
 RECIPE = "recipes/cpu/tiny_distill.yaml"
 BIG = ("data.train_batch_size=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
@@ -35,24 +31,7 @@ RUNS = {"megatron teacher, sync": (), "engine teacher, sync": ENGINE, "engine te
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-distill-") as tmp:
-        task = None  # the student and teacher are warm-started by the first run and copied into the others
-        for label, extra in RUNS.items():
-            out = Path(tmp) / label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
-            if task is not None:
-                shutil.copytree(task, out / "synthetic")
-            rows = run_recipe(RECIPE, out, f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-                              "trainer.test_freq=-1", "trainer.save_freq=-1", *BIG, *extra)
-            task = task or out / "synthetic"
-            steps = [r for r in rows if r["step"] > 1]  # the first step pays the engines' start
-            med = {k: statistics.median(r.get(k, 0.0) for r in steps) for k in
-                   ("timing/step_s", "timing/rollout_s", "timing/wait_for_rollout_s", "timing/teacher_s",
-                    "timing/update_actor_s")}
-            rollout = med["timing/wait_for_rollout_s"] if "fully_async" in label else med["timing/rollout_s"]
-            print(f"{label:42s} step {med['timing/step_s']:6.3f} s  rollout {rollout:6.3f} s  teacher "
-                  f"{med['timing/teacher_s']:6.3f} s  update {med['timing/update_actor_s']:6.3f} s  "
-                  f"{128 / med['timing/step_s']:6.1f} samples/s", flush=True)
+    time_variants(RECIPE, RUNS, parser.parse_args().steps, 128, "teacher", "teacher", BIG)
 
 
 if __name__ == "__main__":

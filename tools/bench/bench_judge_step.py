@@ -12,12 +12,8 @@ samples/s. In fully_async the policy's engine generates the next batch while the
 from __future__ import annotations
 
 import argparse
-import shutil
-import statistics
-import tempfile
-from pathlib import Path
 
-from megappo.testing.recipes import run_recipe
+from recipe_phases import time_variants  # tools/bench/, beside this file
 
 RECIPE = "recipes/cpu/tiny_judge_ppo.yaml"
 OWN = ("reward_model.judge.inference.hybrid_engine=false",)
@@ -31,24 +27,7 @@ RUNS = {"judge in the trainer, sync": (), "judge in its own process, sync": OWN,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-judge-step-") as tmp:
-        task = None  # the policy and the judge are warm-started by the first run and copied into the others
-        for label, extra in RUNS.items():
-            out = Path(tmp) / label.replace(" ", "_").replace(",", "")
-            if task is not None:
-                shutil.copytree(task, out / "synthetic")
-            rows = run_recipe(RECIPE, out, f"trainer.total_training_steps={args.steps}", "trainer.val_before_train=false",
-                              "trainer.test_freq=-1", "trainer.save_freq=-1", *extra)
-            task = task or out / "synthetic"
-            steps = [r for r in rows if r["step"] > 1]
-            med = {k: statistics.median(r.get(k, 0.0) for r in steps) for k in
-                   ("timing/step_s", "timing/rollout_s", "timing/wait_for_rollout_s", "timing/reward_s",
-                    "timing/update_actor_s")}
-            rollout = med["timing/wait_for_rollout_s"] if "fully_async" in label else med["timing/rollout_s"]
-            print(f"{label:40s} step {med['timing/step_s']:6.3f} s  rollout {rollout:6.3f} s  judge "
-                  f"{med['timing/reward_s']:6.3f} s  update {med['timing/update_actor_s']:6.3f} s  "
-                  f"{64 / med['timing/step_s']:6.1f} samples/s", flush=True)
+    time_variants(RECIPE, RUNS, parser.parse_args().steps, 64, "reward", "judge")
 
 
 if __name__ == "__main__":
