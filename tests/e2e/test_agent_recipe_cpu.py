@@ -38,6 +38,9 @@ def _run(tmp_path, guess_task_dir, *overrides: str) -> tuple[list[dict], list[di
     return rows, want
 
 
+# long: the agent program's calls through the real openai client are tests/unit/test_agent_endpoint_runner.py's and
+# the episode loop's recipe tests/e2e/test_env_recipe_cpu.py's; this is the recipe's golden (CI's 45 minutes)
+@pytest.mark.long
 def test_openai_agent_recipe_repeats_its_golden_first_steps(tmp_path, guess_task_dir):
     rows, want = _run(tmp_path, guess_task_dir, "trainer.total_training_steps=10")
     assert [r["step"] for r in rows] == list(range(11))

@@ -98,6 +98,9 @@ def test_partial_rollout_on_sglang_continues_with_the_new_weights(sglang_python,
     assert checked  # the old weights would have gone on otherwise: the check above tells them apart
 
 
+# long (about 2 minutes): the fleet sending a killed server's share to another is tests/e2e/test_sglang_fleet.py's,
+# the async queue's exact data order tests/e2e/test_fully_async.py's
+@pytest.mark.long
 def test_fully_async_loses_no_sample_to_a_server_killed_mid_generation(sglang_python, tmp_path, monkeypatch):
     """Two started servers; one is SIGKILLed while the producer's request for step 3's batch is in it. The fleet
     sends that share to the other server (same seeds), so every step trains exactly its batch of the data order;

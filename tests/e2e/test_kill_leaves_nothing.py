@@ -230,7 +230,8 @@ def test_finished_run_leaves_nothing_and_saved(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("how", ["group", "ranks"])
+# the whole group at once takes the path of every rank killed one by one: long (CI's 45 minutes)
+@pytest.mark.parametrize("how", [pytest.param("group", marks=pytest.mark.long), "ranks"])
 def test_sigkill_of_four_rank_run_mid_save_leaves_nothing(tmp_path, how):
     """TP2 x PP2 under torchrun, killed while the writer workers of the first save write: torchrun's whole process
     group (the job killed), or only the four ranks (torchrun then exits by itself)."""

@@ -149,7 +149,8 @@ def _interrupt_after_step_1(cmd, env, out, log, send) -> None:
             proc.wait(30)
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+# SIGUSR1 takes SIGTERM's path (preemption.StopRequest); Slurm's SIGUSR1 is tests/cluster/test_slurm.py's: long
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGUSR1", marks=pytest.mark.long)])
 def test_preemption_signal_saves_exits_75_and_the_same_command_resumes(reference, tmp_path, sig):
     """What Slurm sends before preemption or the time limit: the step in progress finishes, a checkpoint is
     written, the run exits with 75 and says so in run_status.json; started again, it continues exactly."""

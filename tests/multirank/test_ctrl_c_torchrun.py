@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 
 
+# long (about a minute): SIGTERM to torchrun's ranks is tests/multirank/test_preemption_multirank.py's, Ctrl-C to one
+# rank tests/e2e/test_resume_exact.py's
+@pytest.mark.long
 def test_ctrl_c_under_torchrun_sh_saves_on_every_rank_and_exits_75(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
