@@ -122,7 +122,10 @@ def test_distill_recipe_fully_async_with_partial_rollouts(tmp_path, distill_task
     assert learned(rows) >= 0.3, [r.get("reward/mean") for r in rows]
 
 
+# long (about a minute, most of it the server's start): an engine teacher's scoring is the test above's (the hf
+# engine in its own process), an SGLang fleet's deployment the trainer's SGLang tests' (CI's 45 minutes)
 @pytest.mark.sglang
+@pytest.mark.long
 def test_a_teacher_on_sglang_servers_of_its_own(tmp_path, distill_task_dir, sglang_python):
     """The teacher served by an SGLang server the run starts for it (the policy stays on the in-process engine):
     batched prompt log-probs of the student's tokens, the first step's reverse KL the megatron teacher's (SGLang's

@@ -17,6 +17,10 @@ pytestmark = pytest.mark.e2e
 RECIPE = "recipes/cpu/tiny_env_ppo.yaml"
 
 
+# long (about 2 minutes with the task's warm start): the episode loop across syncs is
+# tests/e2e/test_episodes_across_sync.py's, the environment tests/unit/test_env_loop.py's and test_guess_number.py's,
+# and the golden is held by `tools/golden.py compare` (CI's 45 minutes)
+@pytest.mark.long
 def test_env_recipe_learns_and_repeats_its_golden_metrics(tmp_path, guess_task_dir):
     out = tmp_path / "env"
     shutil.copytree(guess_task_dir, out / "synthetic")  # the task's warm start, made once (tests/conftest.py)

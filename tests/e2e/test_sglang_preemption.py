@@ -63,6 +63,10 @@ def _signal_tree(pid: int, sig: int) -> list[str]:
     return names
 
 
+# long (over a minute): a job-wide SIGTERM mid-step is tests/e2e/test_resume_exact.py's and
+# tests/multirank/test_preemption_multirank.py's, the server ignoring it tests/e2e/test_sglang_lifecycle.py's
+# (test_a_job_wide_signal_leaves_the_server_serving); with Slurm: tests/cluster/test_slurm_sglang_preemption.py
+@pytest.mark.long
 def test_sigterm_to_the_whole_job_mid_rollout_finishes_the_step_and_resumes(sglang_python, hf_model_dir, tmp_path):
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
     out = tmp_path / "run"
