@@ -126,7 +126,8 @@ def build_teachers(cfg: Any, ps: Any, platform: Any, policy_rollout: Any) -> Opt
     which an engine teacher's `inference` section overrides."""
     if not cfg.distillation.enabled:
         return None
-    from megappo.rollout.fixed import deploy_fixed, fixed_settings
+    from megappo.rollout import registry
+    from megappo.rollout.fixed import fixed_settings
     from megappo.trainer.roles import frozen_role
 
     built: list = []
@@ -138,7 +139,7 @@ def build_teachers(cfg: Any, ps: Any, platform: Any, policy_rollout: Any) -> Opt
                 built.append(MegatronTeacher(spec, role))
             else:
                 settings = fixed_settings(policy_rollout, spec.model_path, spec.inference)
-                built.append(EngineTeacher(spec, deploy_fixed(settings, ps, platform)))
+                built.append(EngineTeacher(spec, registry.deploy(settings, ps, platform)))
     except BaseException:
         for teacher in built:
             teacher.close()

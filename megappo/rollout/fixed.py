@@ -3,13 +3,13 @@ verdicts. Each is a deployment of a registered engine (`megappo.rollout.registry
 settings and its own model, servers and knobs (`InferenceConfig`): a fleet of its own, started and stopped with the
 run, whose weights no weight sync touches (the trainer never calls `load_weights` on it).
 
-`deploy_fixed` is collective, like every deployment: every rank calls it; each data-parallel replica's first rank
-holds an engine (`deployment.engine`), the others None.
+Deploy one with the registry, `registry.deploy(fixed_settings(...), ps, platform)`: collective, like every
+deployment (every rank calls it; each data-parallel replica's first rank holds an engine, `deployment.engine`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from megappo.rollout.settings import RolloutSettings
 
@@ -26,16 +26,3 @@ def fixed_settings(policy: RolloutSettings, model_path: str, inference: Any) -> 
         {**policy.engine_kwargs, **inf.engine_kwargs},
         hybrid_engine=policy.hybrid_engine if inf.hybrid_engine is None else inf.hybrid_engine,
         lora_adapter=None)
-
-
-def deploy_fixed(settings: RolloutSettings, ps: Any, platform: Any) -> Any:
-    """The `RolloutDeployment` of a fixed model (collective). Its engines start with the model's own weights."""
-    from megappo.rollout import registry
-
-    return registry.deploy(settings, ps, platform)
-
-
-def close_all(deployments: Sequence[Optional[Any]]) -> None:
-    for d in deployments:
-        if d is not None:
-            d.close()

@@ -24,21 +24,23 @@ The task: **digit_max** (data_source `megappo/digit_max`). The prompt is `max 3 
 answer the largest digit (`9`) followed by EOS. The reward (`synthetic_reward`, registered for every task's
 data_source) is 1.0 for exactly the right answer and 0.0 otherwise: no format credit, so a rising reward is learning.
 
-Prompts are 10 tokens, right answers 2. Prompts are drawn so that the answers 1..9 are equally frequent (answering a constant scores 1/9, not the 34% that
-"9" would score on uniform digits); the validation prompts are distinct and held out of training and warm start.
+Prompts are 10 tokens, right answers 2. Prompts are drawn so that the answers 1..9 are equally frequent (answering a
+constant scores 1/9, not the 34% that "9" would score on uniform digits); the validation prompts are distinct and
+held out of training and warm start.
 
 The warm start trains with a smoothed target: the right digit with weight 1 - `smoothing` (0.85) and every digit
-with `smoothing`/10, so after 200 steps (~8 s on 2 cores) the model knows the rule (its greedy answer is right on ~100% of
-prompts) but samples it at temperature 1 only ~23% of the time. RL then has a clear, quick job: make the policy
-pick the answer it already ranks first. (So validate by sampling at temperature 1: greedy decoding is right
-from the start.) A REINFORCE check outside the trainer (Adam at lr 1e-3, 64 samples a step,
-responses of at most 4 tokens) takes the temperature-1 reward from ~0.23 to ~0.8 in 15 steps.
+with `smoothing`/10, so after 200 steps (~8 s on 2 cores) the model knows the rule (its greedy answer is right on
+~100% of prompts) but samples it at temperature 1 only ~23% of the time. RL then has a clear, quick job: make the
+policy pick the answer it already ranks first. (So validate by sampling at temperature 1: greedy decoding is right
+from the start.) A REINFORCE check outside the trainer (Adam at lr 1e-3, 64 samples a step, responses of at most 4
+tokens) takes the temperature-1 reward from ~0.23 to ~0.8 in 15 steps.
 
 This module imports neither torch nor pyarrow until `prepare_task` runs: reward worker processes import it (on
 `megappo.rewards.registry`'s first look-up of a reward, through `builtin_rewards`) to find `synthetic_reward`.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -47,7 +49,7 @@ import random
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -251,15 +253,14 @@ def _files(name: str, data_source: str, out_dir: str, manifest: dict, reused: bo
     )
 
 
-def _read_manifest(out_dir: str) -> Optional[dict]:
+def _read_manifest(out_dir: str, files: tuple[str, ...] = ("train.parquet", "val.parquet")) -> Optional[dict]:
     try:
         with open(os.path.join(out_dir, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
     complete = all(os.path.exists(os.path.join(out_dir, p)) for p in
-                   ("model/config.json", "model/model.safetensors", "model/tokenizer.json", "train.parquet",
-                    "val.parquet"))
+                   ("model/config.json", "model/model.safetensors", "model/tokenizer.json", *files))
     return manifest if complete and isinstance(manifest, dict) else None
 
 
@@ -275,8 +276,6 @@ def read_task_files(out_dir: str) -> Optional[TaskFiles]:
 
 @contextmanager
 def _locked(path: str) -> Iterator[None]:
-    import fcntl
-
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -298,17 +297,15 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
             raise ValueError(f"data.synthetic.{key} must be an integer >= {least}, got {value!r}")
     if num_val_prompts > task.num_prompts // 4:
         raise ValueError(f"task {name!r} has {task.num_prompts} distinct prompts; data.synthetic.num_val_prompts "
-                         f"(distinct, and held out of training) must be at most a quarter of them, got "
-                         f"{num_val_prompts}")
+                         f"(distinct, held out of training) must be at most a quarter of them, got {num_val_prompts}")
     params = _params(task, num_train_prompts, num_val_prompts, warm_start_steps, seed)
     return prepared(task.name, task.data_source, out_dir, params, lambda d, p: _build(task, d, p))
 
 
 def prepared(name: str, data_source: str, out_dir: str, params: dict, build: Callable[[str, dict], dict]
              ) -> TaskFiles:
-    """Every task's locking, manifest and reuse: under `<out_dir>.lock`, the files in `out_dir` when its manifest
-    was made with `params`, else `build(out_dir, params)` (which writes them through `fresh_tmp`/`swap_in` and
-    returns the manifest)."""
+    """Every task's locking, manifest and reuse: under `<out_dir>.lock`, the files in `out_dir` when its manifest was
+    made with `params`, else `build(out_dir, params)` (writing through `fresh_tmp`/`swap_in`; returns the manifest)."""
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     with _locked(out_dir + ".lock"):
@@ -332,15 +329,13 @@ def fresh_tmp(out_dir: str) -> str:
     return tempfile.mkdtemp(prefix=".tmp-", dir=out_dir)
 
 
-def swap_in(out_dir: str, tmp: str, manifest: dict) -> None:
-    """Move a finished build (`tmp`: train.parquet, val.parquet, model/) into `out_dir`. The manifest goes first and
-    comes back last, so a crash in between leaves no valid manifest (the next call rebuilds) rather than a manifest
-    over mismatched files."""
-    try:
+def swap_in(out_dir: str, tmp: str, manifest: dict, files: tuple[str, ...] = ("train.parquet", "val.parquet")
+            ) -> None:
+    """Move a finished build (`tmp`: `files` and model/) into `out_dir`. The manifest goes first and comes back last,
+    so a crash in between leaves no valid manifest (the next call rebuilds) rather than one over mismatched files."""
+    with suppress(FileNotFoundError):
         os.remove(os.path.join(out_dir, MANIFEST))
-    except FileNotFoundError:
-        pass
-    for name in ("train.parquet", "val.parquet"):
+    for name in files:
         os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
     model_dir = os.path.join(out_dir, "model")
     if os.path.exists(model_dir):
@@ -352,15 +347,20 @@ def swap_in(out_dir: str, tmp: str, manifest: dict) -> None:
     os.replace(os.path.join(tmp, MANIFEST), os.path.join(out_dir, MANIFEST))
 
 
+def held_out_split(task: SyntheticTask, rng: random.Random, num_val: int) -> tuple[list[int], dict[int, list[int]]]:
+    """(distinct validation codes, the training pools without them): the task's draw, which its teacher repeats."""
+    pools = task.pools()
+    val_codes = task.sample(rng, num_val, pools, distinct=True)
+    held_out = set(val_codes)
+    return val_codes, {a: [c for c in p if c not in held_out] for a, p in pools.items()}
+
+
 def _build(task: SyntheticTask, out_dir: str, params: dict) -> dict:
     tmp = fresh_tmp(out_dir)
     try:
         t0 = time.perf_counter()
         rng = random.Random(params["seed"] * 1_000_003 + 17)
-        pools = task.pools()
-        val_codes = task.sample(rng, params["num_val_prompts"], pools, distinct=True)
-        held_out = set(val_codes)
-        train_pools = {a: [c for c in p if c not in held_out] for a, p in pools.items()}
+        val_codes, train_pools = held_out_split(task, rng, params["num_val_prompts"])
         train_codes = task.sample(rng, params["num_train_prompts"], train_pools, distinct=False)
         _write_parquet(task, os.path.join(tmp, "train.parquet"), train_codes, "train")
         _write_parquet(task, os.path.join(tmp, "val.parquet"), val_codes, "val")
@@ -452,7 +452,8 @@ def _warm_started_model(task: SyntheticTask, tokenizer, cfg, steps: int, seed: i
     import torch  # smoothing: the target's (None: the task's); model_cls: None is Qwen2ForCausalLM
     import transformers
 
-    smoothing, model_cls = task.smoothing if smoothing is None else smoothing, model_cls or transformers.Qwen2ForCausalLM
+    smoothing = task.smoothing if smoothing is None else smoothing
+    model_cls = model_cls or transformers.Qwen2ForCausalLM
     with _one_thread(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(cfg).float()

@@ -10,14 +10,14 @@ them when the parameters match; concurrent callers serialise on `<out_dir>.lock`
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
 import time
 
 from megappo.tasks.synthetic import (
-    MANIFEST, _locked, _warm_started_model, _write_tokenizer_and_config, fresh_tmp, get_task,
+    _locked, _read_manifest, _warm_started_model, _write_tokenizer_and_config, fresh_tmp, get_task, held_out_split,
+    swap_in,
 )
 
 FORMAT_VERSION = 1
@@ -42,13 +42,9 @@ def prepare_teacher(name: str, out_dir: str, *, smoothing: float, warm_start_ste
     model_dir = os.path.join(out_dir, "model")
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     with _locked(out_dir + ".lock"):
-        try:
-            with open(os.path.join(out_dir, MANIFEST), encoding="utf-8") as f:
-                if json.load(f).get("params") == params and os.path.isfile(os.path.join(model_dir, "config.json")):
-                    return model_dir
-        except (OSError, ValueError):
-            pass
-        _build(task, out_dir, params)
+        manifest = _read_manifest(out_dir, files=())
+        if manifest is None or manifest.get("params") != params:
+            _build(task, out_dir, params)
     return model_dir
 
 
@@ -59,10 +55,7 @@ def _build(task, out_dir: str, params: dict) -> None:
     try:
         t0 = time.perf_counter()
         rng = random.Random(params["seed"] * 1_000_003 + 17)  # the task's own draw of its validation prompts
-        pools = task.pools()
-        val_codes = task.sample(rng, params["num_val_prompts"], pools, distinct=True)
-        held_out = set(val_codes)
-        train_pools = {a: [c for c in p if c not in held_out] for a, p in pools.items()}
+        val_codes, train_pools = held_out_split(task, rng, params["num_val_prompts"])
         model_tmp = os.path.join(tmp, "model")
         tokenizer, student_cfg = _write_tokenizer_and_config(task, model_tmp)
         cfg = transformers.LlamaConfig(vocab_size=student_cfg.vocab_size, eos_token_id=tokenizer.eos_token_id,
@@ -73,16 +66,6 @@ def _build(task, out_dir: str, params: dict) -> None:
                                              model_cls=transformers.LlamaForCausalLM)
         model.save_pretrained(model_tmp, safe_serialization=True)
         metrics["seconds"] = round(time.perf_counter() - t0, 2)
-        try:
-            os.remove(os.path.join(out_dir, MANIFEST))
-        except FileNotFoundError:
-            pass
-        old = os.path.join(out_dir, "model")
-        if os.path.exists(old):
-            os.rename(old, os.path.join(tmp, "old-model"))
-        os.rename(model_tmp, old)
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump({"params": params, "warm_start": metrics}, f, indent=1, sort_keys=True)
-        os.replace(os.path.join(tmp, MANIFEST), os.path.join(out_dir, MANIFEST))
+        swap_in(out_dir, tmp, {"params": params, "warm_start": metrics}, files=())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

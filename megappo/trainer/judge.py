@@ -35,10 +35,11 @@ def deploy_judge(cfg: MegappoConfig, ps: Any, platform: Any) -> Optional[Any]:
     j = cfg.reward_model.judge
     if not j.enable:
         return None
-    from megappo.rollout.fixed import deploy_fixed, fixed_settings
+    from megappo.rollout import registry
+    from megappo.rollout.fixed import fixed_settings
     from megappo.trainer.settings import rollout_settings
 
-    return deploy_fixed(fixed_settings(rollout_settings(cfg), os.path.expanduser(j.path), j.inference), ps, platform)
+    return registry.deploy(fixed_settings(rollout_settings(cfg), os.path.expanduser(j.path), j.inference), ps, platform)
 
 
 def settings(cfg: MegappoConfig) -> JudgeSettings:

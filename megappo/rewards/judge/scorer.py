@@ -26,7 +26,7 @@ class JudgeUnparsed(RuntimeError):
 
 @dataclass(frozen=True)
 class JudgeSettings:
-    """What the scorer reads (mapped from reward_model.judge by `megappo.trainer.settings.judge`)."""
+    """What the scorer reads (mapped from reward_model.judge by `megappo.trainer.judge.settings`)."""
 
     template: str  # the template's text
     pairwise: bool
