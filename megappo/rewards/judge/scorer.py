@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megappo.multi_turn.template import ToolText
 from megappo.rewards.judge import templates
 from megappo.rewards.judge.loop import Ask, LoopSettings, LoopStats, judge
 from megappo.rewards.scorer import ScoreItem, ScoreResult
@@ -45,6 +46,7 @@ class JudgeScorer:
     def __init__(self, engine: Any, tokenizer: Any, parse: Callable[[str], Optional[float]], s: JudgeSettings,
                  rule: Any = None):
         self.engine, self.tokenizer, self.parse, self.s, self.rule = engine, tokenizer, parse, s, rule
+        self.guard = ToolText(tokenizer)  # a response's text, tokenised without special-token matching
 
     def judges(self, data_source: str) -> bool:
         return not self.s.data_sources or data_source in self.s.data_sources
@@ -92,15 +94,21 @@ class JudgeScorer:
 
     def _asks(self, items: Sequence[ScoreItem], judged: list[int]) -> list[Ask]:
         s = self.s
-        if not s.pairwise:
-            texts = [(templates.fill(s.template, items[i].prompt, items[i].solution_str, items[i].ground_truth), (i,))
-                     for i in judged]
-        else:
-            texts = [(templates.fill_pair(s.template, items[a].prompt, items[a].solution_str, items[b].solution_str,
-                                          items[a].ground_truth), (a, b))
-                     for members in _groups(items, judged).values()
-                     for k, a in enumerate(members) for b in members[k + 1:]]
-        return [Ask(templates.token_ids(self.tokenizer, text, s.use_chat_template), pair, text) for text, pair in texts]
+        pairs = [(i,) for i in judged] if not s.pairwise else [
+            (a, b) for members in _groups(items, judged).values()
+            for k, a in enumerate(members) for b in members[k + 1:]]
+        return [self._ask(items, pair) for pair in pairs]
+
+    def _ask(self, items: Sequence[ScoreItem], pair: tuple[int, ...]) -> Ask:
+        """The prompt judging `pair`'s responses: shown with them in its text, tokenised with each in a slot of its
+        own (`templates.token_ids`: a response cannot forge the judge's control tokens)."""
+        s, first = self.s, items[pair[0]]
+        fill = templates.fill_pair if s.pairwise else templates.fill
+        text = fill(s.template, first.prompt, *[items[i].solution_str for i in pair], first.ground_truth)
+        slotted = fill(s.template, first.prompt, *[templates.slot(k) for k in range(len(pair))], first.ground_truth)
+        ids = templates.token_ids(self.tokenizer, slotted, s.use_chat_template,
+                                  [items[i].solution_str.strip() for i in pair], self.guard)
+        return Ask(ids, pair, text)
 
     def _scores(self, items: Sequence[ScoreItem], judged: list[int], asks: list[Ask]) -> dict[int, float]:
         """Each judged sample's score: its verdict's, or (pairwise) its share of wins over its group's others; an

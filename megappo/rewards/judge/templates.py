@@ -3,8 +3,12 @@
 chat template, wrapped in it as one user message."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import re
+import uuid
+from typing import Any, Optional, Sequence
 
+_NONCE = uuid.uuid4().hex[:12]
+_SLOTS = re.compile(f"\ue000{_NONCE}:(\\d+)\ue001")
 TEMPLATES: dict[str, str] = {
     # a yes/no verdict on one response (parser=yes_no)
     "default": ("Question:\n{question}\n\nReference answer:\n{ground_truth}\n\nResponse:\n{response}\n\n"
@@ -37,13 +41,28 @@ def fill_pair(template: str, question: str, a: str, b: str, ground_truth: Any = 
                                 "ground_truth": "" if ground_truth is None else str(ground_truth)})
 
 
-def token_ids(tokenizer: Any, text: str, use_chat_template: bool) -> list[int]:
+def slot(k: int) -> str:
+    """Where the `k`th untrusted part (a response) goes in a filled template: private-use characters and a nonce no
+    text holds; `token_ids` puts the part's own tokens there."""
+    return f"\ue000{_NONCE}:{k}\ue001"
+
+
+def token_ids(tokenizer: Any, text: str, use_chat_template: bool, untrusted: Sequence[str] = (),
+              guard: Any = None) -> list[int]:
     """The judge's prompt tokens: `text` as one user message of its chat template (when it has one and
-    `use_chat_template`), else the text's own tokens."""
+    `use_chat_template`), else the text's own tokens. `untrusted[k]` (a policy's response) goes where `text` holds
+    `slot(k)`, escaped and tokenised alone without special-token matching (`guard`, a `ToolText`), so a response
+    cannot write the template's control tokens (end the user turn, open the judge's answer)."""
     template: Optional[str] = getattr(tokenizer, "chat_template", None)
     if use_chat_template and template:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    parts, ids = _SLOTS.split(text), []  # trusted text, a slot's index, trusted text, ...
+    for k in range(0, len(parts), 2):
+        trusted = parts[k]
+        # the spaces before a response go with it, as a pre-tokenizer puts a word's leading space in its token
+        lead = trusted[len(trusted.rstrip()):] if k + 1 < len(parts) else ""
+        ids += tokenizer.encode(trusted[:len(trusted) - len(lead)], add_special_tokens=False)
+        if k + 1 < len(parts):
+            ids += guard.encode(lead + untrusted[int(parts[k + 1])])
+    return [int(t) for t in ids]
