@@ -176,7 +176,7 @@ def _set_up(ctx: dict, slots) -> dict:
     """Everything of a call that needs no request, done before one comes: its mount and PID namespaces, its tmpfs
     (the sandbox's disk_mb; resized to the request's), its cgroup, and the runner, forked and waiting for the
     request with its other namespaces made."""
-    workdir = None  # unsandboxed: a directory of the machine's /tmp, made when the call comes
+    workdir = None  # unsandboxed: a directory under the zygote's calls_dir, made when the call comes
     if ctx["fs"]:
         # The runner is the first process of a PID namespace: when it ends (exit or kill) the kernel kills every
         # other process of the call, and the runner's exit waits for them.
@@ -207,7 +207,7 @@ def _start(req: dict, call: dict, ctx: dict, slots) -> dict:
     if call["workdir"] is None:
         import tempfile
 
-        call["workdir"] = req["workdir"] = tempfile.mkdtemp(prefix="megappo-sandbox-")
+        call["workdir"] = req["workdir"] = tempfile.mkdtemp(prefix="call-", dir=ctx["calls_dir"])
     data = json.dumps(req).encode()
     _write_all(call["req_w"], data)
     os.close(call["req_w"])
@@ -256,15 +256,16 @@ def main(chan_fd: int, ctx: dict, slots, wake: list[int]) -> None:
         res = _start(req, call, ctx, slots) if failed is None else {"error": failed}
     except BaseException as e:
         res = {"error": f"sandbox supervisor: {type(e).__name__}: {e}"}
+    if call is not None and not ctx["fs"] and call["workdir"]:
+        import shutil
+
+        # Before the answer: the caller may close the sandbox at once, and the zygote kills supervisors in flight.
+        shutil.rmtree(call["workdir"], ignore_errors=True)
     try:
         sock.settimeout(None)
         sock.sendall(json.dumps(res).encode())
         sock.close()
     except OSError:
         pass  # the caller gave up on this call
-    if call is not None and not ctx["fs"] and call["workdir"]:
-        import shutil
-
-        shutil.rmtree(call["workdir"], ignore_errors=True)
     _reap_all()
     os._exit(0)

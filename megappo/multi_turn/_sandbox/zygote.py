@@ -53,6 +53,7 @@ _wake: list[int] = []  # the zygote's SIGCHLD wake-up pipe (read end, write end)
 _next = 0
 _slots = None
 _MODE = None  # "root", "userns" or None: what held at start
+_calls_dir = None  # unsandboxed (no private /tmp): every call's directory is made under it, removed at the end
 
 
 def _isolate(cfg: dict) -> dict:
@@ -157,6 +158,10 @@ def _stop(*_args) -> None:
         if _MODE == "root":
             supervise.sweep(uid)
     _reap_supervisors(block=True)
+    if _calls_dir is not None:  # unsandboxed calls' directories, of calls killed here too
+        import shutil
+
+        shutil.rmtree(_calls_dir, ignore_errors=True)
     if _slots is not None and _slots.active:
         deadline = time.monotonic() + 2.0
         while True:  # a killed call's cgroup empties once its processes are reaped
@@ -258,7 +263,7 @@ def _serve(ctrl: socket.socket, parent: int, spares: _Spares) -> None:
 
 
 def main() -> None:
-    global _slots, _MODE
+    global _slots, _MODE, _calls_dir
     ctrl_fd, cfg = int(sys.argv[1]), json.loads(sys.argv[2])
     # This zygote's uids: a slice of its own, by its pid (no two live zygotes share one: other sandboxes, Ray
     # actors, other runs on the machine), since a call's uid must be its alone (the sweep kills all of its uid).
@@ -284,8 +289,12 @@ def main() -> None:
     state["memory"] = _memory_bound(_slots, cfg)
     _MODE = state["mode"]
     under_tmp = [p for p in state["binds"] if p.startswith("/tmp/")]  # each call's /tmp covers them
+    if not state["fs"]:
+        import tempfile
+
+        _calls_dir = tempfile.mkdtemp(prefix="megappo-sandbox-")
     ctx = {"mode": state["mode"], "fs": state["fs"], "cgroup": _slots.active, "last_cap": last_cap,
-           "under_tmp": under_tmp, "disk_mb": cfg["disk_mb"],
+           "under_tmp": under_tmp, "disk_mb": cfg["disk_mb"], "calls_dir": _calls_dir,
            "filter": seccomp.compile_filter(block_memfd=not _slots.active) if state["filter"] else None}
     print(json.dumps(state), flush=True)
     # Each fork copies what it touches (copy-on-write): the collector walking every object of the zygote in each
