@@ -204,6 +204,10 @@ class PolicyLossConfig:
     dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty's coefficient (required, > 0)
     path: Optional[str] = None  # a user's loss: the .py file
     name: Optional[str] = None  # and the function in it, registered under this name (set loss_mode to it)
+    # Train the policy gradient on this fraction of the step's response tokens with the highest entropy under the
+    # old policy (Wang et al. 2025's forking tokens: 0.2); the others' policy loss is zeroed, the KL loss and the
+    # entropy bonus keep every token. 1.0: all tokens (megappo/algos/token_selection.py).
+    top_entropy_quantile: float = 1.0
 
 
 @dataclass

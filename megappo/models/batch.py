@@ -56,6 +56,7 @@ class TrainInputs:
     returns: Optional[torch.Tensor] = None  # [B, R] value targets
     values: Optional[torch.Tensor] = None  # [B, R] critic values at rollout time (value clipping)
     rollout_is_weights: Optional[torch.Tensor] = None  # [B, R] old / rollout importance weights (rollout correction)
+    pg_token_mask: Optional[torch.Tensor] = None  # [B, R] 1 where the policy gradient trains (top_entropy_quantile)
     teacher_log_probs: Optional[torch.Tensor] = None  # [B, R] a distillation teacher's log-probs of the tokens
     teacher_topk_log_probs: Optional[torch.Tensor] = None  # [B, R, K] the teacher's top-k tokens' log-probs
     teacher_topk_ids: Optional[torch.Tensor] = None  # [B, R, K] long, those tokens

@@ -91,7 +91,7 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
             pg_metrics = {k: torch.as_tensor(v) for k, v in pg_metrics.items()}
         else:
             pg_loss, pg_metrics = pg(out.log_probs, t.old_log_probs, t.advantages, mask, params, agg_mode=s.agg_mode,
-                                     is_weights=t.rollout_is_weights, **counts)
+                                     is_weights=_token_weights(t), **counts)
         share = _token_share(mask, ctx)
         metrics = {k: v * share for k, v in pg_metrics.items()}  # token means within the micro-batch
         metrics["pg_loss"] = pg_loss.detach()
@@ -113,6 +113,15 @@ def actor_loss_fn(s: ActorLossSettings) -> LossFn:
         return loss, metrics
 
     return loss_fn
+
+
+def _token_weights(t) -> Optional[torch.Tensor]:
+    """[b, r] what multiplies each token's policy loss: the rollout correction's weights and the tokens chosen
+    for the policy gradient (a token left out keeps its place in the normaliser), or None for all ones."""
+    w, chosen = t.rollout_is_weights, t.pg_token_mask
+    if chosen is None:
+        return w
+    return chosen if w is None else w * chosen
 
 
 def _divergence(d: DistillLossSettings, out: ModelOutputs, t) -> torch.Tensor:

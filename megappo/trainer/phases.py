@@ -24,6 +24,7 @@ from megappo.parallel import ParallelState, reduce_over_ranks
 from megappo.rewards.scorer import ScoreItem
 from megappo.trainer import judge, settings
 from megappo.trainer.dp import dp_gather, dp_gather_rows, dp_max, dp_metrics, dp_sum, dp_sum_tensor, masked_mean_dp
+from megappo.trainer.entropy_tokens import choose_tokens
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
 )
@@ -181,15 +182,17 @@ def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
         exp.train.old_log_probs = exp.rollout_log_probs.clone()
         return {}
     with_sq = estimator(run.cfg).needs_sum_pi_squared
+    quantile = run.cfg.actor_rollout_ref.actor.policy_loss.top_entropy_quantile  # < 1: choose tokens by entropy
     out = compute_log_probs(
         run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
-        temperature=run.sampling.logprob_temperature, calculate_sum_pi_squared=with_sq)
+        temperature=run.sampling.logprob_temperature, calculate_sum_pi_squared=with_sq, calculate_entropy=quantile < 1)
     exp.train.old_log_probs = out[0]
     if with_sq:
         exp.sum_pi_squared = out[2]
     diff = (exp.rollout_log_probs - exp.train.old_log_probs).abs() * exp.mask
-    return {"rollout/logprob_diff_mean": masked_mean_dp(diff, exp.mask, run.ps),
-            "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps)}
+    metrics = {"rollout/logprob_diff_mean": masked_mean_dp(diff, exp.mask, run.ps),
+               "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps)}
+    return metrics if quantile >= 1 else {**metrics, **choose_tokens(exp, out[1], quantile, run.ps)}
 
 
 def values(run: Run, exp: Experience) -> None:

@@ -38,7 +38,8 @@ def test_main_job_learns_and_repeats_its_golden_metrics(tmp_path):
 # tiny_ppo_one_step_off is tiny_ppo_async's schedule with W = 1 (tests/e2e/test_fully_async.py): the long tier
 @pytest.mark.parametrize("recipe", ["tiny_ppo_kl_loss", "tiny_grpo",
                                     pytest.param("tiny_ppo_one_step_off", marks=pytest.mark.long), "tiny_ppo_async",
-                                    "tiny_gspo", "tiny_rloo", "tiny_reinforce_pp", "tiny_dapo"])
+                                    "tiny_gspo", "tiny_rloo", "tiny_reinforce_pp", "tiny_dapo",
+                                    "tiny_grpo_top_entropy"])
 def test_cpu_variants_learn(tmp_path, recipe):
     rows = run_recipe(f"recipes/cpu/{recipe}.yaml", tmp_path / recipe)  # with its checkpoints: the guard can roll back
     # dynamic sampling trains on groups that hold right and wrong answers: its reward/mean is not the policy's
@@ -50,6 +51,9 @@ def test_cpu_variants_learn(tmp_path, recipe):
         assert max(r["train/num_gen_batches"] for r in steps) > 1
         assert any(r["reward/overlong_fraction"] > 0 for r in steps)
         assert not any(k.startswith(("critic/", "kl/mean")) or k == "actor/kl_loss" for k in rows[1])
+    elif recipe == "tiny_grpo_top_entropy":  # the policy gradient saw a fifth of the tokens, every step
+        assert all(0.2 <= r["actor/selected_token_fraction"] < 0.3 for r in rows[1:])
+        assert rows[-1]["actor/entropy_threshold"] < rows[1]["actor/entropy_threshold"]  # the policy grew sure
     elif recipe in ("tiny_grpo", "tiny_gspo", "tiny_rloo", "tiny_reinforce_pp"):
         assert not any(k.startswith("critic/") for k in rows[1])
     elif recipe == "tiny_ppo_one_step_off":
