@@ -65,7 +65,10 @@ def test_cpu_variants_learn(tmp_path, recipe):
         assert rows[-1]["actor/kl_loss"] > 0
 
 
+# the trainer at TP2 x PP2 against one rank is tests/multirank/test_trainer_layouts.py's default-tier
+# test_tp2_pp2_on_four_ranks_matches_one_rank; this one adds the recipe file under torchrun: the long tier
 @pytest.mark.multirank
+@pytest.mark.long
 def test_tp2_pp2_recipe_repeats_the_one_rank_run(tmp_path):
     """Four gloo ranks at TP2 x PP2 sample and learn exactly what one rank does (same seeds, same metrics)."""
     steps = ["trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.save_freq=-1"]
