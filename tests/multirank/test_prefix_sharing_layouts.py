@@ -155,7 +155,7 @@ def test_shared_equals_packed_tp2_sp_pp2_vpp2_dp2(hf_model_dir):
 @pytest.mark.long
 def test_shared_equals_packed_moe_ep2_tp2(hf_model_dir):
     hf_dir = hf_model_dir("qwen3_moe")
-    layouts = [({"tp": 2, "ep": 2}, {"use_dynamic_bsz": True, "max_token_len": 90}, PACKED_SHARED)]
+    layouts = [({"tp": 2, "ep": 2, "sequence_parallel": True}, {"use_dynamic_bsz": True, "max_token_len": 90}, PACKED_SHARED)]
     for r, res in enumerate(spawn(4, hf_dir, layouts)):
         check(res[0], f"rank {r} ep2 tp2")
 
