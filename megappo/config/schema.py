@@ -158,10 +158,10 @@ class ModelConfig:
     # Prefix sharing: a packed micro-batch runs a prompt shared by several rows (GRPO groups of rollout.n) once,
     # each response attending to the prompt and itself only (megappo.models.layout.prefix); exact against the
     # unshared path. None (automatic): on where the model can (megappo's SDPA attention with plain rope, packed,
-    # no context parallelism) and sharing drops >= 25% of a batch's tokens (long prompts, short responses: 2x and
-    # more; where less is saved the extra attention calls cost what the tokens save; see
-    # tools/bench/bench_prefix_sharing.py); true: wherever a prompt repeats (an error where the model cannot);
-    # false: never. critic.model's None: the actor's
+    # no context parallelism) and sharing prompts of >= 64 tokens drops >= 25% of a batch's tokens (prompt 1024,
+    # responses 64-256, n 8: 3.3x; where under ~15% is saved it is slower: long responses, short prompts; see
+    # megappo.models.layout.prefix.MIN_SAVED_FRACTION); true: wherever a prompt repeats (an error where the model
+    # cannot); false: never. critic.model's None: the actor's
     use_prefix_sharing: Optional[bool] = None
 
 

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from megappo.models.batch import ModelBatch
 
-__all__ = ["SharedPack", "SharedPrefixParams", "Tree", "prompt_groups", "share_micro_batch", "shared_tokens",
+__all__ = ["SharedPack", "SharedPrefixParams", "Tree", "prompt_groups", "share_micro_batch",
            "attend_shared", "install_prefix_positions", "can_share", "sharing_on", "sharing_pays"]
 
 
@@ -71,15 +71,6 @@ def prompt_groups(mb: ModelBatch) -> list[list[int]]:
         key = tuple(mb.input_ids[i, p - n: p].tolist()) if n > 0 else ("row", i)
         groups.setdefault(key, []).append(i)
     return list(groups.values())
-
-
-def shared_tokens(mb: ModelBatch) -> tuple[int, int]:
-    """(tokens of `mb` packed unshared, tokens of it shared): what sharing saves on this micro-batch."""
-    plen = mb.prompt_lengths().to(torch.long)
-    rlen = mb.response_lengths().to(torch.long)
-    total = int((plen + rlen).sum())
-    saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in prompt_groups(mb))
-    return total, total - saved
 
 
 @dataclass
@@ -271,15 +262,22 @@ def can_share(inner: nn.Module, cp_size: int) -> Optional[str]:
     return None
 
 
-# Auto (`share_prefix=None`) shares a batch whose shared layout drops at least this fraction of its packed tokens
-# (tools/bench/bench_prefix_sharing.py: where less is saved, the per-tree attention calls cost what the tokens save)
+# Auto (`share_prefix=None`) shares a batch where prompts of at least MIN_PROMPT tokens, shared, drop at least
+# MIN_SAVED_FRACTION of its packed tokens. Measured (tools/bench/bench_prefix_sharing.py, hidden 256, 4 layers, 8
+# responses a prompt, CPU): 6% saved (prompt 64, responses 512-1024) is 0.83x, slower: a tree's responses run
+# padded to its longest under an explicit mask; 23% saved (128, 256-512) 1.12-1.19x; 33% (256, 256-512) 1.4x;
+# 75% (1024, 64-256) 3.3x. Shorter prompts also gain (32, 8-32: 1.6x) but little time in all; sharing them would
+# move the tiny recipes' golden numbers in their last bits, so it takes use_prefix_sharing=true.
 MIN_SAVED_FRACTION = 0.25
+MIN_PROMPT = 64
 
 
 def sharing_pays(batch: ModelBatch) -> bool:
-    """Whether sharing `batch`'s repeated prompts saves enough tokens to be faster (`MIN_SAVED_FRACTION`)."""
-    total, shared = shared_tokens(batch)
-    return total > 0 and (total - shared) >= MIN_SAVED_FRACTION * total
+    """Whether sharing `batch`'s repeated prompts of >= MIN_PROMPT tokens saves >= MIN_SAVED_FRACTION of its tokens."""
+    plen = batch.prompt_lengths().to(torch.long)
+    total = int((plen + batch.response_lengths().to(torch.long)).sum())
+    saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in prompt_groups(batch) if int(plen[g[0]]) >= MIN_PROMPT)
+    return total > 0 and saved >= MIN_SAVED_FRACTION * total
 
 
 def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, packed: bool,
