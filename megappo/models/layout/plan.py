@@ -6,7 +6,9 @@ layout the micro-batches run in, and lays out each one:
 - `Padded`: the rows left-aligned ([b, s], `ModelBatch.left_aligned`), with the causal mask where megatron's local
   attention needs it passed (transformer-engine and megappo's `SDPAttention` apply it themselves);
 - `Packed` (verl's use_remove_padding, `packing`): one pack [1, T] of the rows' real tokens with megatron's
-  `PackedSeqParams`; where the attention runs packed sequences and there is no context parallelism;
+  `PackedSeqParams`; where the attention runs packed sequences and there is no context parallelism. With prefix
+  sharing (`prefix`) a micro-batch holding rows of one prompt is a shared pack instead: the prompt once, then each
+  row's response (the same interface: inputs, packed params, `window` read-back);
 - `ContextParallel` (`context_parallel`): this CP rank's two chunks [b, s / cp] of the left-aligned rows, padded to
   a multiple of 2 * cp (times tp under sequence parallelism).
 
