@@ -41,7 +41,9 @@ def _run_layout(layout_kw, hf_dir, micro_kw, modes):
     """modes: (name, MicroBatching kwargs) to run; each gets log-probs, values, a step's metrics and grads."""
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models.builder import build_model
-    from megappo.models.compute import MicroBatching, compute_log_probs, compute_values, train_step
+    from megappo.models.compute import (
+        MicroBatching, compute_log_probs, compute_topk_log_probs, compute_values, train_step,
+    )
     from megappo.models.layout.plan import plan_micro_batches
     from megappo.models.losses import ActorLossSettings, CriticLossSettings, actor_loss_fn, critic_loss_fn
     from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp
@@ -74,6 +76,10 @@ def _run_layout(layout_kw, hf_dir, micro_kw, modes):
                 if role == "actor":
                     res[key + "_logp"], res[key + "_ent"] = compute_log_probs(
                         ddp, batch_, parallel_state=ps, micro=micro, calculate_entropy=True)
+                    if ps.world_size == 1:  # a distillation teacher's top-k tokens read back the same
+                        _, res[key + "_topk"], ids = compute_topk_log_probs(ddp, batch_, 3, parallel_state=ps,
+                                                                            micro=micro)
+                        res[key + "_topk_ids"] = ids.float()
                 else:
                     res[key + "_values"] = compute_values(ddp, batch_, parallel_state=ps, micro=micro)
             except ValueError as e:  # a layout that refuses sharing
@@ -130,6 +136,8 @@ def test_shared_equals_packed_and_padded_tp1(hf_model_dir):
     (per_layout,) = spawn(1, hf_dir, layouts, timeout=300)
     for (layout, micro, modes_), res in zip(layouts, per_layout):
         check(res, f"tp1 {micro}")
+        close(res["actor_shared_topk"], res["actor_packed_topk"], f"tp1 {micro} top-k log-probs")
+        assert torch.equal(res["actor_shared_topk_ids"], res["actor_packed_topk_ids"])
         assert "SharedPack" in res["actor_shared_packs"] and "SharedPack" not in res["actor_packed_packs"]
         if len(modes_) > 2:
             check(res, f"tp1 {micro} padded", want="padded")
