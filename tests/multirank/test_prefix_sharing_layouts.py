@@ -1,12 +1,12 @@
 """Prefix sharing (`MicroBatching(share_prefix=True)`) equals the unshared packed path in every layout.
 
 Each layout runs, on the same weights and the same batch (GRPO-like groups of 4, 3 and 2 rows of one prompt,
-interleaved with rows alone, responses 1 to 37 tokens, one empty), the packed path and the shared one: log-probs,
-entropy, values, the actor's and the critic's step loss and metrics, and every gradient (megatron DDP's main_grad)
-must agree to 1e-5 (max |a - b| / max |b|, fp32). World 1 (fixed and dynamic micro-batches, full recompute, and
-the padded path as a third witness) runs in the default test run (tests/unit/test_prefix_sharing.py spawns it);
+interleaved with rows alone, responses 1 to 37 tokens and one empty), the packed path and the shared one:
+log-probs, entropy, values, the actor's and the critic's step loss and metrics, and every gradient (megatron DDP's
+main_grad) must agree to 1e-5 (max |a - b| / max |b|, fp32). World 1 (fixed and dynamic micro-batches, full
+recompute, the padded path as a third witness, top-k log-probs) runs in the default test run;
 TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2 and EP2 x TP2 (Qwen3-MoE) are `long` here (a spawned
-gloo job each, ~1 min); CP2 refuses a forced share_prefix and runs unshared when it is automatic.
+gloo job each, ~20-35 s); so is CP2, which refuses a forced share_prefix and runs unshared when it is automatic.
 """
 from __future__ import annotations
 
@@ -168,6 +168,7 @@ def test_shared_equals_packed_moe_ep2_tp2(hf_model_dir):
         check(res[0], f"rank {r} ep2 tp2")
 
 
+@pytest.mark.long  # the refusal itself: tests/unit/test_prefix_sharing.py::test_refusals_name_the_fix
 def test_cp2_refuses_forced_sharing_and_runs_unshared_when_automatic(hf_model_dir):
     """Context parallelism runs padded micro-batches: share_prefix=True names the fix; None runs as CP always
     does (its outputs equal the one-rank packed path's, as test_compute's CP tests check for CP itself)."""
