@@ -179,3 +179,28 @@ def test_cp2_refuses_forced_sharing_and_runs_unshared_when_automatic(hf_model_di
         err = res[0]["actor_forced_error"]
         assert "context parallelism" in err and "use_prefix_sharing=false" in err, err
         assert res[0]["actor_auto_logp"].shape == batch().response_mask.shape
+
+
+@pytest.mark.long  # the layouts' exactness: test_shared_equals_packed_and_padded_tp1
+@pytest.mark.e2e
+def test_grpo_run_logs_the_same_metrics_shared(tmp_path):
+    """recipes/cpu/tiny_grpo.yaml (4 samples a prompt) for 3 steps with use_prefix_sharing forced on and off: the
+    same rewards and lengths exactly, losses, KL and gradient norms within float tolerance."""
+    from megappo.config import load_config
+    from megappo.testing.prompts import read_metrics
+    from megappo.trainer import fit
+
+    runs = {}
+    for share in ("false", "true"):
+        out = tmp_path / share
+        assert fit(load_config("cpu/tiny_grpo", [
+            f"trainer.default_local_dir={out}", "trainer.logger=[]", "trainer.total_training_steps=3",
+            "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.val_before_train=false",
+            f"actor_rollout_ref.model.use_prefix_sharing={share}"])) == 0
+        runs[share] = read_metrics(str(out))
+    assert [r["step"] for r in runs["true"]] == [r["step"] for r in runs["false"]] == [1, 2, 3]
+    for a, b in zip(runs["false"], runs["true"]):
+        for k in ("reward/mean", "response/length_mean"):
+            assert b[k] == a[k], k
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "rollout/logprob_diff_mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k

@@ -196,7 +196,8 @@ def attend_shared(attn: Any, query: Tensor, key: Tensor, value: Tensor, attentio
     if params._plan is None or params._plan[0] != (t, str(query.device)):
         params._plan = ((t, str(query.device)), [_tree_plan(tree, query.device) for tree in params.trees])
     plans = params._plan[1]
-    key, value, gqa = attn.grouped_heads(key, value, nq, True)
+    # CPU flash attention reads grouped heads under a mask; CUDA's memory-efficient kernel (masks) refuses them
+    key, value, gqa = attn.grouped_heads(key, value, nq, query.device.type == "cpu")
 
     def heads_first(x: Tensor, rows: int) -> Tensor:  # [rows * L, h, d] -> [rows, h, L, d]
         return x.unflatten(0, (rows, -1)).transpose(1, 2)
