@@ -47,6 +47,8 @@ def resolve(cfg: MegappoConfig) -> MegappoConfig:
     for follower in (cfg.critic.model, cfg.reward_model):
         if follower.use_remove_padding is None:
             follower.use_remove_padding = model.use_remove_padding
+    if cfg.critic.model.use_prefix_sharing is None:
+        cfg.critic.model.use_prefix_sharing = model.use_prefix_sharing
     if cfg.data.tokenizer is None:
         cfg.data.tokenizer = model.tokenizer_path
     if cfg.data.gen_batch_size is None:

@@ -63,6 +63,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_data(cfg, errors, check_files)
     _check_actor(cfg, errors)
     _check_layouts(cfg, errors)
+    _check_prefix_sharing(cfg, errors)
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
     errors += judge_errors(cfg, check_files)
@@ -300,6 +301,18 @@ def _check_layouts(cfg: MegappoConfig, errors: list[str]) -> None:
             mine, theirs = getattr(meg, key), getattr(actor, key)
             _need(errors, mine == theirs, f"{prefix}.{key}", f"is {mine} but the actor's is {theirs}: the reference "
                   "and the critic run in the actor's parallel layout", f"set it to {theirs} or leave it out")
+
+
+def _check_prefix_sharing(cfg: MegappoConfig, errors: list[str]) -> None:
+    """use_prefix_sharing=true runs packed micro-batches without context parallelism (None decides by itself)."""
+    for prefix, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
+        if model.use_prefix_sharing:
+            _need(errors, bool(model.use_remove_padding), f"{prefix}.use_prefix_sharing",
+                  "is true but use_remove_padding is false: shared prompts run in packed micro-batches",
+                  f"set {prefix}.use_remove_padding=true or use_prefix_sharing=false")
+            cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
+            _need(errors, cp == 1, f"{prefix}.use_prefix_sharing", f"is true but context_parallel_size={cp}: "
+                  "context-parallel micro-batches run padded", "set use_prefix_sharing=false (or leave it out)")
 
 
 def _check_actor(cfg: MegappoConfig, errors: list[str]) -> None:

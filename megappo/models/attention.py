@@ -52,7 +52,8 @@ model's packs) or bidirectionally for `no_mask` (the vision tower's windows and 
 [t, np * hn]. Sequences of equal length run as one batched SDPA call ([k, np, L, hn]: a view when they are adjacent,
 else gathered): a ViT's windows are mostly of one size, and one call per window would cost more in Python than in
 attention. `SDPAttention.group_equal_lengths = False` runs one call per sequence (for benchmarks).
-`DotProductAttention` refuses packed sequences.
+`DotProductAttention` refuses packed sequences. A shared-prefix pack (`megappo.models.layout.prefix`: a prompt once,
+then its responses) attends each response to its prompt and causally to itself.
 
 Context parallelism (megatron's layout, `megappo.models.layout.attention`): with context_parallel_size > 1 a
 rank's query/key/value are its 2 sequence chunks (r and 2cp-1-r of 2cp) of causal self attention (no mask passed,

@@ -112,6 +112,9 @@ def build_chunk(config, spec: ModelSpecArgs, role: str, parallel_state: Parallel
         vp_stage=vp_stage,
     )
     model.megappo_sdpa_attention = sdpa  # its attention applies the causal mask itself: no mask needs passing
+    from megappo.models.layout.prefix import install_prefix_positions
+
+    install_prefix_positions(model)  # shared-prefix packs carry their own rotary positions
     if not spec.use_transformer_engine and config.params_dtype != torch.float32:
         # The local spec's torch norms ignore params_dtype (megatron casts them later in Float16Module, which
         # megappo does not use): give them the model dtype like every other parameter.

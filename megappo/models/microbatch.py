@@ -37,6 +37,10 @@ class MicroBatching:
     # verl's use_remove_padding: each micro-batch runs as one pack of its sequences without padding (THD,
     # megappo.models.layout.plan) where the attention supports it (SDPAttention, transformer-engine); padded otherwise
     packed: bool = False
+    # actor_rollout_ref.model.use_prefix_sharing: packed micro-batches run each prompt shared by several rows once
+    # (megappo.models.layout.prefix). None: where it pays (`prefix.sharing_pays`); True: wherever a prompt repeats
+    # (an error where the model cannot); False: never
+    share_prefix: Optional[bool] = False
 
 
 # cost(rows, longest prompt, longest response, real tokens) -> the tokens the model runs on for a micro-batch
@@ -170,6 +174,33 @@ def _split_to(groups: list[list[int]], count: int) -> list[list[int]]:
     return groups
 
 
+def _unit_rows(units: list[list[int]], plen: list[int], rlen: list[int],
+               budget: Optional[int]) -> tuple[list[list[int]], list[int], list[int]]:
+    """Units of rows cut to fit `budget` (None: whole), and each one's (shared prompt, summed responses) lengths:
+    a unit costs its prompt once (prefix sharing's groups)."""
+    out: list[list[int]] = []
+    for unit in units:
+        cur: list[int] = []
+        for i in unit:
+            if cur and budget and plen[cur[0]] + sum(rlen[j] for j in cur) + rlen[i] > budget:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        out.append(cur)
+    return out, [plen[u[0]] for u in out], [sum(rlen[i] for i in u) for u in out]
+
+
+def _dynamic_groups(plen: list[int], rlen: list[int], budget: int, count: Optional[int], cost: TokenCost,
+                    units: Optional[list[list[int]]]) -> list[list[int]]:
+    """plan_groups over rows, or over `units` (rows that share a prompt, kept together where they fit)."""
+    if units is None:
+        return plan_groups(plen, rlen, budget, count, cost=cost)
+    cut, uplen, urlen = _unit_rows(units, plen, rlen, budget)
+    if count is not None and count > len(cut):
+        return plan_groups(plen, rlen, budget, count, cost=cost)  # more micro-batches than units: rows alone
+    return [[i for u in g for i in cut[u]] for g in plan_groups(uplen, urlen, budget, count, cost=cost)]
+
+
 def split_batch(
     batch: ModelBatch,
     *,
@@ -182,6 +213,7 @@ def split_batch(
     shape_group: Optional[dist.ProcessGroup] = None,
     comm_device: Union[str, torch.device] = "cpu",
     cost: TokenCost = padded_tokens,
+    units: Optional[list[list[int]]] = None,
 ) -> MicroBatchPlan:
     """Split `batch` into micro-batches with the same count on every rank of `dp_group`.
 
@@ -195,6 +227,8 @@ def split_batch(
     sizes across ranks, e.g. megatron's allgather MoE token dispatcher under expert parallelism).
     `comm_device`: where the few integers of those collectives live ("cuda" for NCCL groups).
     `cost`: what the token budget counts (`real_tokens` for packed micro-batches).
+    `units`: rows to keep in one micro-batch (prefix sharing's prompt groups, each prompt counted once by the
+    budget): fixed micro-batches take the rows unit after unit, dynamic ones plan over units.
     """
     plen_t = batch.prompt_lengths()
     rlen_t = batch.response_lengths()
@@ -209,13 +243,14 @@ def split_batch(
     if use_dynamic_bsz:
         if not max_token_len or max_token_len <= 0:
             raise ValueError("use_dynamic_bsz=true needs a positive ppo_max_token_len_per_gpu")
-        groups = plan_groups(plen, rlen, max_token_len, cost=cost)
+        groups = _dynamic_groups(plen, rlen, max_token_len, None, cost, units)
     else:
         if micro_batch_size is not None and micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}; set "
                              "ppo_micro_batch_size_per_gpu (or log_prob_micro_batch_size_per_gpu) >= 1")
         mbs = micro_batch_size or n
-        groups = [list(range(s, min(s + mbs, n))) for s in range(0, n, mbs)]
+        order = [i for u in units for i in u] if units is not None else list(range(n))
+        groups = [order[s:s + mbs] for s in range(0, n, mbs)]
 
     count = len(groups)
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
@@ -224,9 +259,14 @@ def split_batch(
         count = int(t.item())
     count = -(-count // count_multiple) * count_multiple
     if count > len(groups):
-        groups = (plan_groups(plen, rlen, max_token_len, count, cost=cost) if use_dynamic_bsz
+        groups = (_dynamic_groups(plen, rlen, max_token_len, count, cost, units) if use_dynamic_bsz
                   else _split_to(groups, count))
+    return _crop_groups(batch, groups, plen, rlen, uniform_shape, shape_group, comm_device)
 
+
+def _crop_groups(batch: ModelBatch, groups: list[list[int]], plen: list[int], rlen: list[int], uniform_shape: bool,
+                 shape_group: Optional[dist.ProcessGroup], comm_device: Union[str, torch.device]) -> MicroBatchPlan:
+    """The plan of these row groups: each micro-batch cropped to its own padding, then grown to the shapes asked."""
     micro, indices = [], []
     for g in groups:
         idx = torch.tensor(sorted(g), dtype=torch.long)
@@ -241,5 +281,4 @@ def split_batch(
         shapes = shapes.to(comm_device)
         dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=shape_group)
     micro = [mb.pad_to(*shape) for mb, shape in zip(micro, shapes.tolist())]
-    return MicroBatchPlan(micro, indices, n, batch.response_len)
-
+    return MicroBatchPlan(micro, indices, batch.batch_size, batch.response_len)

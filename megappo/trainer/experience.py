@@ -191,15 +191,27 @@ def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int
     )
 
 
-def balanced_partitions(workloads: Sequence[int], parts: int) -> list[list[int]]:
+def balanced_partitions(workloads: Sequence[int], parts: int,
+                        groups: Optional[Sequence[int]] = None) -> list[list[int]]:
     """Split indices 0..N-1 into `parts` lists of equal size N / parts whose workloads are close.
 
     Longest-processing-time first: the heaviest remaining sample goes to the lightest part that still has room.
     Each part keeps its indices in ascending order, so a part's content does not depend on ties in the sort.
+    `groups`: each sample's group (its prompt's uid); where the groups are of one size and split evenly over the
+    parts, whole groups are balanced instead, so that a group's samples stay on one rank (prefix sharing runs
+    their prompt once).
     """
     n = len(workloads)
     if n % parts:
         raise ValueError(f"{n} samples do not split evenly over {parts} data-parallel ranks")
+    if groups is not None:
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            members.setdefault(int(g), []).append(i)
+        units = list(members.values())
+        if len({len(u) for u in units}) == 1 and len(units) % parts == 0:
+            split = balanced_partitions([sum(workloads[i] for i in u) for u in units], parts)
+            return [sorted(i for u in part for i in units[u]) for part in split]
     size = n // parts
     heap = [(0, p) for p in range(parts)]  # (load, part)
     out: list[list[int]] = [[] for _ in range(parts)]

@@ -124,8 +124,10 @@ def _watch_reward_failures(run: Run, fraction: float, errors: list[str], samples
 
 
 def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -> Experience:
-    """This rank's samples, balanced by token workload over the data-parallel ranks."""
-    parts = balanced_partitions(workloads(samples), run.ps.dp_size) if run.cfg.trainer.balance_batch else \
+    """This rank's samples, balanced by token workload over the data-parallel ranks (a prompt's samples kept on one
+    rank unless prefix sharing is off)."""
+    groups = None if run.cfg.actor_rollout_ref.model.use_prefix_sharing is False else samples.uids
+    parts = balanced_partitions(workloads(samples), run.ps.dp_size, groups) if run.cfg.trainer.balance_batch else \
         [list(range(len(samples)))[i::run.ps.dp_size] for i in range(run.ps.dp_size)]
     exp = build_experience(samples, parts[run.ps.dp_rank], run.pad_token_id)
     if scores is not None:

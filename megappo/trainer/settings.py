@@ -103,7 +103,8 @@ class Batching:
 def batching(cfg: MegappoConfig) -> Batching:
     arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
     train = cfg.data.train_batch_size
-    lm_packed, critic_packed = bool(arr.model.use_remove_padding), bool(c.model.use_remove_padding)
+    lm = dict(packed=bool(arr.model.use_remove_padding), share_prefix=arr.model.use_prefix_sharing)
+    critic = dict(packed=bool(c.model.use_remove_padding), share_prefix=c.model.use_prefix_sharing)
     return Batching(
         actor_mini_batches=train // a.ppo_mini_batch_size,
         critic_mini_batches=train // (c.ppo_mini_batch_size or a.ppo_mini_batch_size),
@@ -111,16 +112,16 @@ def batching(cfg: MegappoConfig) -> Batching:
         actor_shuffle=a.shuffle, critic_shuffle=bool(c.shuffle),
         shuffle_seed=a.data_loader_seed if a.data_loader_seed is not None else cfg.data.seed,
         actor_train=MicroBatching(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
-                                  lm_packed),
+                                  **lm),
         critic_train=MicroBatching(c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
-                                   c.ppo_max_token_len_per_gpu, critic_packed),
+                                   c.ppo_max_token_len_per_gpu, **critic),
         old_log_prob=MicroBatching(arr.rollout.log_prob_micro_batch_size_per_gpu,
                                    bool(arr.rollout.log_prob_use_dynamic_bsz),
-                                   arr.rollout.log_prob_max_token_len_per_gpu, lm_packed),
+                                   arr.rollout.log_prob_max_token_len_per_gpu, **lm),
         ref_log_prob=MicroBatching(arr.ref.log_prob_micro_batch_size_per_gpu, bool(arr.ref.log_prob_use_dynamic_bsz),
-                                   arr.ref.log_prob_max_token_len_per_gpu, lm_packed),
+                                   arr.ref.log_prob_max_token_len_per_gpu, **lm),
         values=MicroBatching(c.ppo_micro_batch_size_per_gpu, bool(c.use_dynamic_bsz),
-                             c.forward_max_token_len_per_gpu, critic_packed),
+                             c.forward_max_token_len_per_gpu, **critic),
         reward_model=MicroBatching(cfg.reward_model.micro_batch_size_per_gpu,
                                    packed=bool(cfg.reward_model.use_remove_padding)),
     )

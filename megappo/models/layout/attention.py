@@ -1,7 +1,8 @@
 """How megappo's `SDPAttention` holds the sequences it attends over, chosen once per attention layer.
 
 - `LocalSequences`: this rank holds whole sequences, as padded rows [s, b, ...] (megatron's mask as given, or
-  causal) or as a pack in megatron's THD format (`packing.attend_packed`: attention within each sequence);
+  causal), as a pack in megatron's THD format (`packing.attend_packed`: attention within each sequence) or as a
+  shared-prefix pack (`prefix.attend_shared`: each response over its prompt and itself);
 - `ContextParallelSequences`: this CP rank holds its two chunks of each row (`context_parallel`). K and V are
   all-gathered over the CP group (autograd-aware: their gradients are summed back) and each local query attends to
   the keys at or before its global position: megatron's "all_gather" CP scheme, the same result as CP=1. Packed
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from megappo.models.layout.context_parallel import causal_attend, gather_sequence
 from megappo.models.layout.packing import attend_packed
+from megappo.models.layout.prefix import SharedPrefixParams, attend_shared
 
 __all__ = ["LocalSequences", "ContextParallelSequences", "sequence_layout"]
 
@@ -25,6 +27,8 @@ class LocalSequences:
 
     def attend(self, attn: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                attention_bias: Optional[Tensor], packed_seq_params: Any) -> Tensor:
+        if isinstance(packed_seq_params, SharedPrefixParams):
+            return attend_shared(attn, query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None:
             return attend_packed(attn, query, key, value, attention_mask, packed_seq_params)
         attn.check_dense(query, key, attention_bias)

@@ -60,6 +60,10 @@ class Pack:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
+    def window(self, output: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """`unpack_window` of this pack."""
+        return unpack_window(output, self, window)
+
 
 def pack_micro_batch(mb: ModelBatch, pack_len: Optional[int] = None, multiple: int = 1,
                      pad_token_id: int = 0) -> Pack:

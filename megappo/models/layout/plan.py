@@ -6,7 +6,9 @@ layout the micro-batches run in, and lays out each one:
 - `Padded`: the rows left-aligned ([b, s], `ModelBatch.left_aligned`), with the causal mask where megatron's local
   attention needs it passed (transformer-engine and megappo's `SDPAttention` apply it themselves);
 - `Packed` (verl's use_remove_padding, `packing`): one pack [1, T] of the rows' real tokens with megatron's
-  `PackedSeqParams`; where the attention runs packed sequences and there is no context parallelism;
+  `PackedSeqParams`; where the attention runs packed sequences and there is no context parallelism. With prefix
+  sharing (`prefix`) a micro-batch holding rows of one prompt is a shared pack instead: the prompt once, then each
+  row's response (the same interface: inputs, packed params, `window` read-back);
 - `ContextParallel` (`context_parallel`): this CP rank's two chunks [b, s / cp] of the left-aligned rows, padded to
   a multiple of 2 * cp (times tp under sequence parallelism).
 
@@ -27,7 +29,8 @@ from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
 from megappo.models.layout.context_parallel import CPSplit, cp_pad_multiple, split_micro_batch
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan, padded_tokens, real_tokens, split_batch
-from megappo.models.layout.packing import Pack, pack_micro_batch, unpack_window
+from megappo.models.layout.packing import Pack, pack_micro_batch
+from megappo.models.layout.prefix import prompt_groups, share_micro_batch, sharing_on
 from megappo.parallel import ParallelState
 
 __all__ = ["Layout", "Padded", "Packed", "ContextParallel", "plan_micro_batches", "can_pack", "causal_mask", "model_device",
@@ -90,12 +93,12 @@ class Packed:
 
     def values(self, output: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """output [1, T] -> [b, R]."""
-        return unpack_window(output, self.pack, window)
+        return self.pack.window(output, window)
 
     def token_stats(self, output: torch.Tensor, window: torch.Tensor, targets: torch.Tensor,
                     stats: TokenStats) -> Sequence[Optional[torch.Tensor]]:
         """output [1, T, V/tp] -> `stats` of the rows' window logits [b, R, V/tp] and the response tokens."""
-        return stats(unpack_window(output, self.pack, window), targets)
+        return stats(self.pack.window(output, window), targets)
 
 
 class ContextParallel:
@@ -179,18 +182,21 @@ def _tp_multiple(inner: nn.Module, parallel_state: ParallelState) -> int:
 
 
 def _packed(plan: MicroBatchPlan, inner: nn.Module, parallel_state: ParallelState, shape_group: Any,
-            device: torch.device) -> list[Packed]:
+            device: torch.device, share: bool) -> list[Packed]:
     """One pack per micro-batch, padded at the tail to one length where megatron needs equal shapes (virtual
-    pipeline stages: every micro-batch; the allgather MoE dispatcher: micro-batch i over the data-parallel group)."""
+    pipeline stages: every micro-batch; the allgather MoE dispatcher: micro-batch i over the data-parallel group).
+    `share`: a micro-batch with a prompt in several rows runs as a shared pack (`prefix`)."""
     multiple = _tp_multiple(inner, parallel_state)
-    packs = [pack_micro_batch(mb, multiple=multiple) for mb in plan.micro_batches]
+    makers = [share_micro_batch if share and any(len(g) > 1 for g in prompt_groups(mb)) else pack_micro_batch
+              for mb in plan.micro_batches]
+    packs = [make(mb, multiple=multiple) for make, mb in zip(makers, plan.micro_batches)]
     lens = torch.tensor([p.num_tokens for p in packs], dtype=torch.long, device=device)
     if parallel_state.vpp_size:
         lens[:] = lens.max()
     if shape_group is not None and dist.get_world_size(shape_group) > 1:
         dist.all_reduce(lens, op=dist.ReduceOp.MAX, group=shape_group)
-    packs = [p if p.num_tokens == n else pack_micro_batch(mb, pack_len=n, multiple=multiple)
-             for p, mb, n in zip(packs, plan.micro_batches, lens.tolist())]
+    packs = [p if p.num_tokens == n else make(mb, pack_len=n, multiple=multiple)
+             for p, make, mb, n in zip(packs, makers, plan.micro_batches, lens.tolist())]
     return [Packed(p) for p in packs]
 
 
@@ -198,8 +204,9 @@ def plan_micro_batches(model_chunks: Sequence[nn.Module], batch: ModelBatch, mic
                        parallel_state: ParallelState) -> MicroBatchPlan:
     """Micro-batches for megatron's schedule, on the model's device, each with its layout (`plan.layouts`).
 
-    Packed when `micro.packed` and the attention runs packs without context parallelism (`can_pack`); split over
-    the CP group with context parallelism; padded otherwise."""
+    Packed when `micro.packed` and the attention runs packs without context parallelism (`can_pack`), with the
+    rows of one prompt kept together and their prompt run once where `micro.share_prefix` asks (`prefix`); split
+    over the CP group with context parallelism; padded otherwise."""
     inner = unwrap(model_chunks[0])
     if parallel_state.cp_size > 1 and not _own_attention(inner):
         raise NotImplementedError(
@@ -208,15 +215,16 @@ def plan_micro_batches(model_chunks: Sequence[nn.Module], batch: ModelBatch, mic
     device = model_device(model_chunks)
     packed = micro.packed and can_pack(model_chunks, parallel_state)
     shape_group = _shape_group(inner, parallel_state)
+    share = sharing_on(micro.share_prefix, inner, parallel_state.cp_size, packed, batch)
     plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
                        use_dynamic_bsz=micro.use_dynamic_bsz, dp_group=parallel_state.dp_group,
                        count_multiple=_count_multiple(parallel_state),
                        uniform_shape=bool(parallel_state.vpp_size) and not packed,
                        shape_group=None if packed else shape_group, comm_device=device,
-                       cost=real_tokens if packed else padded_tokens)
+                       cost=real_tokens if packed else padded_tokens, units=prompt_groups(batch) if share else None)
     plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
     if packed:
-        plan.layouts = _packed(plan, inner, parallel_state, shape_group, device)
+        plan.layouts = _packed(plan, inner, parallel_state, shape_group, device, share)
     elif parallel_state.cp_size > 1:
         multiple = cp_pad_multiple(parallel_state.cp_size, parallel_state.tp_size,
                                    bool(getattr(inner.config, "sequence_parallel", False)))
