@@ -17,6 +17,7 @@ from megappo.config.fields import ConfigError, check_type, iter_leaves, type_nam
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
 from megappo.config.validate_judge import judge_errors
+from megappo.config.validate_losses import token_choice_errors
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -244,17 +245,7 @@ def _check_policy_loss(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, not bypass or pl.loss_mode == "vanilla", f"{p}.policy_loss.loss_mode",
           f"is {pl.loss_mode} but algorithm.rollout_correction.bypass_mode=true uses its own loss (loss_type)",
           "use loss_mode=vanilla with bypass_mode, or bypass_mode=false")
-    q = pl.top_entropy_quantile
-    _need(errors, 0 < q <= 1, f"{p}.policy_loss.top_entropy_quantile", f"must be in (0, 1], got {q}",
-          "use e.g. 0.2 for the top 20% of tokens by entropy, or 1.0 for all")
-    if q < 1:
-        _need(errors, pl.loss_mode != "geo_mean", f"{p}.policy_loss.top_entropy_quantile", f"is {q} but loss_mode="
-              "geo_mean makes one term of each response (its ratios' geometric mean), so no token can be left out",
-              "use 1.0 with geo_mean, or a token-level loss_mode such as vanilla")
-        _need(errors, not bypass, f"{p}.policy_loss.top_entropy_quantile", f"is {q} but tokens are chosen by the "
-              "old policy's entropy, from the old log-prob forward that algorithm.rollout_correction.bypass_mode "
-              "skips", "use 1.0 with bypass_mode, or bypass_mode=false")
-
+    errors += token_choice_errors(cfg)
 
 def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
     d = cfg.data
