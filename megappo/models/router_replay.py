@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["Replayer", "install", "replayer_of", "before_forward", "after_forward", "agreement", "reset_agreement",
-           "set_recording", "recorded_routes", "keep_recorded", "take_recorded", "routes_dtype", "moe_layer_count", "distinct", "token_sources", "batch_routes"]
+           "set_recording", "recorded_routes", "keep_recorded", "take_recorded", "routes_dtype", "moe_layer_count", "distinct", "token_sources", "batch_routes", "routes_to_json", "routes_from_json"]
 
 _ATTR = "megappo_router_replay"
 
@@ -294,3 +294,25 @@ def batch_routes(routes: Sequence[Optional[torch.Tensor]], batch: Any) -> Option
             n = min(r.shape[0], t - starts[i])
             out[i, starts[i]:starts[i] + n] = r[:n].to(first.dtype)
     return out
+
+
+def routes_to_json(routes: Optional[torch.Tensor]) -> Optional[dict]:
+    """A sample's routes as JSON (a checkpoint's samples): their raw bytes in base64, 4/3 of L * k bytes a token."""
+    import base64
+
+    if routes is None or isinstance(routes, dict):
+        return routes
+    r = routes.contiguous()
+    return {"shape": list(r.shape), "dtype": str(r.dtype).removeprefix("torch."),
+            "b64": base64.b64encode(r.numpy().tobytes()).decode("ascii")}
+
+
+def routes_from_json(routes: Any) -> Optional[torch.Tensor]:
+    import base64
+
+    if routes is None or isinstance(routes, torch.Tensor):
+        return routes
+    raw = bytearray(base64.b64decode(routes["b64"]))
+    dtype = getattr(torch, routes["dtype"])
+    return torch.frombuffer(raw, dtype=dtype).reshape(routes["shape"]) if raw else \
+        torch.zeros(routes["shape"], dtype=dtype)

@@ -127,6 +127,7 @@ def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -
     parts = balanced_partitions(workloads(samples), run.ps.dp_size) if run.cfg.trainer.balance_batch else \
         [list(range(len(samples)))[i::run.ps.dp_size] for i in range(run.ps.dp_size)]
     exp = build_experience(samples, parts[run.ps.dp_rank], run.pad_token_id)
+    run.replay.place(samples, exp)  # R3: the engine's routes on the batch
     if scores is not None:
         exp.scores = torch.tensor([scores[i] for i in exp.indices], dtype=torch.float32)
     return exp
@@ -181,15 +182,17 @@ def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
         exp.train.old_log_probs = exp.rollout_log_probs.clone()
         return {}
     with_sq = estimator(run.cfg).needs_sum_pi_squared
+    run.replay.before_old_log_probs()
     out = compute_log_probs(
         run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
         temperature=run.sampling.logprob_temperature, calculate_sum_pi_squared=with_sq)
+    replayed = run.replay.after_old_log_probs(run, exp)  # R2: the routes recorded; R3: the routers' agreement
     exp.train.old_log_probs = out[0]
     if with_sq:
         exp.sum_pi_squared = out[2]
     diff = (exp.rollout_log_probs - exp.train.old_log_probs).abs() * exp.mask
     return {"rollout/logprob_diff_mean": masked_mean_dp(diff, exp.mask, run.ps),
-            "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps)}
+            "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps), **replayed}
 
 
 def values(run: Run, exp: Experience) -> None:
