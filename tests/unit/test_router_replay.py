@@ -1,0 +1,152 @@
+"""MoE router replay (R2 / R3): the engine's routes, carried to megatron, make the trainer's log-probs of the
+engine's samples the engine's own on a router close to ties; without them they differ. Also the routes' record in
+the in-process engine, their carriage (batch ops, JSON, SGLang's format) and the config's refusals."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+from megappo.models.batch import ModelBatch
+from megappo.models.router_replay import batch_routes, distinct, routes_from_json, routes_to_json
+from megappo.testing.dist import run_distributed
+from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe
+
+torch.set_num_threads(1)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 400, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+
+
+def _both_families(rank, world_size, dirs, prompts):
+    """Qwen3-MoE padded micro-batches of 2, Qwen2-MoE one packed dynamic micro-batch; and a dense model's chunks
+    get no replay."""
+    from megappo.models import router_replay
+    from megappo.models.builder import build_model
+    from megappo.parallel import destroy_parallel, init_parallel
+    from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
+
+    out = [engine_vs_trainer(rank, world_size, dirs["qwen3_moe"], prompts, {}, {"micro_batch_size": 2}),
+           engine_vs_trainer(rank, world_size, dirs["qwen2_moe"], prompts, {},
+                             {"use_dynamic_bsz": True, "max_token_len": 256, "packed": True})]
+    plat = detect_platform()
+    ps = init_parallel(ParallelLayout(), plat, seed=0)
+    dense = router_replay.install(build_model(dirs["qwen2"], "actor", ps, plat, seed=0))
+    destroy_parallel()
+    return out, dense
+
+
+def differing(out):
+    """(routes, tokens) where the trainer's own routing differs from the engine's, over the engine's valid routes."""
+    eng, own = out["engine_routes"].long(), out["own"].long()
+    valid = distinct(eng)
+    diff = (own.sort(-1).values != eng.sort(-1).values).any(-1) & valid
+    return int(diff.sum()), int(diff.any(-1).sum()), int(valid.sum())
+
+
+def test_replayed_log_probs_equal_the_engines_and_free_routing_does_not(tmp_path, hf_model_dir):
+    dirs = {f: make_tied_moe(f, str(tmp_path / f)) for f in ("qwen3_moe", "qwen2_moe")}
+    dirs["qwen2"] = hf_model_dir("qwen2")
+    ((results, dense),) = run_distributed(_both_families, 1, dirs, _prompts(), timeout=300)
+    assert dense == []  # a dense model has no routers to replay
+    for family, out in zip(("qwen3_moe", "qwen2_moe"), results):
+        m = out["mask"].bool()
+        replayed = (out["replayed"] - out["engine"]).abs()[m].max().item()
+        free = (out["free"] - out["engine"]).abs()[m].max().item()
+        routes, tokens, total = differing(out)
+        print(f"{family}: replayed {replayed:.2e}, free {free:.2e}; {routes}/{total} routes on {tokens} tokens "
+              f"differ; agreement {out['agree']}/{out['total']}")
+        assert replayed <= 1e-5, family
+        assert free > 1e-3 and routes >= 3 and tokens >= 3, family
+        assert out["total"] == total and out["agree"] < out["total"]  # agreement counts every valid route once
+
+
+def test_engine_records_prompt_and_response_routes_but_the_last_token(hf_model_dir):
+    """Each completion's routes cover P + R - 1 tokens in every MoE layer; the prompt's equal a plain transformers
+    forward's gate choices; a request that does not ask, or a dense model, gets none."""
+    import transformers
+
+    from megappo.rollout import HFEngine, SamplingParams
+    from megappo.rollout.hf.routing import moe_gates
+
+    hf_dir = hf_model_dir("qwen3_moe")
+    engine = HFEngine(hf_dir)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1, return_routed_experts=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    done = [c for g in engine.generate(prompts, params) for c in g]
+    for prompt, c in zip(prompts, done):
+        r = c.routed_experts
+        assert r.dtype == torch.uint8 and tuple(r.shape) == (len(prompt) + len(c.output_ids) - 1, 4, 2)
+        assert bool(distinct(r.long()).all())
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    seen = []
+    hooks = [g.register_forward_hook(lambda m, a, o: seen.append(o[2])) for g in moe_gates(model)]
+    with torch.no_grad():
+        model(torch.tensor([prompts[1]]))
+    for h in hooks:
+        h.remove()
+    assert torch.equal(torch.stack(seen, 1).to(torch.uint8), done[1].routed_experts[:len(prompts[1])])
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=3, temperature=0))
+    assert all(c.routed_experts is None for g in plain for c in g)
+    assert HFEngine(hf_model_dir("qwen2")).routes is None
+
+
+def test_routes_travel_with_the_tokens_through_batch_ops_and_json():
+    from megappo.trainer.experience import Samples
+
+    prompts, responses = [[1, 2, 3], [4]], [[5, 6], [7, 8, 9]]
+    routes = [torch.randint(0, 200, (len(p) + len(r) - 1, 3, 2), dtype=torch.uint8) for p, r in zip(prompts, responses)]
+    b = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
+    b.routes = batch_routes(routes, b)
+    assert tuple(b.routes.shape) == (2, 6, 3, 2)
+    assert torch.equal(b.routes[1, 2:5], routes[1]) and not b.routes[1, :2].any() and not b.routes[1, 5].any()
+    assert torch.equal(b.select([1]).routes[0], b.routes[1])
+    cropped = b.crop(2, 2)
+    assert torch.equal(cropped.routes, b.routes[:, 1:5])
+    grown = b.pad_to(3, 4, 4)
+    assert tuple(grown.routes.shape) == (3, 8, 3, 2) and torch.equal(grown.routes[:2, 1:7], b.routes)
+    wide = torch.randint(0, 300, (4, 2, 2)).to(torch.int16)
+    for r in (routes[0], wide, None):
+        back = routes_from_json(routes_to_json(r))
+        assert (back is None and r is None) or (back.dtype == r.dtype and torch.equal(back, r))
+    s = Samples([[1]], [[2]], [[-1.0]], [False], [0], ["d"], [None], [{}], [0], [0], [False], routed_experts=[wide])
+    assert torch.equal(Samples(**s.to_json()).routed_experts[0], wide)
+    assert Samples.concat([s, s.select([0])]).routed_experts[1] is wide
+
+
+def test_sglang_routed_experts_format_decodes_to_the_moe_layers(tmp_path):
+    """SGLang 0.5.23 returns base64 of int32 [tokens, num_hidden_layers, k] (every decoder layer); the client keeps
+    the MoE layers (here layer 0 is dense: mlp_only_layers=[0]) as uint8."""
+    from megappo.rollout.sglang.routing import RouteLayout, decode_routed_experts
+    from megappo.testing.hf_models import make_hf_model
+
+    d = make_hf_model("qwen3_moe", str(tmp_path / "m"), mlp_only_layers=[0], tokenizer=False)
+    layout = RouteLayout.of(d)
+    assert layout == RouteLayout((False, True, True, True), 2, 4)
+    ids = torch.randint(0, 4, (7, 4, 2), dtype=torch.int32)
+    b64 = base64.b64encode(ids.numpy().tobytes()).decode("utf-8")  # the detokenizer's encoding
+    got = decode_routed_experts(b64, layout)
+    assert got.dtype == torch.uint8 and torch.equal(got.long(), ids[:, 1:].long())
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode_routed_experts(base64.b64encode(ids.numpy().tobytes()[:12]).decode(), layout)
+
+
+def test_config_refuses_replay_it_cannot_do():
+    from megappo.config import ConfigError, load_config, validate
+
+    key = "actor_rollout_ref.actor.megatron.router_replay.mode"
+    with pytest.raises(ConfigError, match="enable_rollout_routing_replay=true"):
+        validate(load_config(None, [f"{key}=R3"]), world_size=1, check_files=False)
+    with pytest.raises(ConfigError, match="set it to disabled and set"):
+        validate(load_config(None, ["actor_rollout_ref.ref.megatron.router_replay.mode=R2"]), world_size=1,
+                 check_files=False)
+    with pytest.raises(ConfigError, match="R2"):
+        load_config(None, [f"{key}=R4"])
+    cfg = load_config(None, [f"{key}=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
+    from megappo.trainer import settings
+
+    assert settings.sampling(cfg).return_routed_experts and not settings.sampling(cfg, validate=True).return_routed_experts
