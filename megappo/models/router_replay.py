@@ -219,7 +219,8 @@ def set_recording(model_chunks: Sequence[nn.Module], on: bool) -> None:
 def recorded_routes(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp_group: Any = None
                     ) -> Optional[torch.Tensor]:
     """The routes the routers chose in the pass over `plan` (recording on), as the batch's [B, T, L, k]; every
-    pipeline stage's layers (summed over `pp_group`: each stage fills its own). None without routers."""
+    pipeline stage's layers (summed over `pp_group`: each stage fills its own; under sequence parallelism over the
+    TP group too: each TP rank routes its share of the tokens). None without routers."""
     import torch.distributed as dist
 
     reps = [r for r in install(model_chunks) if r.routers]
@@ -238,6 +239,10 @@ def recorded_routes(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp
                 out[row, col, r.layer] = idx.to(out.device)[keep.to(idx.device)].to(torch.int32)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(out, group=pp_group)
+    if reps[0].sequence_parallel:  # each TP rank routed its own share of the tokens
+        from megatron.core import parallel_state as mpu
+
+        dist.all_reduce(out, group=mpu.get_tensor_model_parallel_group())
     return out.to(routes_dtype(int(unwrap_config(model_chunks).num_moe_experts)))
 
 

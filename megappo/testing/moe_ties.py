@@ -17,7 +17,7 @@ import torch
 
 from megappo.testing.hf_models import make_hf_model
 
-__all__ = ["make_tied_moe", "engine_samples", "engine_vs_trainer"]
+__all__ = ["make_tied_moe", "engine_samples", "engine_vs_trainer", "tie_prompts", "route_differences"]
 
 
 def make_tied_moe(family: str, out_dir: str, *, noise: float = 1e-6, seed: int = 0) -> str:
@@ -52,7 +52,8 @@ def engine_samples(hf_dir: str, prompts: list[list[int]], max_new_tokens: int = 
 def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[list[int]], layout_kw: dict,
                       micro_kw: dict) -> dict[str, Any]:
     """On every rank: the engine's samples (rank 0's, broadcast), the trainer's log-probs of them replaying the
-    engine's routes and not, and the trainer's own routes (recorded). Tensors are the whole batch's."""
+    engine's routes (R3) and not, the trainer's own routes (recorded) and its log-probs replaying those (R2).
+    Tensors are this rank's data-parallel share's."""
     import torch.distributed as dist
 
     from megappo.convert.hf_to_mcore import load_hf_weights
@@ -79,7 +80,10 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     rows = torch.arange(batch.batch_size).chunk(ps.dp_size)[ps.dp_rank]
     router_replay.set_recording(chunks, True)
     free, _ = compute_log_probs(chunks, batch.select(rows), parallel_state=ps, micro=micro)
-    own = router_replay.take_recorded(chunks)
+    own = router_replay.take_recorded(chunks)  # [b, T, L, k] of this rank's rows
+    mine = batch.select(rows)
+    mine.routes = own
+    r2, _ = compute_log_probs(chunks, mine, parallel_state=ps, micro=micro)  # R2: the recorded routes replayed
     batch.routes = batch_routes(routes, batch)
     router_replay.reset_agreement(chunks)
     replayed, _ = compute_log_probs(chunks, batch.select(rows), parallel_state=ps, micro=micro)
@@ -88,6 +92,23 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     for i, x in enumerate(engine_lp):
         lp[i, :len(x)] = torch.tensor(x)
     destroy_parallel()
-    return {"rows": rows, "engine": lp[rows], "free": free, "replayed": replayed, "own": own,
+    return {"rows": rows, "engine": lp[rows], "free": free, "replayed": replayed, "own": own, "r2": r2,
             "engine_routes": batch.routes[rows], "mask": batch.response_mask[rows], "agree": agree, "total": total,
             "attention_mask": batch.attention_mask[rows]}
+
+
+def tie_prompts() -> list[list[int]]:
+    """Four prompts of 3-9 tokens."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 400, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+
+
+def route_differences(out: dict[str, Any]) -> tuple[int, int, int]:
+    """(routes, tokens, valid routes): where the trainer's own routing (`out["own"]`) differs from the engine's
+    (`out["engine_routes"]`), over the engine's valid routes."""
+    from megappo.models.router_replay import distinct
+
+    eng, own = out["engine_routes"].long(), out["own"].long()
+    valid = distinct(eng)
+    diff = (own.sort(-1).values != eng.sort(-1).values).any(-1) & valid
+    return int(diff.sum()), int(diff.any(-1).sum()), int(valid.sum())

@@ -11,14 +11,9 @@ import torch
 from megappo.models.batch import ModelBatch
 from megappo.models.router_replay import batch_routes, distinct, routes_from_json, routes_to_json
 from megappo.testing.dist import run_distributed
-from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe
+from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe, route_differences, tie_prompts
 
 torch.set_num_threads(1)
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(1, 400, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
 
 
 def _both_families(rank, world_size, dirs, prompts):
@@ -40,27 +35,20 @@ def _both_families(rank, world_size, dirs, prompts):
     return out, dense
 
 
-def differing(out):
-    """(routes, tokens) where the trainer's own routing differs from the engine's, over the engine's valid routes."""
-    eng, own = out["engine_routes"].long(), out["own"].long()
-    valid = distinct(eng)
-    diff = (own.sort(-1).values != eng.sort(-1).values).any(-1) & valid
-    return int(diff.sum()), int(diff.any(-1).sum()), int(valid.sum())
-
-
 def test_replayed_log_probs_equal_the_engines_and_free_routing_does_not(tmp_path, hf_model_dir):
     dirs = {f: make_tied_moe(f, str(tmp_path / f)) for f in ("qwen3_moe", "qwen2_moe")}
     dirs["qwen2"] = hf_model_dir("qwen2")
-    ((results, dense),) = run_distributed(_both_families, 1, dirs, _prompts(), timeout=300)
+    ((results, dense),) = run_distributed(_both_families, 1, dirs, tie_prompts(), timeout=300)
     assert dense == []  # a dense model has no routers to replay
     for family, out in zip(("qwen3_moe", "qwen2_moe"), results):
         m = out["mask"].bool()
         replayed = (out["replayed"] - out["engine"]).abs()[m].max().item()
         free = (out["free"] - out["engine"]).abs()[m].max().item()
-        routes, tokens, total = differing(out)
+        routes, tokens, total = route_differences(out)
         print(f"{family}: replayed {replayed:.2e}, free {free:.2e}; {routes}/{total} routes on {tokens} tokens "
               f"differ; agreement {out['agree']}/{out['total']}")
         assert replayed <= 1e-5, family
+        assert (out["r2"] - out["free"]).abs()[m].max().item() <= 1e-6, family  # R2: its own routes replayed
         assert free > 1e-3 and routes >= 3 and tokens >= 3, family
         assert out["total"] == total and out["agree"] < out["total"]  # agreement counts every valid route once
 

@@ -1,0 +1,30 @@
+"""MoE router replay at EP2 x TP2 (4 gloo ranks, DP2; sequence parallelism, which megatron needs for a MoE at
+TP > 1): each rank replays the engine's global expert ids for its data-parallel share and its TP rank's share of
+the tokens, in packed micro-batches, and the trainer's log-probs of the engine's samples equal the engine's
+on a router close to ties; routing freely they do not. The one-rank case is tests/unit/test_router_replay.py."""
+from __future__ import annotations
+
+import pytest
+
+from megappo.testing.dist import run_distributed
+from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe, route_differences, tie_prompts
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.long)])
+def test_ep2_tp2_replay_equals_the_engine(tmp_path, family):
+    hf_dir = make_tied_moe(family, str(tmp_path / family))
+    per_rank = run_distributed(engine_vs_trainer, 4, hf_dir, tie_prompts(), {"tp": 2, "ep": 2, "sequence_parallel": True},
+                               {"use_dynamic_bsz": True, "max_token_len": 64, "packed": True}, timeout=400)
+    routes = tokens = total = 0
+    for out in per_rank:
+        m = out["mask"].bool()
+        assert (out["replayed"] - out["engine"]).abs()[m].max().item() <= 1e-5
+        assert (out["r2"] - out["free"]).abs()[m].max().item() <= 1e-6  # R2: its own recorded routes replayed
+    for out in per_rank[::2]:  # one rank of each data-parallel share (TP peers agree)
+        r, t, n = route_differences(out)
+        routes, tokens, total = routes + r, tokens + t, total + n
+    free = max((o["free"] - o["engine"]).abs()[o["mask"].bool()].max().item() for o in per_rank)
+    print(f"{family} EP2xTP2: free {free:.2e}; {routes}/{total} routes on {tokens} tokens differ")
+    assert free > 1e-3 and routes >= 3
