@@ -12,7 +12,9 @@ from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe, route_dif
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.long)])
+# ~32 s each (4 ranks): the long tier; tests/unit/test_router_replay.py covers replay at one rank in the default one
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_ep2_tp2_replay_equals_the_engine(tmp_path, family):
     hf_dir = make_tied_moe(family, str(tmp_path / family))
     per_rank = run_distributed(engine_vs_trainer, 4, hf_dir, tie_prompts(), {"tp": 2, "ep": 2, "sequence_parallel": True},
