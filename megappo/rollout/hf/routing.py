@@ -34,7 +34,10 @@ class RouteRecorder:
 
         self.dtype, self.topk = routes_dtype(num_experts), topk
         self._pending: list[torch.Tensor] = []
-        self._rows: Optional[list[list[torch.Tensor]]] = None
+        self._n = 0
+        self._rows: Optional[list[torch.Tensor]] = None
+        self._routes: list[torch.Tensor] = []
+        self._split: Optional[list[torch.Tensor]] = None
         self.num_layers = len(gates)
         for g in gates:
             g.register_forward_hook(self._hook)
@@ -54,12 +57,14 @@ class RouteRecorder:
             self._pending.append(output[2].detach())
 
     def begin(self, n_rows: int) -> None:
-        self._rows = [[] for _ in range(n_rows)]
-        self._pending = []
+        self._n, self._pending = n_rows, []
+        self._rows, self._routes = [], []  # per forward: each real token's row [n_f], its routes [n_f, L, k]
+        self._split: Optional[list[torch.Tensor]] = None
 
     def after_forward(self, rows: torch.Tensor, new_mask: torch.Tensor) -> None:
         """rows [b] long: the generation's rows this forward ran; new_mask [b, s]: its real input positions. Each
-        real position's routes [L, k] join its row, in position order."""
+        real position's routes [L, k] join its row, in position order (a few tensor operations a forward, whatever
+        the batch: rows are only split apart at the end)."""
         if self._rows is None:
             return
         b, s = new_mask.shape
@@ -68,14 +73,23 @@ class RouteRecorder:
                                f"{self.num_layers}; record one forward at a time")
         routed = torch.stack([x.view(b, s, -1) for x in self._pending], 2).to(self.dtype)  # [b, s, L, k]
         self._pending = []
-        keep = new_mask.bool()
-        for i, row in enumerate(rows.tolist()):
-            self._rows[row].append(routed[i][keep[i]].cpu())
+        keep = new_mask.bool().to(routed.device)
+        self._rows.append(rows.to(routed.device).unsqueeze(1).expand(b, s)[keep])
+        self._routes.append(routed[keep])
 
     def routes(self, row: int) -> torch.Tensor:
         """[n_tokens, L, k] the routes of every token fed for `row`, in order."""
-        parts = self._rows[row] if self._rows is not None else []
-        return torch.cat(parts) if parts else torch.zeros((0, self.num_layers, self.topk), dtype=self.dtype)
+        if self._split is None:
+            self._split = self._by_row()
+        return self._split[row]
+
+    def _by_row(self) -> list[torch.Tensor]:
+        if not self._rows:
+            return [torch.zeros((0, self.num_layers, self.topk), dtype=self.dtype)] * (self._n or 0)
+        rows, routes = torch.cat(self._rows), torch.cat(self._routes)
+        order = torch.sort(rows, stable=True).indices  # stable: each row's tokens stay in the order they were fed
+        counts = torch.bincount(rows, minlength=self._n).tolist()
+        return [r.cpu() for r in routes[order].split(counts)]
 
     def end(self) -> None:
-        self._rows, self._pending = None, []
+        self._rows, self._routes, self._pending, self._split = None, [], [], None
