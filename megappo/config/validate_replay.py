@@ -21,6 +21,13 @@ def replay_errors(cfg: MegappoConfig) -> list[str]:
     if mode == "R3" and not rollout.enable_rollout_routing_replay:
         errors.append(f"{KEY}=R3 replays the rollout engine's routes, which it returns only when asked; set "
                       "actor_rollout_ref.rollout.enable_rollout_routing_replay=true (or use mode R2)")
+    if mode == "R3" and (rollout.multi_turn.enable or rollout.agent.default_agent_loop
+                         or rollout.agent.agent_loop_config_path):
+        errors.append(f"{KEY}=R3: multi-turn and agent rollouts do not carry the engine's routes yet; use mode R2 "
+                      "(the trainer's own routes) or disabled")
+    if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
+        errors.append(f"{KEY}=R2 records the routes in the old-log-prob pass, which "
+                      "algorithm.rollout_correction.bypass_mode skips; use mode R3 or set bypass_mode=false")
     if rollout.enable_rollout_routing_replay and not routed_experts(rollout.name):
         errors.append(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true: the {rollout.name} engine "
                       "cannot return routed experts; set it to false and use mode R2 or disabled")

@@ -123,6 +123,17 @@ def test_sglang_routed_experts_format_decodes_to_the_moe_layers(tmp_path):
         decode_routed_experts(base64.b64encode(ids.numpy().tobytes()[:12]).decode(), layout)
 
 
+def test_a_continued_generation_keeps_the_routes_each_token_was_sampled_with():
+    """async_training.partial_rollout: the first request's routes up to its last token, the continuation's after."""
+    from megappo.rollout.partial import _joined_routes
+    from megappo.rollout.sampling import Completion
+
+    first = Completion(0, [7, 8], [-1.0, -1.0], "abort", routed_experts=torch.zeros((4, 2, 2), dtype=torch.uint8))
+    tail = Completion(0, [9], [-1.0], "stop", routed_experts=torch.ones((5, 2, 2), dtype=torch.uint8))
+    joined = _joined_routes(first, tail, prompt_len=3)  # prompt 3 + 3 response tokens - 1
+    assert joined.shape[0] == 5 and not joined[:4].any() and bool(joined[4].all())
+
+
 def test_config_refuses_replay_it_cannot_do():
     from megappo.config import ConfigError, load_config, validate
 
@@ -134,6 +145,9 @@ def test_config_refuses_replay_it_cannot_do():
                  check_files=False)
     with pytest.raises(ConfigError, match="R2"):
         load_config(None, [f"{key}=R4"])
+    with pytest.raises(ConfigError, match="bypass_mode skips"):
+        validate(load_config(None, [f"{key}=R2", "algorithm.rollout_correction.bypass_mode=true"]), world_size=1,
+                 check_files=False)
     cfg = load_config(None, [f"{key}=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
     from megappo.trainer import settings
 
