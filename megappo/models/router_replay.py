@@ -219,8 +219,8 @@ def set_recording(model_chunks: Sequence[nn.Module], on: bool) -> None:
 def recorded_routes(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp_group: Any = None
                     ) -> Optional[torch.Tensor]:
     """The routes the routers chose in the pass over `plan` (recording on), as the batch's [B, T, L, k]; every
-    pipeline stage's layers (summed over `pp_group`: each stage fills its own; under sequence parallelism over the
-    TP group too: each TP rank routes its share of the tokens). None without routers."""
+    pipeline stage's layers and every rank's tokens (summed over the pipeline, context-parallel and, under sequence
+    parallelism, tensor-parallel groups, whose ranks each fill their own part). None without routers."""
     import torch.distributed as dist
 
     reps = [r for r in install(model_chunks) if r.routers]
@@ -237,12 +237,16 @@ def recorded_routes(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp
                 src = sources[keep].to(out.device)
                 row, col = rows.to(out.device)[src // mb.seq_len], src % mb.seq_len + offset
                 out[row, col, r.layer] = idx.to(out.device)[keep.to(idx.device)].to(torch.int32)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(out, group=pp_group)
-    if reps[0].sequence_parallel:  # each TP rank routed its own share of the tokens
-        from megatron.core import parallel_state as mpu
+    from megatron.core import parallel_state as mpu
 
-        dist.all_reduce(out, group=mpu.get_tensor_model_parallel_group())
+    # each holds its own part: a pipeline stage its layers, a CP rank its chunks, a TP rank under sequence
+    # parallelism its share of the tokens
+    groups = [pp_group, mpu.get_context_parallel_group()]
+    if reps[0].sequence_parallel:
+        groups.append(mpu.get_tensor_model_parallel_group())
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(out, group=group)
     return out.to(routes_dtype(int(unwrap_config(model_chunks).num_moe_experts)))
 
 
@@ -271,9 +275,14 @@ def unwrap_config(model_chunks: Sequence[nn.Module]) -> Any:
 
 
 def agreement(model_chunks: Sequence[nn.Module]) -> tuple[int, int]:
-    """(routes where the routers' own top-k equals the replayed one, valid routes replayed) since the last reset,
-    this rank's routers."""
+    """(routes where the routers' own top-k equals the replayed one, valid routes replayed) since the last reset, of
+    this rank's share: summed over every rank, each route counts once (tensor-parallel peers route the same tokens,
+    so only TP rank 0 reports, unless sequence parallelism gives each its own share)."""
+    from megatron.core import parallel_state as mpu
+
     reps = install(model_chunks)
+    if not reps or (mpu.get_tensor_model_parallel_rank() != 0 and not reps[0].sequence_parallel):
+        return 0, 0
     return (sum(r.state.agree for rep in reps for r in rep.routers),
             sum(r.state.total for rep in reps for r in rep.routers))
 

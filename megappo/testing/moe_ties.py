@@ -87,7 +87,7 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     batch.routes = batch_routes(routes, batch)
     router_replay.reset_agreement(chunks)
     replayed, _ = compute_log_probs(chunks, batch.select(rows), parallel_state=ps, micro=micro)
-    agree, total = router_replay.agreement(chunks)
+    agree, total = router_replay.agreement(chunks)  # this rank's share (0, 0 on a TP peer without SP)
     lp = torch.zeros(batch.response_mask.shape)
     for i, x in enumerate(engine_lp):
         lp[i, :len(x)] = torch.tensor(x)

@@ -60,8 +60,5 @@ class Replay:
         if self.mode == "R2":
             exp.batch.routes = router_replay.take_recorded(self.actor)
             return {}
-        agree, total = router_replay.agreement(self.actor)
-        if run.ps.tp_rank != 0:  # tensor-parallel peers replay the same routes: count them once
-            agree = total = 0
-        agree, total = reduce_over_ranks([agree, total])
+        agree, total = reduce_over_ranks(list(router_replay.agreement(self.actor)))
         return {"rollout/router_agreement": agree / max(total, 1)}

@@ -16,11 +16,13 @@ pytestmark = pytest.mark.multirank
 EP2_TP2 = (4, {"tp": 2, "ep": 2, "sequence_parallel": True}, {"use_dynamic_bsz": True, "max_token_len": 64,
                                                               "packed": True})
 PP2 = (2, {"pp": 2}, {"micro_batch_size": 2})  # each stage replays its own layers' routes (padded micro-batches)
+CP2 = (2, {"cp": 2}, {"micro_batch_size": 4})  # each CP rank replays its two chunks' routes
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("family, layout", [("qwen3_moe", EP2_TP2), ("qwen2_moe", EP2_TP2), ("qwen3_moe", PP2)],
-                         ids=["qwen3_moe-ep2tp2", "qwen2_moe-ep2tp2", "qwen3_moe-pp2"])
+@pytest.mark.parametrize("family, layout", [("qwen3_moe", EP2_TP2), ("qwen2_moe", EP2_TP2), ("qwen3_moe", PP2),
+                                            ("qwen3_moe", CP2)],
+                         ids=["qwen3_moe-ep2tp2", "qwen2_moe-ep2tp2", "qwen3_moe-pp2", "qwen3_moe-cp2"])
 def test_replay_equals_the_engine_across_layouts(tmp_path, family, layout):
     world, layout_kw, micro_kw = layout
     hf_dir = make_tied_moe(family, str(tmp_path / family))
@@ -33,6 +35,9 @@ def test_replay_equals_the_engine_across_layouts(tmp_path, family, layout):
     for out in per_rank[::2] if world == 4 else per_rank[:1]:  # one rank per data-parallel share (its peers agree)
         r, t, n = route_differences(out)
         routes, tokens, total = routes + r, tokens + t, total + n
+    agree, total = sum(o["agree"] for o in per_rank), sum(o["total"] for o in per_rank)
+    assert total == sum(route_differences(o)[2] for o in (per_rank[::2] if world == 4 else per_rank[:1])) \
+        and agree < total  # every valid route counted once over the ranks
     free = max((o["free"] - o["engine"]).abs()[o["mask"].bool()].max().item() for o in per_rank)
     print(f"{family} {layout_kw}: free {free:.2e}; {routes}/{total} routes on {tokens} tokens differ")
-    assert free > 1e-3 and routes >= 3
+    assert free > 1e-3 and 3 <= routes < total // 4  # near-ties flip a few routes; a partial record would flip many

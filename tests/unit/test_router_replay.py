@@ -49,7 +49,7 @@ def test_replayed_log_probs_equal_the_engines_and_free_routing_does_not(tmp_path
               f"differ; agreement {out['agree']}/{out['total']}")
         assert replayed <= 1e-5, family
         assert (out["r2"] - out["free"]).abs()[m].max().item() <= 1e-6, family  # R2: its own routes replayed
-        assert free > 1e-3 and routes >= 3 and tokens >= 3, family
+        assert free > 1e-3 and 3 <= routes < total // 4 and tokens >= 3, family
         assert out["total"] == total and out["agree"] < out["total"]  # agreement counts every valid route once
 
 
