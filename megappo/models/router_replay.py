@@ -13,11 +13,13 @@ micro-batch:
 - the micro-batch carries routes: every router of the chunk replays its layer's routes, laid out as the layout
   lays out the tokens (padded rows, a pack, a CP rank's chunks, a TP rank's sequence-parallel share); the router
   also takes its own top-k beside them and counts where the two agree (`agreement`);
-- it carries none: the routers route as usual; with `recording` on they keep their top-k, and `collect(plan)`
-  turns them into the batch's [B, T, L, k] (R2: the trainer's first pass records, the later passes replay).
+- it carries none: the routers route as usual; with recording on (`set_recording`) they keep their top-k, which
+  `keep_recorded` turns into the batch's [B, T, L, k] after the pass and `take_recorded` hands over (R2: the
+  trainer's first pass records, the later passes replay).
 
 Routes are global expert ids, so every TP / EP rank replays the same indices; each pipeline stage replays its own
-layers (the router's global layer number picks the routes' layer).
+layers (the router's global layer number picks the routes' layer). With activation recompute the backward's
+recomputed forwards replay each micro-batch's routes again, in the order the forwards ran.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 
 __all__ = ["Replayer", "install", "replayer_of", "before_forward", "after_forward", "agreement", "reset_agreement",
-           "set_recording", "recorded_routes", "keep_recorded", "take_recorded", "routes_dtype", "moe_layer_count", "distinct", "token_sources", "batch_routes", "routes_to_json", "routes_from_json"]
+           "set_recording", "recorded_routes", "keep_recorded", "take_recorded", "routes_dtype", "distinct",
+           "token_sources", "batch_routes", "routes_to_json", "routes_from_json"]
 
 _ATTR = "megappo_router_replay"
 
@@ -43,11 +46,6 @@ def _moe_pattern(config: Any) -> list[bool]:
     if isinstance(freq, int):
         return [i % freq == 0 for i in range(n)]
     return [bool(x) for x in freq]
-
-
-def moe_layer_count(config: Any) -> int:
-    """L: the MoE layers of the whole model (every pipeline stage)."""
-    return sum(_moe_pattern(config))
 
 
 def _replay_class():
@@ -65,6 +63,10 @@ def _replay_class():
             self.total = 0
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and _in_backward():
+                # activation recompute: the backward re-runs each micro-batch's forward in the order they ran
+                top = self.replay_backward_list.pop(0).to(scores.device)
+                return scores.gather(1, top), top
             out = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self.valid is not None:
                 with torch.no_grad():
@@ -75,6 +77,10 @@ def _replay_class():
             return out
 
     return CountingReplay, RouterReplayAction
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass
@@ -95,6 +101,7 @@ class Replayer:
         moe_index = {i + 1: sum(pattern[:i]) for i in range(len(pattern)) if pattern[i]}  # layer number -> l
         self.num_layers, self.topk = sum(pattern), int(config.moe_router_topk)
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        self.recompute = getattr(config, "recompute_granularity", None) is not None
         self.routers: list[_Router] = []
         for module in chunk.modules():
             if isinstance(module, TopKRouter):
@@ -111,9 +118,13 @@ class Replayer:
         picked = flat.index_select(0, sources.clamp(min=0)).long()  # [n, L, k]
         valid = (sources >= 0).unsqueeze(-1) & distinct(picked)  # [n, L]
         filler = torch.arange(self.topk, device=picked.device).expand_as(picked[:, 0])
+        # a training pass with activation recompute: the backward takes each micro-batch's targets again, first in
+        # first out (megatron's replay_backward_list); otherwise only the current micro-batch's are kept
+        queue = self.recompute and torch.is_grad_enabled()
         for r in self.routers:
             target = torch.where(valid[:, r.layer].unsqueeze(-1), picked[:, r.layer], filler)
-            r.state.clear_indices()
+            if not queue:
+                r.state.clear_indices()
             r.state.set_target_indices(target)
             r.state.valid = valid[:, r.layer]
             r.state.set_router_replay_action(self._action.REPLAY_FORWARD)
@@ -223,7 +234,7 @@ def recorded_routes(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp
     parallelism, tensor-parallel groups, whose ranks each fill their own part). None without routers."""
     import torch.distributed as dist
 
-    reps = [r for r in install(model_chunks) if r.routers]
+    reps = install(model_chunks)  # every stage, one without MoE layers too: it joins the sums below
     if not reps:
         return None
     b, t = batch.input_ids.shape
@@ -247,7 +258,7 @@ def recorded_routes(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(out, group=group)
-    return out.to(routes_dtype(int(unwrap_config(model_chunks).num_moe_experts)))
+    return out.to(routes_dtype(int(_config(model_chunks).num_moe_experts)))
 
 
 def keep_recorded(model_chunks: Sequence[nn.Module], plan: Any, batch: Any, pp_group: Any) -> None:
@@ -268,7 +279,7 @@ def take_recorded(model_chunks: Sequence[nn.Module]) -> Optional[torch.Tensor]:
     return out
 
 
-def unwrap_config(model_chunks: Sequence[nn.Module]) -> Any:
+def _config(model_chunks: Sequence[nn.Module]) -> Any:
     from megappo.models.builder import unwrap
 
     return unwrap(model_chunks[0]).config

@@ -112,3 +112,57 @@ def route_differences(out: dict[str, Any]) -> tuple[int, int, int]:
     valid = distinct(eng)
     diff = (own.sort(-1).values != eng.sort(-1).values).any(-1) & valid
     return int(diff.sum()), int(diff.any(-1).sum()), int(valid.sum())
+
+
+def _nll(out, ctx):
+    m = ctx.batch.response_mask.float()
+    return -(out.log_probs * m).sum() / ctx.global_num_tokens, {}
+
+
+def replay_grads(rank: int, world_size: int, hf_dir: str, prompts: list[list[int]], layout_kw: dict,
+                 micro_kw: dict) -> list[dict[str, torch.Tensor]]:
+    """Rank 0's gradients (HF names, merged over TP / PP) of the engine samples' NLL under replayed routes, built
+    without and with activation recompute (full, one layer at a time): they must be the same."""
+    import torch.distributed as dist
+
+    from megappo.convert.export import hf_state_dict
+    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.models import router_replay
+    from megappo.models.batch import ModelBatch
+    from megappo.models.builder import build_model
+    from megappo.models.compute import MicroBatching, train_step
+    from megappo.models.hf_config import load_hf_config_dict
+    from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megappo.models.router_replay import batch_routes
+    from megappo.parallel import destroy_parallel, init_parallel
+    from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
+
+    payload = [engine_samples(hf_dir, prompts) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    responses, _, routes = payload[0]
+    plat = detect_platform()
+    ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
+    batch = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
+    batch.routes = batch_routes(routes, batch)
+    rows = torch.arange(batch.batch_size).chunk(ps.dp_size)[ps.dp_rank]
+    out = []
+    for tc in ({}, {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}):
+        chunks = build_model(hf_dir, "actor", ps, plat, seed=0, config_overrides=tc)
+        load_hf_weights(chunks, hf_dir, ps)
+        router_replay.install(chunks)
+        settings = OptimSettings(lr=0.0, clip_grad=0.0, total_steps=1)
+        ddp = wrap_ddp(chunks, settings, plat)
+        train_step(ddp, build_optimizer(ddp, settings, plat), None, batch.select(rows), _nll, parallel_state=ps,
+                   micro=MicroBatching(**micro_kw), platform=plat)
+        params = [p for c in ddp for p in c.parameters()]
+        saved = [p.data for p in params]
+        for p in params:
+            p.data = p.main_grad.view_as(p)
+        grads = hf_state_dict(ddp, ps, load_hf_config_dict(hf_dir))
+        for p, d in zip(params, saved):
+            p.data = d
+        out.append(grads if dist.get_rank() == 0 else {})
+    destroy_parallel()
+    return out

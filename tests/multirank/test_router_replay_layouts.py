@@ -5,9 +5,10 @@ on a router close to ties; routing freely they do not. The one-rank case is test
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megappo.testing.dist import run_distributed
-from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe, route_differences, tie_prompts
+from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe, replay_grads, route_differences, tie_prompts
 
 pytestmark = pytest.mark.multirank
 
@@ -41,3 +42,15 @@ def test_replay_equals_the_engine_across_layouts(tmp_path, family, layout):
     free = max((o["free"] - o["engine"]).abs()[o["mask"].bool()].max().item() for o in per_rank)
     print(f"{family} {layout_kw}: free {free:.2e}; {routes}/{total} routes on {tokens} tokens differ")
     assert free > 1e-3 and 3 <= routes < total // 4  # near-ties flip a few routes; a partial record would flip many
+
+
+@pytest.mark.long
+def test_activation_recompute_replays_each_micro_batch_in_the_backward(tmp_path):
+    """PP2 with four micro-batches (1F1B: a forward runs ahead of the first backward) under replay: the gradients
+    with full activation recompute equal those without (the recomputed forwards replay their own routes)."""
+    hf_dir = make_tied_moe("qwen3_moe", str(tmp_path / "m"))
+    plain, recomputed = run_distributed(replay_grads, 2, hf_dir, tie_prompts(), {"pp": 2}, {"micro_batch_size": 1},
+                                        timeout=400)[0]
+    assert plain.keys() == recomputed.keys() and plain
+    for name, g in plain.items():
+        torch.testing.assert_close(recomputed[name], g, rtol=1e-5, atol=1e-7, msg=name)
