@@ -45,3 +45,19 @@ def test_without_replay_the_first_steps_gap_is_large_and_r2_runs(tmp_path):
     r2 = run_recipe(RECIPE, tmp_path / "r2", *short, "actor_rollout_ref.actor.megatron.router_replay.mode=R2")
     assert r2[0]["reward/mean"] == r3[0]["reward/mean"]  # the same first samples; R2 replays its own routes
     assert "rollout/router_agreement" not in r2[0] and r2[-1]["reward/mean"] >= 0
+
+
+# the default tier's recipe test covers replay in the trainer at one rank; this is the same run at EP2 (DP2)
+@pytest.mark.long
+@pytest.mark.multirank
+def test_ep2_run_replays_as_one_rank_does(tmp_path):
+    """Two ranks at EP2 (the experts split, each rank its data-parallel share of the samples and their routes) sample,
+    replay and learn what one rank does: the same rewards, router agreement and log-prob gap."""
+    short = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
+             "trainer.val_before_train=false"]
+    one = run_recipe(RECIPE, tmp_path / "one", *short)
+    two = run_recipe(RECIPE, tmp_path / "ep2", *short, "trainer.n_gpus_per_node=2",
+                     "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", nproc=2)
+    assert [r["reward/mean"] for r in two] == [r["reward/mean"] for r in one]
+    assert two[0]["rollout/router_agreement"] == pytest.approx(one[0]["rollout/router_agreement"])
+    assert two[0]["rollout/router_agreement"] < 0.99 and two[0]["rollout/logprob_diff_max"] <= 1e-5
