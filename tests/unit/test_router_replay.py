@@ -16,41 +16,44 @@ from megappo.testing.moe_ties import engine_vs_trainer, make_tied_moe, route_dif
 torch.set_num_threads(1)
 
 
-def _both_families(rank, world_size, dirs, prompts):
-    """Qwen3-MoE padded micro-batches of 2, Qwen2-MoE one packed dynamic micro-batch; and a dense model's chunks
-    get no replay."""
+def _one_family(rank, world_size, hf_dir, dense_dir, prompts, micro_kw):
+    """The engine-vs-trainer check (`engine_vs_trainer`); and a dense model's chunks get no replay."""
     from megappo.models import router_replay
     from megappo.models.builder import build_model
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
 
-    out = [engine_vs_trainer(rank, world_size, dirs["qwen3_moe"], prompts, {}, {"micro_batch_size": 2}),
-           engine_vs_trainer(rank, world_size, dirs["qwen2_moe"], prompts, {},
-                             {"use_dynamic_bsz": True, "max_token_len": 256, "packed": True})]
-    plat = detect_platform()
-    ps = init_parallel(ParallelLayout(), plat, seed=0)
-    dense = router_replay.install(build_model(dirs["qwen2"], "actor", ps, plat, seed=0))
-    destroy_parallel()
+    out = engine_vs_trainer(rank, world_size, hf_dir, prompts, {}, micro_kw)
+    dense = None
+    if dense_dir:
+        plat = detect_platform()
+        ps = init_parallel(ParallelLayout(), plat, seed=0)
+        dense = router_replay.install(build_model(dense_dir, "actor", ps, plat, seed=0))
+        destroy_parallel()
     return out, dense
 
 
-def test_replayed_log_probs_equal_the_engines_and_free_routing_does_not(tmp_path, hf_model_dir):
-    dirs = {f: make_tied_moe(f, str(tmp_path / f)) for f in ("qwen3_moe", "qwen2_moe")}
-    dirs["qwen2"] = hf_model_dir("qwen2")
-    ((results, dense),) = run_distributed(_both_families, 1, dirs, tie_prompts(), timeout=300)
-    assert dense == []  # a dense model has no routers to replay
-    for family, out in zip(("qwen3_moe", "qwen2_moe"), results):
-        m = out["mask"].bool()
-        replayed = (out["replayed"] - out["engine"]).abs()[m].max().item()
-        free = (out["free"] - out["engine"]).abs()[m].max().item()
-        routes, tokens, total = route_differences(out)
-        print(f"{family}: replayed {replayed:.2e}, free {free:.2e}; {routes}/{total} routes on {tokens} tokens "
-              f"differ; agreement {out['agree']}/{out['total']}")
-        assert replayed <= 1e-5, family
-        assert (out["r2"] - out["free"]).abs()[m].max().item() <= 1e-6, family  # R2: its own routes replayed
-        assert free > 1e-3 and 3 <= routes < total // 4 and tokens >= 3, family
-        assert out["total"] == total and out["agree"] < out["total"]  # agreement counts every valid route once
+# qwen3_moe: padded micro-batches of 2; qwen2_moe (a shared expert, softmax before the top-k): one packed dynamic
+# micro-batch
+@pytest.mark.parametrize("family, micro_kw", [
+    ("qwen3_moe", {"micro_batch_size": 2}),
+    ("qwen2_moe", {"use_dynamic_bsz": True, "max_token_len": 256, "packed": True})])
+def test_replayed_log_probs_equal_the_engines_and_free_routing_does_not(tmp_path, hf_model_dir, family, micro_kw):
+    hf_dir = make_tied_moe(family, str(tmp_path / family))
+    dense_dir = hf_model_dir("qwen2") if family == "qwen3_moe" else None
+    ((out, dense),) = run_distributed(_one_family, 1, hf_dir, dense_dir, tie_prompts(), micro_kw, timeout=300)
+    assert dense in (None, [])  # a dense model has no routers to replay
+    m = out["mask"].bool()
+    replayed = (out["replayed"] - out["engine"]).abs()[m].max().item()
+    free = (out["free"] - out["engine"]).abs()[m].max().item()
+    routes, tokens, total = route_differences(out)
+    print(f"{family}: replayed {replayed:.2e}, free {free:.2e}; {routes}/{total} routes on {tokens} tokens "
+          f"differ; agreement {out['agree']}/{out['total']}")
+    assert replayed <= 1e-5
+    assert (out["r2"] - out["free"]).abs()[m].max().item() <= 1e-6  # R2: its own routes replayed
+    assert free > 1e-3 and 3 <= routes < total // 4 and tokens >= 3
+    assert out["total"] == total and out["agree"] < out["total"]  # agreement counts every valid route once
 
 
 def test_engine_records_prompt_and_response_routes_but_the_last_token(hf_model_dir):
