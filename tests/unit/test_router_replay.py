@@ -136,6 +136,67 @@ def test_sglang_routed_experts_format_decodes_to_the_moe_layers(tmp_path):
         decode_routed_experts(base64.b64encode(ids.numpy().tobytes()[:12]).decode(), layout)
 
 
+def _fake_sglang(answer_routes: bool):
+    """A /generate server answering SGLang 0.5.23's shape (two rows, int32 routed_experts in base64 when asked);
+    returns (url, the request bodies it got, the routes it sent, its shutdown)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies, sent = [], []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            rows = []
+            for ids in body["input_ids"]:
+                meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 7, None]] * 2}
+                if answer_routes and body.get("return_routed_experts"):
+                    r = torch.randint(0, 4, (len(ids) + 1, 4, 2), dtype=torch.int32)  # prompt + 2 outputs - 1
+                    sent.append(r)
+                    meta["routed_experts"] = base64.b64encode(r.numpy().tobytes()).decode("utf-8")
+                rows.append({"output_ids": [7, 7], "meta_info": meta})
+            data = json.dumps(rows).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", bodies, sent, server.shutdown
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_sglang_client_asks_for_and_reads_routed_experts(tmp_path, answers):
+    from megappo.rollout import SamplingParams
+    from megappo.rollout.sglang.engine import SGLangEngine
+    from megappo.rollout.sglang.routing import RouteLayout
+
+    layout = RouteLayout((True,) * 4, 2, 4)
+    url, bodies, sent, stop = _fake_sglang(answers)
+    try:
+        engine = SGLangEngine(url, routes=layout)
+        params = SamplingParams(max_new_tokens=2, return_routed_experts=True)
+        if not answers:
+            with pytest.raises(RuntimeError, match="--enable-return-routed-experts"):
+                engine.generate([[1, 2, 3], [4]], params)
+            return
+        done = [c for g in engine.generate([[1, 2, 3], [4]], params) for c in g]
+        plain = engine.generate([[1]], SamplingParams(max_new_tokens=2))
+    finally:
+        stop()
+    assert bodies[0]["return_routed_experts"] is True and "return_routed_experts" not in bodies[1]
+    for c, r in zip(done, sent):
+        assert c.routed_experts.dtype == torch.uint8 and torch.equal(c.routed_experts.long(), r.long())
+    assert plain[0][0].routed_experts is None
+
+
 def test_a_continued_generation_keeps_the_routes_each_token_was_sampled_with():
     """async_training.partial_rollout: the first request's routes up to its last token, the continuation's after."""
     from megappo.rollout.partial import _joined_routes
