@@ -5,6 +5,7 @@ steps are far larger than the ties' 1e-6), so step 1 is where replay has routes 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megappo.testing import golden
 from megappo.testing.recipes import learned, run_recipe
@@ -61,3 +62,25 @@ def test_ep2_run_replays_as_one_rank_does(tmp_path):
     assert [r["reward/mean"] for r in two] == [r["reward/mean"] for r in one]
     assert two[0]["rollout/router_agreement"] == pytest.approx(one[0]["rollout/router_agreement"])
     assert two[0]["rollout/router_agreement"] < 0.99 and two[0]["rollout/logprob_diff_max"] <= 1e-5
+
+
+# the default tier covers the routes' JSON form (tests/unit/test_router_replay.py); this is a real async run's
+@pytest.mark.long
+def test_async_queue_checkpoints_keep_the_routes_and_resume(tmp_path):
+    """one_step_off: the batch generated ahead is saved with its routes (uint8 in base64) in trainer_state.json; a
+    longer run resumes from the last checkpoint and replays them."""
+    import json
+
+    from megappo.models.router_replay import routes_from_json
+
+    out = tmp_path / "async"
+    args = ["async_training.mode=one_step_off", "actor_rollout_ref.hybrid_engine=false", "trainer.test_freq=-1",
+            "trainer.save_freq=2", "trainer.val_before_train=false"]
+    run_recipe(RECIPE, out, *args, "trainer.total_training_steps=4")  # step 2's checkpoint holds step 3's batch
+    state = json.loads((out / "checkpoints" / "global_step_2" / "trainer_state.json").read_text())
+    queued = state["rollout_queue"]["ready"][0]
+    routes = [routes_from_json(r) for r in queued["routed_experts"]]
+    for r, p, resp in zip(routes, queued["prompt_ids"], queued["response_ids"]):
+        assert r.dtype == torch.uint8 and tuple(r.shape) == (len(p) + len(resp) - 1, 2, 2)
+    rows = run_recipe(RECIPE, out, *args, "trainer.total_training_steps=5")
+    assert rows[-1]["step"] == 5 and 0 < rows[-1]["rollout/router_agreement"] <= 1
