@@ -159,6 +159,8 @@ class HFEngine(RolloutEngine):
         stops = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
         stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         rec = self.routes if params.return_routed_experts else None
+        if self.routes is not None:  # a generation that failed part way leaves no record running
+            self.routes.end()
         if rec is not None:
             rec.begin(b)
         every = torch.arange(b)
