@@ -97,6 +97,9 @@ class Replayer:
 
         cls, self._action = _replay_class()
         config = chunk.config
+        if getattr(config, "moe_router_fusion", False):
+            raise ValueError("router replay needs megatron's unfused top-k (its fused kernel takes no replayed "
+                             "routes): set moe_router_fusion=false")
         pattern = _moe_pattern(config)
         moe_index = {i + 1: sum(pattern[:i]) for i in range(len(pattern)) if pattern[i]}  # layer number -> l
         self.num_layers, self.topk = sum(pattern), int(config.moe_router_topk)
