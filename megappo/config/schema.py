@@ -179,6 +179,17 @@ class OptimConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """verl's `megatron.router_replay` (MoE; read on the actor's, megappo/models/router_replay.py): which routes
+    the trainer's routers follow. disabled: their own. R3: the rollout engine's (needs
+    rollout.enable_rollout_routing_replay), for the old and reference log-probs and the update. R2: the trainer's
+    own from its first pass over the step's samples (the old log-probs), replayed in the reference pass and the
+    update."""
+
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -192,6 +203,7 @@ class MegatronConfig:
     optimizer_offload: bool = False  # keep optimizer states in host memory between phases
     use_distributed_optimizer: bool = False  # shard optimizer states over data-parallel ranks (ZeRO-1)
     seed: int = 42  # model-parallel RNG seed
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -148,6 +148,10 @@ class RolloutConfig:
     # mismatch larger than verify_sync_atol (None: 1e-3 in float32, 5e-2 in 16-bit dtypes). Costs one forward.
     verify_sync: bool = False
     verify_sync_atol: Optional[float] = None
+    # MoE router replay (verl's name): the engine returns each token's routed experts with its samples (hf: the
+    # in-process engine's record; sglang: `return_routed_experts`, servers started with
+    # --enable-return-routed-experts); actor.megatron.router_replay.mode=R3 replays them in the trainer
+    enable_rollout_routing_replay: bool = False
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)

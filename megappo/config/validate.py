@@ -18,6 +18,7 @@ from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
 from megappo.config.validate_judge import judge_errors
 from megappo.config.validate_losses import token_choice_errors
+from megappo.config.validate_replay import replay_errors
 
 
 def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
@@ -71,6 +72,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_multi_turn(cfg, errors, check_files)
     _check_agent(cfg, errors, check_files)
     _check_dapo(cfg, errors)
+    errors += replay_errors(cfg)
     from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
 
     check_lora(cfg, errors, check_files)

@@ -88,9 +88,14 @@ class ModelBatch:
     # vision-language rows: each row's images (None: a text row), kept with the row by select / crop / pad_to;
     # None for a text batch (see megappo.kinds.qwen2_vl.inputs)
     multi_modal: Optional[list[Optional["MultiModalInputs"]]] = None
+    # MoE router replay: [B, T, L, k] uint8 (int16 past 256 experts), each token's experts in each MoE layer, aligned
+    # with input_ids (zeros where there is no route: padding, a sequence's last token); megappo.models.router_replay
+    routes: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         b, t = self.input_ids.shape
+        if self.routes is not None and (self.routes.dim() != 4 or tuple(self.routes.shape[:2]) != (b, t)):
+            raise ValueError(f"ModelBatch: routes {tuple(self.routes.shape)} must be [B={b}, T={t}, layers, top_k]")
         _check_rows("multi_modal", self.multi_modal, b, "None for a row without images")
         if self.attention_mask.shape != (b, t) or self.position_ids.shape != (b, t):
             raise ValueError(
@@ -135,6 +140,7 @@ class ModelBatch:
             response_mask=_index(self.response_mask, idx),
             train=None if self.train is None else self.train.select(idx),
             multi_modal=_index_rows(self.multi_modal, idx),
+            routes=_index(self.routes, idx),
         )
 
     def slice(self, start: int, end: int) -> "ModelBatch":
@@ -158,6 +164,7 @@ class ModelBatch:
             response_mask=self.response_mask[:, :response_len],
             train=None if self.train is None else self.train.crop(response_len),
             multi_modal=self.multi_modal,
+            routes=None if self.routes is None else self.routes[:, p0:end],
         )
 
     def pad_to(self, rows: int, prompt_len: int, response_len: int, pad_token_id: int = 0) -> "ModelBatch":
@@ -185,6 +192,7 @@ class ModelBatch:
             response_mask=grow(self.response_mask, 0, 0, right),
             train=train,
             multi_modal=_pad_rows(self.multi_modal, extra),
+            routes=None if self.routes is None else grow(self.routes, 0, left, right),
         )
 
     def left_aligned(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +226,7 @@ class ModelBatch:
             position_ids=self.position_ids.to(device),
             response_mask=self.response_mask.to(device),
             train=None if self.train is None else self.train.to(device),
+            routes=None if self.routes is None else self.routes.to(device),
         )
 
     @classmethod

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megappo.models.batch import ModelBatch
+from megappo.models import router_replay
 from megappo.models.builder import unwrap
 from megappo.models.layout.plan import Layout, gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
@@ -150,7 +151,10 @@ def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Layout]], model: nn.
     mb, layout = next(data_iterator)
     inputs = layout.inputs()
     inputs.update(micro_batch_inputs(unwrap(model), mb, layout))  # a vision-language model's images and positions
-    return model(**inputs), partial(loss_func, mb, layout)
+    router_replay.before_forward(model, mb, layout)  # a MoE model's routes replayed or recorded
+    output = model(**inputs)
+    router_replay.after_forward(model, mb)
+    return output, partial(loss_func, mb, layout)
 
 
 def _prepare(model_chunks: Sequence[nn.Module], parallel_state: ParallelState) -> Any:
@@ -232,6 +236,7 @@ def _forward_only(model_chunks, batch, parallel_state, micro, *, value_model, ca
 
     with torch.no_grad(), _mode(model_chunks, train=False):
         results = _run_schedule(model_chunks, plan, loss_func, parallel_state=parallel_state, forward_only=True)
+    router_replay.keep_recorded(model_chunks, plan, batch, parallel_state.pp_group)  # R2's first pass
     keys = ["values"] if value_model else (["log_probs"] + (["entropy"] if calculate_entropy else [])
                                            + (["sum_pi_squared"] if sum_pi_squared else [])
                                            + (["topk_log_probs", "topk_ids"] if topk else []))

@@ -3,7 +3,9 @@ prompt and the tokens it has, with the weights now, and each token keeps the ver
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
+
+import torch
 
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import sample_seed
@@ -31,5 +33,15 @@ def continued(engine: Any, prompts: Sequence[Sequence[int]], done: list[list[Com
                 log_probs=list(c.log_probs) + list(tail.log_probs), finish_reason=tail.finish_reason,
                 weight_version=tail.weight_version if fresh else c.weight_version,
                 extra={**c.extra, "partial": c.extra.get("partial", False) or not fresh},
-                token_versions=c.versions() + tail.versions())
+                token_versions=c.versions() + tail.versions(),
+                routed_experts=_joined_routes(c, tail, len(prompts[k])))
     return out
+
+
+def _joined_routes(c: Completion, tail: Completion, prompt_len: int) -> Optional[torch.Tensor]:
+    """Router replay: each token's routes as the engine used them to sample, the first request's up to its last
+    token (which the continuation fed first) and the continuation's after."""
+    if tail.routed_experts is None or c.routed_experts is None or not c.output_ids:
+        return tail.routed_experts
+    cut = prompt_len + len(c.output_ids) - 1
+    return torch.cat([c.routed_experts[:cut], tail.routed_experts[cut:]])

@@ -11,15 +11,17 @@ from typing import Any, Optional
 ENGINES: dict[str, dict[str, Any]] = {
     # in-process transformers model, one per data-parallel replica (the CPU default)
     "hf": {"deploy": "megappo.rollout.hf.deploy:deploy", "sync_modes": ("tensor",), "partial_rollout": True,
-           "multi_modal": True},
+           "multi_modal": True, "routed_experts": True},
     # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
     "sglang": {"deploy": "megappo.rollout.sglang.deploy:deploy", "preflight": "megappo.rollout.sglang.deploy:preflight",
-               "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True, "multi_modal": True},
+               "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True, "multi_modal": True,
+               "routed_experts": True},
 }
 # sync_modes: the values of rollout.weight_sync the engine's `load_weights` takes ("disk": `update_weights_from_disk`);
 # "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
 # (async_training.partial_rollout continues them); False when absent. multi_modal: its `generate` takes the prompts'
-# images (`multi_modal=`, vision-language models); False when absent
+# images (`multi_modal=`, vision-language models); routed_experts: its completions carry each token's MoE routes
+# when SamplingParams.return_routed_experts (router replay R3); False when absent
 
 
 def engine_names() -> list[str]:
@@ -60,6 +62,11 @@ def partial_rollout(name: str) -> bool:
 def multi_modal(name: str) -> bool:
     """Whether the engine's `generate` takes prompts' images (a vision-language actor)."""
     return bool(ENGINES.get(name, {}).get("multi_modal", False))
+
+
+def routed_experts(name: str) -> bool:
+    """Whether the engine returns each token's routed experts (`Completion.routed_experts`, router replay R3)."""
+    return bool(ENGINES.get(name, {}).get("routed_experts", False))
 
 
 def deploy(settings: Any, ps: Any, platform: Any) -> Any:

@@ -31,6 +31,8 @@ class SamplingParams:
     # one seed per row (n = 1): each prompt's own seed, whatever request it is batched in (the agent endpoint's calls,
     # whose batches depend on when agents call); overrides `seed`
     row_seeds: Optional[tuple[int, ...]] = None
+    # MoE router replay (R3): also return each token's routed experts (`Completion.routed_experts`), SGLang's name
+    return_routed_experts: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -55,6 +57,10 @@ class Completion:
     # per output token, the weights' version that produced it (a generation continued across a weight sync holds
     # two or more); None: every token is `weight_version`'s
     token_versions: Optional[list[int]] = None
+    # with SamplingParams.return_routed_experts on a MoE model: [P + R - 1, L, k] uint8 (int16 past 256 experts),
+    # the experts the engine routed each fed token to (prompt, then the response but its last token) in each of its
+    # L MoE layers
+    routed_experts: Optional[torch.Tensor] = None
 
     def versions(self) -> list[int]:
         """Per output token, the version that produced it."""

@@ -46,3 +46,4 @@ class RolloutSettings:
     sync_timeout_s: float
     weight_sync_master_address: Optional[str]
     lora_adapter: Optional[AdapterServing]  # None: the servers serve merged weights
+    routed_experts: bool = False  # rollout.enable_rollout_routing_replay: completions carry MoE routes

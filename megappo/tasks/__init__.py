@@ -3,7 +3,7 @@ train/val prompts written locally, and an exact-match rule reward registered for
 
 Importing this package does not import torch or pyarrow (reward worker processes import it).
 """
-from megappo.tasks import colour_square, guess_number, tool_sum
+from megappo.tasks import colour_square, digit_max_moe, guess_number, tool_sum
 from megappo.tasks.synthetic import TASKS as SINGLE_TURN_TASKS
 from megappo.tasks.synthetic import (
     SyntheticTask,
@@ -16,7 +16,7 @@ from megappo.tasks.synthetic import prepare_task as _prepare_single_turn
 
 # every built-in task by name: the single-turn ones, the multi-turn tool task (megappo.tasks.tool_sum), the
 # vision-language one (megappo.tasks.colour_square) and the multi-step environment task (megappo.tasks.guess_number)
-TASKS = {**SINGLE_TURN_TASKS, **tool_sum.TASKS, **colour_square.TASKS, **guess_number.TASKS}
+TASKS = {**SINGLE_TURN_TASKS, **tool_sum.TASKS, **colour_square.TASKS, **guess_number.TASKS, **digit_max_moe.TASKS}
 
 
 def prepare_task(name: str, out_dir: str, **kwargs) -> TaskFiles:
@@ -25,6 +25,8 @@ def prepare_task(name: str, out_dir: str, **kwargs) -> TaskFiles:
         return tool_sum.prepare_task(name, out_dir, **kwargs)
     if name in colour_square.TASKS:
         return colour_square.prepare_task(name, out_dir, **kwargs)
+    if name in digit_max_moe.TASKS:  # digit_max on a MoE policy (router replay's recipe)
+        return digit_max_moe.prepare_task(name, out_dir, **kwargs)
     if name in guess_number.TASKS:
         return guess_number.prepare_task(name, out_dir, **kwargs)
     return _prepare_single_turn(name, out_dir, **kwargs)

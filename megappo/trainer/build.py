@@ -23,6 +23,7 @@ from megappo.trainer.guard import KLGuard
 from megappo.trainer.inputs import load_data, load_tokenizer
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.preflight import preflight, require_output_dir
+from megappo.trainer.replay import Replay
 from megappo.trainer.roles import build_roles, describe
 from megappo.trainer.rollout import RolloutWorker
 from megappo.trainer.run_lock import AlreadyFinished, DirLocked, RunLock, finished_message
@@ -117,6 +118,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                   sampling=settings.sampling(cfg), actor_loss=actor_loss_fn(settings.actor_loss(cfg)),
                   critic_loss=critic_loss_fn(settings.critic_loss(cfg)), state=state,
                   correction=settings.rollout_correction(cfg))
+        run.replay = Replay.of(cfg, roles)
         run.teachers = build_teachers(cfg, ps, platform, settings.rollout_settings(cfg))
         run.judge = judge.deploy_judge(cfg, ps, platform)  # collective
         if run.judge is not None and dist.get_rank() == 0:

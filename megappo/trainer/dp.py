@@ -58,3 +58,15 @@ def gather_objects_dp(obj: Any, ps: ParallelState) -> list:
     out: list = [None] * ps.dp_size
     dist.all_gather_object(out, obj, group=ps.dp_group)
     return out
+
+
+def explained_variance_dp(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> float:
+    """1 - Var(returns - values) / Var(returns) over the step's response tokens, from moments summed over the
+    data-parallel ranks (their [B, R] tensors differ in R, so they cannot be gathered)."""
+    m, res = mask.to(torch.float64), (returns - values).double()
+    ret = returns.double()
+    n, s1, s2, r1, r2 = dp_sum([float(m.sum()), float((ret * m).sum()), float((ret * ret * m).sum()),
+                                float((res * m).sum()), float((res * res * m).sum())], ps)
+    n = max(n, 1.0)
+    var_ret, var_res = s2 / n - (s1 / n) ** 2, r2 / n - (r1 / n) ** 2
+    return 1.0 - var_res / (var_ret + 1e-8)

@@ -15,6 +15,7 @@ import torch
 from megappo.data.dataset import PromptBatch
 from megappo.data.multimodal import MultiModalInputs, batch_images
 from megappo.models.batch import ModelBatch, TrainInputs
+from megappo.models.router_replay import routes_from_json, routes_to_json
 from megappo.kinds.qwen2_vl.inputs import multi_modal_from_json, multi_modal_to_json
 from megappo.rollout.sampling import Completion
 
@@ -45,14 +46,18 @@ class Samples:
     # N, the text of the prompt's last user message in the dataset row (what a judge reads as the question; None:
     # not known, the decoded prompt is used)
     questions: list[Optional[str]] = field(default_factory=list)
+    # N, MoE router replay R3: the engine's routes [P + R - 1, L, k] uint8/int16 (`Completion.routed_experts`)
+    routed_experts: list[Optional[torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # the optional per-sample fields, when not given (or absent from a checkpoint's samples): None per sample
-        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal", "token_versions", "questions"):
+        for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal", "token_versions", "questions",
+                     "routed_experts"):
             if len(getattr(self, name)) != len(self.response_ids):
                 setattr(self, name, [None] * len(self.response_ids))
-        # a checkpoint's samples (trainer_state.json) hold their images in JSON form
+        # a checkpoint's samples (trainer_state.json) hold their images and routes in JSON form
         self.multi_modal = [multi_modal_from_json(m) for m in self.multi_modal]
+        self.routed_experts = [routes_from_json(r) for r in self.routed_experts]
 
     @property
     def has_images(self) -> bool:
@@ -62,6 +67,7 @@ class Samples:
         """The samples as JSON-able lists (a checkpoint's `TrainState.ready`); `Samples(**d)` reads them back."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["multi_modal"] = [multi_modal_to_json(m) for m in self.multi_modal]
+        out["routed_experts"] = [routes_to_json(r) for r in self.routed_experts]
         return out
 
     @property
@@ -108,6 +114,7 @@ class Samples:
                 versions = c.versions()
                 out.token_versions.append(versions if len(set(versions)) > 1 else None)
                 out.questions.append(_question(prompts.raw_prompts[b] if prompts.raw_prompts else None))
+                out.routed_experts.append(c.routed_experts)
         return out
 
     def token_staleness(self, version: int) -> list[int]:

@@ -20,10 +20,12 @@ from megappo.algos import rollout_correction as correction
 from megappo.config.derived import estimator
 from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.models.optim import gradients_allocated
-from megappo.parallel import ParallelState, reduce_over_ranks
+from megappo.parallel import reduce_over_ranks
 from megappo.rewards.scorer import ScoreItem
 from megappo.trainer import judge, settings
-from megappo.trainer.dp import dp_gather, dp_gather_rows, dp_max, dp_metrics, dp_sum, dp_sum_tensor, masked_mean_dp
+from megappo.trainer.dp import (
+    dp_gather, dp_gather_rows, dp_max, dp_metrics, dp_sum, dp_sum_tensor, explained_variance_dp, masked_mean_dp,
+)
 from megappo.trainer.entropy_tokens import choose_tokens
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
@@ -130,6 +132,7 @@ def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -
     parts = balanced_partitions(workloads(samples), run.ps.dp_size, groups) if run.cfg.trainer.balance_batch else \
         [list(range(len(samples)))[i::run.ps.dp_size] for i in range(run.ps.dp_size)]
     exp = build_experience(samples, parts[run.ps.dp_rank], run.pad_token_id)
+    run.replay.place(samples, exp)  # R3: the engine's routes on the batch
     if scores is not None:
         exp.scores = torch.tensor([scores[i] for i in exp.indices], dtype=torch.float32)
     return exp
@@ -185,15 +188,17 @@ def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
         return {}
     with_sq = estimator(run.cfg).needs_sum_pi_squared
     quantile = run.cfg.actor_rollout_ref.actor.policy_loss.top_entropy_quantile  # < 1: choose tokens by entropy
+    run.replay.before_old_log_probs()
     out = compute_log_probs(
         run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
         temperature=run.sampling.logprob_temperature, calculate_sum_pi_squared=with_sq, calculate_entropy=quantile < 1)
+    replayed = run.replay.after_old_log_probs(run, exp)  # R2: the routes recorded; R3: the routers' agreement
     exp.train.old_log_probs = out[0]
     if with_sq:
         exp.sum_pi_squared = out[2]
     diff = (exp.rollout_log_probs - exp.train.old_log_probs).abs() * exp.mask
     metrics = {"rollout/logprob_diff_mean": masked_mean_dp(diff, exp.mask, run.ps),
-               "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps)}
+               "rollout/logprob_diff_max": dp_max(float(diff.max()) if diff.numel() else 0.0, run.ps), **replayed}
     return metrics if quantile >= 1 else {**metrics, **choose_tokens(exp, out[1], quantile, run.ps)}
 
 
@@ -362,20 +367,8 @@ def update_critic(run: Run, exp: Experience, step: int) -> dict[str, float]:
     with gradients_allocated(run.roles.critic.chunks):  # freed between updates: the actor's update has the memory
         metrics = _train(run, run.roles.critic, exp, run.critic_loss, b.critic_train, count=b.critic_mini_batches,
                          epochs=b.critic_epochs, shuffle=b.critic_shuffle, step=step, prefix="critic", lm=False)
-    metrics["critic/vf_explained_var"] = _explained_variance(exp.train.returns, exp.train.values, exp.mask, run.ps)
+    metrics["critic/vf_explained_var"] = explained_variance_dp(exp.train.returns, exp.train.values, exp.mask, run.ps)
     return metrics
-
-
-def _explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ps: ParallelState) -> float:
-    """1 - Var(returns - values) / Var(returns) over the step's response tokens, from moments summed over the
-    data-parallel ranks (their [B, R] tensors differ in R, so they cannot be gathered)."""
-    m, res = mask.to(torch.float64), (returns - values).double()
-    ret = returns.double()
-    n, s1, s2, r1, r2 = dp_sum([float(m.sum()), float((ret * m).sum()), float((ret * ret * m).sum()),
-                                float((res * m).sum()), float((res * res * m).sum())], ps)
-    n = max(n, 1.0)
-    var_ret, var_res = s2 / n - (s1 / n) ** 2, r2 / n - (r1 / n) ** 2
-    return 1.0 - var_res / (var_ret + 1e-8)
 
 
 def update_actor(run: Run, exp: Experience, step: int) -> dict[str, float]:

@@ -144,7 +144,8 @@ def sampling(cfg: MegappoConfig, *, validate: bool = False, seed: Optional[int] 
     rollout = cfg.actor_rollout_ref.rollout
     src = rollout.val_kwargs if validate else rollout
     return SamplingParams(max_new_tokens=rollout.response_length, temperature=src.temperature, top_p=src.top_p,
-                          top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed)
+                          top_k=src.top_k, n=src.n, greedy=not src.do_sample, ignore_eos=rollout.ignore_eos, seed=seed,
+                          return_routed_experts=rollout.enable_rollout_routing_replay and not validate)
 
 
 def episodes(cfg: MegappoConfig) -> Optional[EpisodeSettings]:
@@ -185,7 +186,7 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
         restart_failed_servers=r.restart_failed_servers, router=r.router, router_policy=r.router_policy,
         router_python=r.router_python, api_key=r.api_key, api_key_file=r.api_key_file,
         sync_timeout_s=r.sync_timeout_s, weight_sync_master_address=r.weight_sync_master_address,
-        lora_adapter=adapter)
+        lora_adapter=adapter, routed_experts=r.enable_rollout_routing_replay)
 
 
 def lora_settings(lora: Any, seed: int = 0) -> LoRASettings:

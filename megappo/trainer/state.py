@@ -21,6 +21,7 @@ from megappo.rollout.sampling import SamplingParams
 from megappo.trainer import settings
 from megappo.trainer.experience import Samples
 from megappo.trainer.guard import KLGuard
+from megappo.trainer.replay import Replay
 from megappo.trainer.metrics import MetricsLogger
 from megappo.trainer.roles import Roles
 from megappo.trainer.rollout import RolloutWorker
@@ -125,6 +126,8 @@ class Run:
     tool_watch: Optional["ToolWatch"] = None  # multi-turn tool warnings and failing streak, made at the first step
     teachers: Optional["Teachers"] = None  # distillation's teachers (`megappo.distill.teachers`), when enabled
     judge: Optional[Any] = None  # reward_model.judge's deployment (every rank; rank 0's engine judges)
+    # MoE router replay (actor.megatron.router_replay, chosen at setup; disabled until then)
+    replay: Replay = field(default_factory=lambda: Replay("disabled", None))
 
     @property
     def kl_ctrl(self) -> KLController:

@@ -69,6 +69,8 @@ ISSUE_DEFAULTS = {
     "actor_rollout_ref.rollout.val_kwargs.temperature": 0.0, "actor_rollout_ref.rollout.val_kwargs.do_sample": False,
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": None,
     "actor_rollout_ref.ref.megatron.param_offload": False,
+    "actor_rollout_ref.actor.megatron.router_replay.mode": "disabled",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": False,
     "trainer.val_before_train": True, "trainer.log_val_generations": 0, "critic.ppo_mini_batch_size": 256,
     # megappo-specific groups
     "reward_model.micro_batch_size_per_gpu": None, "reward_model.num_workers": 2, "reward_model.backend": "process",
@@ -83,7 +85,7 @@ MEGATRON_DEFAULTS = {
     "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
     "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None, "context_parallel_size": 1,
     "sequence_parallel": False, "param_offload": False, "grad_offload": False, "optimizer_offload": False,
-    "use_distributed_optimizer": False, "seed": 42,
+    "use_distributed_optimizer": False, "seed": 42, "router_replay": {"mode": "disabled"},
 }
 
 

@@ -25,6 +25,7 @@ import torch
 
 from megappo.data.multimodal import MultiModalInputs
 from megappo.rollout.base import RolloutEngine
+from megappo.rollout.hf.routing import RouteRecorder
 from megappo.rollout.hf.vlm import MultiModal, prompt_inputs
 from megappo.rollout.hf.weights import HFWeightLoader
 from megappo.rollout.sampling import Completion, SamplingParams, sample_next
@@ -86,6 +87,7 @@ class HFEngine(RolloutEngine):
         accepted = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in accepted else "past_key_values"
         self._extra_kw = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        self.routes = RouteRecorder.of(self.model)  # MoE: each token's experts, when a request asks
 
     # -- generation ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -156,8 +158,16 @@ class HFEngine(RolloutEngine):
         # ignore_eos ignores every stop token, as SGLang does
         stops = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
         stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
+        rec = self.routes if params.return_routed_experts else None
+        if self.routes is not None:  # a generation that failed part way leaves no record running
+            self.routes.end()
+        if rec is not None:
+            rec.begin(b)
+        every = torch.arange(b)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **vision_kw,
                          **self._extra_kw)
+        if rec is not None:
+            rec.after_forward(every, mask)
         tokens, logps = [], []
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         length = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -180,16 +190,22 @@ class HFEngine(RolloutEngine):
             cache = out["cache"] if "cache" in out else out.past_key_values
             out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True,
                              **{self._cache_kw: cache}, **self._extra_kw)
+            if rec is not None:  # a row that just stopped fed its last token: no route of it is kept
+                rec.after_forward(every, (~finished).unsqueeze(1))
         if tokens:
             tok_mat, logp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
         else:  # aborted before the first token
             tok_mat = logp_mat = [[] for _ in range(b)]
         unfinished = "abort" if aborted else "length"
-        return [
+        done = [
             Completion(prompt_index=i, output_ids=tok_mat[r][:n], log_probs=logp_mat[r][:n],
-                       finish_reason="stop" if bool(finished[r]) else unfinished, weight_version=self.weight_version)
+                       finish_reason="stop" if bool(finished[r]) else unfinished, weight_version=self.weight_version,
+                       routed_experts=None if rec is None else rec.routes(r)[:len(rows[r][1]) + max(n - 1, 0)])
             for r, ((i, _), n) in enumerate(zip(rows, length.tolist()))
         ]
+        if rec is not None:
+            rec.end()
+        return done
 
     # -- weights ---------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -81,8 +81,11 @@ def server_kwargs(r: RolloutSettings, platform: Any) -> dict:
     if unknown:
         raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
                          f"use {SERVER_KWARGS} (pass other launch_server flags as extra_args: [--flag, value])")
-    return {"dtype": dtype, "trust_remote_code": r.trust_remote_code,
-            "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
+    kw = {"dtype": dtype, "trust_remote_code": r.trust_remote_code,
+          "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
+    if r.routed_experts:  # router replay R3: the servers return each token's experts
+        kw["extra_args"] = [*kw.get("extra_args", []), "--enable-return-routed-experts"]
+    return kw
 
 
 def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> "SGLangDeployment":
@@ -97,6 +100,7 @@ class SGLangDeployment(RolloutDeployment):
 
         from megappo.rollout.sglang.fleet import SGLangFleet
         from megappo.rollout.sglang.server_set import ServerSet
+        from megappo.rollout.sglang.routing import RouteLayout
         from megappo.rollout.sglang.vlm import image_token_id
 
         self.servers = ServerSet(r, platform, server_kwargs(r, platform))
@@ -107,7 +111,8 @@ class SGLangDeployment(RolloutDeployment):
                 fleet = SGLangFleet(
                     self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
                     engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s,
-                                   "image_token_id": image_token_id(r.model_path)},
+                                   "image_token_id": image_token_id(r.model_path),
+                                   "routes": RouteLayout.of(r.model_path) if r.routed_experts else None},
                     master_address=r.weight_sync_master_address or r.server_host,
                     backend="nccl" if platform.is_cuda else "gloo", router_url=self.servers.router_url,
                     health_check_interval_s=r.health_check_interval_s,

@@ -26,6 +26,7 @@ from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.sglang.http_client import _http, http_json, register_api_key
+from megappo.rollout.sglang.routing import RouteLayout, decode_routed_experts
 from megappo.rollout.sglang.server import free_port
 from megappo.rollout.sglang.vlm import ImageData, add_image_data, row_images, sglang_prompts
 
@@ -160,8 +161,10 @@ class SGLangEngine(RolloutEngine):
     here (abort, pause, resume, served_version, prompt_log_probs)."""
 
     def __init__(self, url: str, *, timeout: float = 600, tp_size: int = 1, api_key: Optional[str] = None,
-                 sync_timeout: float = 60, image_token_id: Optional[int] = None):
+                 sync_timeout: float = 60, image_token_id: Optional[int] = None,
+                 routes: Optional[RouteLayout] = None):
         self.url = url.rstrip("/")
+        self.routes = routes  # a MoE model's layers: how to read `routed_experts` (router replay)
         self.image_token_id = image_token_id  # a vision-language model's <|image_pad|> id (see sglang_prompts)
         self.timeout = timeout  # a generation request (long batches take long)
         # weight-control calls and the weight group's rendezvous and collectives: a dead peer fails the sync in
@@ -235,6 +238,8 @@ class SGLangEngine(RolloutEngine):
             body = {"input_ids": list(input_ids[0]), "sampling_params": self._sampling_params(params, seeds[0])}
         add_image_data(body, image_data, batched)
         body.update(return_logprob=True, logprob_start_len=-1)
+        if params.return_routed_experts:
+            body["return_routed_experts"] = True
         body.update({k: [v] * len(input_ids) if batched else v for k, v in self.request_fields.items()})
         answer = http_json(self.url + "/generate", body, timeout=self.timeout)
         if isinstance(answer, dict):
@@ -252,8 +257,18 @@ class SGLangEngine(RolloutEngine):
                 prompt_index=i, output_ids=list(item["output_ids"]),
                 log_probs=[lp for lp, *_ in meta.get("output_token_logprobs", [])],
                 finish_reason=reason if reason in ("stop", "abort") else "length",
-                weight_version=self.weight_version, extra={"sglang_weight_version": meta.get("weight_version")}))
+                weight_version=self.weight_version, extra={"sglang_weight_version": meta.get("weight_version")},
+                routed_experts=self._routes(meta) if params.return_routed_experts else None))
         return out
+
+    def _routes(self, meta: dict) -> Optional[torch.Tensor]:
+        if self.routes is None:
+            return None  # a dense model: nothing to replay (the trainer refuses replay on one)
+        if "routed_experts" not in meta:
+            raise RuntimeError(f"SGLang {self.url} returned no routed_experts: start it with "
+                               "--enable-return-routed-experts (rollout.enable_rollout_routing_replay does so for the "
+                               "servers megappo starts)")
+        return decode_routed_experts(meta["routed_experts"], self.routes)
 
     def serve_as(self, adapter_name: str) -> None:
         """Every later request names the LoRA adapter `adapter_name` (SGLang's `lora_path`): the actor as served."""
