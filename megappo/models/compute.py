@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megappo.models.batch import ModelBatch
 from megappo.models import router_replay
+from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
 from megappo.models.layout.plan import Layout, gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan

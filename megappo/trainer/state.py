@@ -21,8 +21,8 @@ from megappo.rollout.sampling import SamplingParams
 from megappo.trainer import settings
 from megappo.trainer.experience import Samples
 from megappo.trainer.guard import KLGuard
-from megappo.trainer.replay import Replay
 from megappo.trainer.metrics import MetricsLogger
+from megappo.trainer.replay import Replay
 from megappo.trainer.roles import Roles
 from megappo.trainer.rollout import RolloutWorker
 from megappo.trainer.run_lock import RunLock
