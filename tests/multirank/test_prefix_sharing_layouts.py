@@ -87,6 +87,7 @@ def _run_layout(layout_kw, hf_dir, micro_kw, modes):
                 continue
             plan = plan_micro_batches(ddp, batch_, micro, ps)
             res[key + "_packs"] = [type(getattr(lay, "pack", None)).__name__ for lay in plan.layouts]
+            res[key + "_rows"] = [type(getattr(lay, "layout_rows", None)).__name__ for lay in plan.layouts]
             m = train_step(ddp, opt, None, batch_, loss_fn, parallel_state=ps, micro=micro,
                            calculate_entropy=role == "actor", platform=plat)
             res[key + "_metrics"] = {"loss": m.loss, "grad_norm": m.grad_norm, **m.metrics}
@@ -168,17 +169,17 @@ def test_shared_equals_packed_moe_ep2_tp2(hf_model_dir):
         check(res[0], f"rank {r} ep2 tp2")
 
 
-@pytest.mark.long  # the refusal itself: tests/unit/test_prefix_sharing.py::test_refusals_name_the_fix
-def test_cp2_refuses_forced_sharing_and_runs_unshared_when_automatic(hf_model_dir):
-    """Context parallelism runs padded micro-batches: share_prefix=True names the fix; None runs as CP always
-    does (its outputs equal the one-rank packed path's, as test_compute's CP tests check for CP itself)."""
+def test_shared_equals_unshared_cp2(hf_model_dir):
+    """Context parallelism: each group of one prompt runs as one tree row split over the two CP ranks
+    (`prefix_cp`); log-probs, entropy, values, step metrics and gradients equal the unshared CP2 path's on both
+    ranks, and the automatic choice leaves this batch's short prompts unshared."""
     hf_dir = hf_model_dir("qwen2")
-    modes = (("forced", {"packed": True, "share_prefix": True}), ("auto", {"packed": True, "share_prefix": None}))
+    modes = PACKED_SHARED + (("auto", {"packed": True, "share_prefix": None}),)
     layouts = [({"cp": 2}, {"micro_batch_size": 6}, modes)]
     for r, res in enumerate(spawn(2, hf_dir, layouts, timeout=300)):
-        err = res[0]["actor_forced_error"]
-        assert "context parallelism" in err and "use_prefix_sharing=false" in err, err
-        assert res[0]["actor_auto_logp"].shape == batch().response_mask.shape
+        check(res[0], f"rank {r} cp2")
+        check(res[0], f"rank {r} cp2 auto", got="auto")
+        assert res[0]["actor_shared_rows"] == ["TreeRows"] * 2 and res[0]["actor_auto_rows"] == ["PlainRows"] * 2
 
 
 @pytest.mark.long  # the layouts' exactness: test_shared_equals_packed_and_padded_tp1

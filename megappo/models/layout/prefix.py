@@ -60,6 +60,10 @@ class SharedPrefixParams(PackedSeqParams):
     rotary_positions: Optional[Tensor] = None  # [T] long
     _plan: Any = field(default=None, repr=False)  # attend_shared's index tensors, built once per forward
 
+    def rotary_table(self, rotary: nn.Module, output: Tensor) -> Tensor:
+        """megatron's rotary table [s, 1, 1, d] -> its rows at the pack's positions [T, 1, 1, d]."""
+        return output.index_select(0, self.rotary_positions.to(output.device))
+
 
 def prompt_groups(mb: ModelBatch) -> list[list[int]]:
     """Rows of `mb` grouped by equal real prompt tokens, in order of first appearance (padding rows, those
@@ -222,14 +226,16 @@ def attend_shared(attn: Any, query: Tensor, key: Tensor, value: Tensor, attentio
 
 
 def _rotary_positions_pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Before a GPTModel forward: hand its rotary module the pack's per-token positions (None: megatron's own)."""
-    model.rotary_pos_emb.megappo_positions = getattr(kwargs.get("packed_seq_params"), "rotary_positions", None)
+    """Before a GPTModel forward: hand its rotary module the params that place each token (None: megatron's own
+    table): a shared pack's or a CP micro-batch's tree rows (`prefix_cp`), both with a `rotary_table`."""
+    params = kwargs.get("packed_seq_params")
+    model.rotary_pos_emb.megappo_positions = params if hasattr(params, "rotary_table") else None
 
 
 def _rotary_positions_hook(rotary: nn.Module, args: tuple, output: Tensor) -> Tensor:
-    """megatron's rotary table [s, 1, 1, d] -> its rows at the pack's positions [T, 1, 1, d], when given."""
-    positions = getattr(rotary, "megappo_positions", None)
-    return output if positions is None else output.index_select(0, positions.to(output.device))
+    """megatron's rotary table -> the rows of each token's own position, where the params give them."""
+    params = getattr(rotary, "megappo_positions", None)
+    return output if params is None else params.rotary_table(rotary, output)
 
 
 def install_prefix_positions(model: nn.Module) -> None:
@@ -248,12 +254,9 @@ def install_prefix_positions(model: nn.Module) -> None:
         model.megappo_prefix_positions = kind in ("learned_absolute", "none")
 
 
-def can_share(inner: nn.Module, cp_size: int) -> Optional[str]:
-    """Why an (unwrapped) chunk cannot run shared packs, or None: it needs megappo's SDPAttention, its positions
-    installed, and no context parallelism."""
-    if cp_size > 1:
-        return ("prefix sharing does not run under context parallelism (its micro-batches run padded): set "
-                "actor_rollout_ref.model.use_prefix_sharing=false or context_parallel_size=1")
+def can_share(inner: nn.Module) -> Optional[str]:
+    """Why an (unwrapped) chunk cannot run shared micro-batches (packs, or tree rows under context parallelism),
+    or None: it needs megappo's SDPAttention and its positions installed."""
     if not getattr(inner, "megappo_sdpa_attention", False):
         return ("prefix sharing needs megappo's SDPAttention (the local spec; transformer-engine's attention takes "
                 "no tree mask): set actor_rollout_ref.model.use_prefix_sharing=false")
@@ -285,12 +288,13 @@ def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, pac
                batch: ModelBatch) -> bool:
     """Whether a step's micro-batches run shared (`MicroBatching.share_prefix`: None where it pays and the model
     can, True wherever a prompt repeats (an error where the model cannot), False never). `packed`: whether the step
-    runs packs at all; `inner`: the unwrapped first chunk."""
+    runs packs at all (under context parallelism it runs tree rows, `prefix_cp`, instead); `inner`: the unwrapped
+    first chunk."""
     if share_prefix is False:
         return False
-    refusal = can_share(inner, cp_size) or (None if packed else (
-        "prefix sharing runs packed micro-batches: set actor_rollout_ref.model.use_remove_padding=true (or "
-        "use_prefix_sharing=false)"))
+    refusal = can_share(inner) or (None if packed or cp_size > 1 else (
+        "prefix sharing runs packed micro-batches (or context-parallel ones): set "
+        "actor_rollout_ref.model.use_remove_padding=true (or use_prefix_sharing=false)"))
     if refusal is not None:
         if share_prefix:
             raise ValueError(refusal)
