@@ -5,8 +5,9 @@ interleaved with rows alone, responses 1 to 37 tokens and one empty), the packed
 log-probs, entropy, values, the actor's and the critic's step loss and metrics, and every gradient (megatron DDP's
 main_grad) must agree to 1e-5 (max |a - b| / max |b|, fp32). World 1 (fixed and dynamic micro-batches, full
 recompute, the padded path as a third witness, top-k log-probs) runs in the default test run;
-TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2 and EP2 x TP2 (Qwen3-MoE) are `long` here (a spawned
-gloo job each, ~20-35 s); so is CP2, which refuses a forced share_prefix and runs unshared when it is automatic.
+CP2 (one tree row per group, `prefix_cp`) too, ~17 s; TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2,
+EP2 x TP2 (Qwen3-MoE), CP2 against one rank, CP2 x TP2 with sequence parallelism and CP2 x PP2 are `long` here (a
+spawned gloo job each, ~20-35 s).
 """
 from __future__ import annotations
 
@@ -180,6 +181,26 @@ def test_shared_equals_unshared_cp2(hf_model_dir):
         check(res[0], f"rank {r} cp2")
         check(res[0], f"rank {r} cp2 auto", got="auto")
         assert res[0]["actor_shared_rows"] == ["TreeRows"] * 2 and res[0]["actor_auto_rows"] == ["PlainRows"] * 2
+
+
+@pytest.mark.long  # CP2 itself: test_shared_equals_unshared_cp2
+def test_shared_cp2_equals_one_rank_and_cp2_tp2_sp_pp2(hf_model_dir):
+    """Shared CP2 (fixed and dynamic micro-batches) against the one-rank packed path; shared CP2 x TP2 with
+    sequence parallelism and CP2 x PP2 against their unshared paths."""
+    hf_dir = hf_model_dir("qwen2")
+    dyn = {"use_dynamic_bsz": True, "max_token_len": 90}
+    micro = ({"micro_batch_size": 6}, dyn)
+    (one,) = spawn(1, hf_dir, [({}, m, PACKED_SHARED) for m in micro], timeout=300)
+    for r, res in enumerate(spawn(2, hf_dir, [({"cp": 2}, m, PACKED_SHARED) for m in micro], timeout=300)):
+        for m, cp, single in zip(micro, res, one):
+            merged = {**single, **{k.replace("_shared_", "_cp2_"): v for k, v in cp.items() if "_shared_" in k}}
+            check(merged, f"rank {r} cp2 {m} against one rank", got="cp2", want="packed")
+    layouts = [({"cp": 2, "tp": 2, "sequence_parallel": True}, dyn, PACKED_SHARED),
+               ({"cp": 2, "pp": 2}, {"micro_batch_size": 4}, PACKED_SHARED)]
+    for r, res in enumerate(spawn(4, hf_dir, layouts)):
+        for (layout, m, _), got in zip(layouts, res):
+            check(got, f"rank {r} {layout} {m}")
+            assert "TreeRows" in got["actor_shared_rows"]
 
 
 @pytest.mark.long  # the layouts' exactness: test_shared_equals_packed_and_padded_tp1
