@@ -301,8 +301,8 @@ def _check_prefix_sharing(cfg: MegappoConfig, errors: list[str]) -> None:
     itself)."""
     cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
     for prefix, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
-        if model.use_prefix_sharing and cp == 1:
-            _need(errors, bool(model.use_remove_padding), f"{prefix}.use_prefix_sharing",
+        if model.use_prefix_sharing:
+            _need(errors, bool(model.use_remove_padding) or cp > 1, f"{prefix}.use_prefix_sharing",
                   "is true but use_remove_padding is false: shared prompts run in packed micro-batches (or in "
                   "context-parallel ones)", f"set {prefix}.use_remove_padding=true or use_prefix_sharing=false")
 

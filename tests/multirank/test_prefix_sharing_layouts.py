@@ -6,7 +6,7 @@ log-probs, entropy, values, the actor's and the critic's step loss and metrics, 
 main_grad) must agree to 1e-5 (max |a - b| / max |b|, fp32). World 1 (fixed and dynamic micro-batches, full
 recompute, the padded path as a third witness, top-k log-probs) runs in the default test run;
 CP2 (one tree row per group, `prefix_cp`) too, ~17 s; TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2,
-EP2 x TP2 (Qwen3-MoE), CP2 against one rank, CP2 x TP2 with sequence parallelism and CP2 x PP2 are `long` here (a
+EP2 x TP2 (Qwen3-MoE), CP2 against one rank, CP2 x TP2 with sequence parallelism, CP2 x PP2 (x VPP2) are `long` here (a
 spawned gloo job each, ~20-35 s).
 """
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_shared_equals_unshared_cp2(hf_model_dir):
 @pytest.mark.long  # CP2 itself: test_shared_equals_unshared_cp2
 def test_shared_cp2_equals_one_rank_and_cp2_tp2_sp_pp2(hf_model_dir):
     """Shared CP2 (fixed and dynamic micro-batches) against the one-rank packed path; shared CP2 x TP2 with
-    sequence parallelism and CP2 x PP2 against their unshared paths."""
+    sequence parallelism, CP2 x PP2 and CP2 x PP2 x VPP2 against their unshared paths."""
     hf_dir = hf_model_dir("qwen2")
     dyn = {"use_dynamic_bsz": True, "max_token_len": 90}
     micro = ({"micro_batch_size": 6}, dyn)
@@ -196,7 +196,8 @@ def test_shared_cp2_equals_one_rank_and_cp2_tp2_sp_pp2(hf_model_dir):
             merged = {**single, **{k.replace("_shared_", "_cp2_"): v for k, v in cp.items() if "_shared_" in k}}
             check(merged, f"rank {r} cp2 {m} against one rank", got="cp2", want="packed")
     layouts = [({"cp": 2, "tp": 2, "sequence_parallel": True}, dyn, PACKED_SHARED),
-               ({"cp": 2, "pp": 2}, {"micro_batch_size": 4}, PACKED_SHARED)]
+               ({"cp": 2, "pp": 2}, {"micro_batch_size": 4}, PACKED_SHARED),
+               ({"cp": 2, "pp": 2, "vpp": 2}, dyn, PACKED_SHARED)]  # tree rows padded to one shape
     for r, res in enumerate(spawn(4, hf_dir, layouts)):
         for (layout, m, _), got in zip(layouts, res):
             check(got, f"rank {r} {layout} {m}")

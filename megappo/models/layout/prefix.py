@@ -21,8 +21,9 @@ float summation order (tests/unit/test_prefix_sharing.py, tests/multirank/test_p
 Outputs are read back per row (`SharedPack.window`): a response's column reads its own token; the last prompt
 column, which predicts every response's first token, is the tree's one prompt token, shared.
 
-Not under context parallelism (the plan runs CP micro-batches padded), nor with transformer-engine's attention or
-fused rope (their kernels take no tree mask): `can_share` says where it runs.
+Under context parallelism the plan runs padded micro-batches; there a group is one tree row instead (`prefix_cp`),
+with the same rules. Not with transformer-engine's attention or fused rope (their kernels take no tree mask):
+`can_share` says where it runs. `sharing_pays` counts the same saving in both (a prompt's tokens per extra row).
 """
 from __future__ import annotations
 
