@@ -227,3 +227,7 @@ def test_config_key_defaults_follows_and_validates():
     cp = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.model.use_prefix_sharing=true",
                             "actor_rollout_ref.actor.megatron.context_parallel_size=2"])
     validate(cp, world_size=2, check_files=False)  # context-parallel micro-batches share as tree rows
+    replay = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.model.use_prefix_sharing=true",
+                                "actor_rollout_ref.actor.megatron.router_replay.mode=R2"])
+    with pytest.raises(ConfigError, match="router_replay"):
+        validate(replay, world_size=1, check_files=False)

@@ -37,6 +37,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor, nn
 
 from megappo.models.batch import ModelBatch
+from megappo.models.router_replay import replayer_of
 
 __all__ = ["SharedPack", "SharedPrefixParams", "Tree", "prompt_groups", "share_micro_batch",
            "attend_shared", "install_prefix_positions", "can_share", "sharing_on", "sharing_pays"]
@@ -257,13 +258,18 @@ def install_prefix_positions(model: nn.Module) -> None:
 
 def can_share(inner: nn.Module) -> Optional[str]:
     """Why an (unwrapped) chunk cannot run shared micro-batches (packs, or tree rows under context parallelism),
-    or None: it needs megappo's SDPAttention and its positions installed."""
+    or None: it needs megappo's SDPAttention, its positions installed, and no router replay."""
     if not getattr(inner, "megappo_sdpa_attention", False):
         return ("prefix sharing needs megappo's SDPAttention (the local spec; transformer-engine's attention takes "
                 "no tree mask): set actor_rollout_ref.model.use_prefix_sharing=false")
     if not getattr(inner, "megappo_prefix_positions", False):
         return ("prefix sharing needs plain rotary or learned position embeddings (not mrope, yarn, MLA or fused "
                 "rope): set actor_rollout_ref.model.use_prefix_sharing=false")
+    replayer = replayer_of(inner)
+    if replayer is not None and replayer.routers:
+        # router replay lays its routes out per row (`router_replay.token_sources`), not per shared tree
+        return ("prefix sharing does not run with MoE router replay: set actor_rollout_ref.model."
+                "use_prefix_sharing=false or actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
     return None
 
 
