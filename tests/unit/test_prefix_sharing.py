@@ -164,6 +164,9 @@ def test_automatic_sharing_where_long_prompts_are_most_of_the_tokens():
     assert not sharing_pays(group(64, [512, 1024] * 4))  # 6%: slower shared
     assert not sharing_pays(group(MIN_PROMPT - 1, [1] * 8))  # tiny prompts stay unshared
     assert not sharing_pays(ModelBatch.from_token_lists([[3] * 900, [5] * 900], [[4], [4]], pad_token_id=0))
+    # context-parallel tree rows attend densely over a group's row: long responses make it longer than it saves
+    assert sharing_pays(group(1024, [64, 256] * 4), tree_rows=True)
+    assert not sharing_pays(group(256, [256, 512] * 4), tree_rows=True)
 
 
 def test_cp_tree_rows_run_each_prompt_once_and_read_back_as_each_row():

@@ -277,18 +277,32 @@ def can_share(inner: nn.Module) -> Optional[str]:
 # MIN_SAVED_FRACTION of its packed tokens. Measured (tools/bench/bench_prefix_sharing.py, hidden 256, 4 layers, 8
 # responses a prompt, CPU): 6% saved (prompt 64, responses 512-1024) is 0.83x, slower: a tree's responses run
 # padded to its longest under an explicit mask; 23% saved (128, 256-512) 1.12-1.19x; 33% (256, 256-512) 1.4x;
-# 75% (1024, 64-256) 3.3x. Shorter prompts also gain (32, 8-32: 1.6x) but little time in all; sharing them would
-# move the tiny recipes' golden numbers in their last bits, so it takes use_prefix_sharing=true.
+# 75% (1024, 64-256) 3.3x. Under context parallelism a group's tree row attends densely (`sharing_pays`'s
+# `tree_rows`), so (256, 256-512), whose row has 3x the attention scores of its rows alone, stays unshared there,
+# and (1024, 64-256), half of them, shares (both estimated, not measured under CP). Shorter prompts also gain
+# (32, 8-32: 1.6x) but little time in all; sharing them would move the tiny recipes' golden numbers in their last
+# bits, so it takes use_prefix_sharing=true.
 MIN_SAVED_FRACTION = 0.25
 MIN_PROMPT = 64
 
 
-def sharing_pays(batch: ModelBatch) -> bool:
-    """Whether sharing `batch`'s repeated prompts of >= MIN_PROMPT tokens saves >= MIN_SAVED_FRACTION of its tokens."""
+def sharing_pays(batch: ModelBatch, tree_rows: bool = False) -> bool:
+    """Whether sharing `batch`'s repeated prompts of >= MIN_PROMPT tokens saves >= MIN_SAVED_FRACTION of its tokens.
+    `tree_rows`: the micro-batches run as context-parallel tree rows (`prefix_cp`), whose attention is one dense
+    masked call over a group's whole row: then also only where that is no more attention scores than the rows
+    alone (sum of squared lengths; long prompts with short responses, not long responses)."""
     plen = batch.prompt_lengths().to(torch.long)
-    total = int((plen + batch.response_lengths().to(torch.long)).sum())
-    saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in prompt_groups(batch) if int(plen[g[0]]) >= MIN_PROMPT)
-    return total > 0 and saved >= MIN_SAVED_FRACTION * total
+    lengths = plen + batch.response_lengths().to(torch.long)
+    total = int(lengths.sum())
+    groups = prompt_groups(batch)
+    saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in groups if int(plen[g[0]]) >= MIN_PROMPT)
+    if total == 0 or saved < MIN_SAVED_FRACTION * total:
+        return False
+    if not tree_rows:
+        return True
+    shared = sum(int(lengths[g].sum() - (plen[g[0]] - 1) * (len(g) - 1)) ** 2 if len(g) > 1
+                 else int(lengths[g[0]]) ** 2 for g in groups)
+    return shared <= int((lengths ** 2).sum())
 
 
 def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, packed: bool,
@@ -308,4 +322,4 @@ def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, pac
         return False
     if not any(len(g) > 1 for g in prompt_groups(batch)):
         return False
-    return bool(share_prefix) or sharing_pays(batch)
+    return bool(share_prefix) or sharing_pays(batch, tree_rows=cp_size > 1)
