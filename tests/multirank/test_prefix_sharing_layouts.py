@@ -6,7 +6,7 @@ log-probs, entropy, values, the actor's and the critic's step loss and metrics, 
 main_grad) must agree to 1e-5 (max |a - b| / max |b|, fp32). World 1 (fixed and dynamic micro-batches, full
 recompute, the padded path as a third witness, top-k log-probs) runs in the default test run;
 CP2 (one tree row per group, `prefix_cp`) too, ~17 s; TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2,
-EP2 x TP2 (Qwen3-MoE), CP2 against one rank, CP2 x TP2 with sequence parallelism, CP2 x PP2 (x VPP2) are `long` here (a
+EP2 x TP2 and CP2 x EP2 (Qwen3-MoE), CP2 against one rank, CP2 x TP2 with sequence parallelism, CP2 x PP2 (x VPP2) are `long` here (a
 spawned gloo job each, ~20-35 s).
 """
 from __future__ import annotations
@@ -202,6 +202,16 @@ def test_shared_cp2_equals_one_rank_and_cp2_tp2_sp_pp2(hf_model_dir):
         for (layout, m, _), got in zip(layouts, res):
             check(got, f"rank {r} {layout} {m}")
             assert "TreeRows" in got["actor_shared_rows"]
+
+
+@pytest.mark.long  # CP2 itself: test_shared_equals_unshared_cp2
+def test_shared_equals_unshared_moe_cp2_ep2(hf_model_dir):
+    """Qwen3-MoE at CP2 x EP2 (DP2, 4 ranks): tree rows whose experts take tokens from both CP ranks' chunks."""
+    hf_dir = hf_model_dir("qwen3_moe")
+    layouts = [({"cp": 2, "ep": 2}, {"use_dynamic_bsz": True, "max_token_len": 90}, PACKED_SHARED)]
+    for r, res in enumerate(spawn(4, hf_dir, layouts)):
+        check(res[0], f"rank {r} moe cp2 ep2")
+        assert "TreeRows" in res[0]["actor_shared_rows"]
 
 
 @pytest.mark.long  # the layouts' exactness: test_shared_equals_packed_and_padded_tp1

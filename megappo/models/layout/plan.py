@@ -147,7 +147,8 @@ def _context_parallel(plan: MicroBatchPlan, inner: nn.Module, parallel_state: Pa
             for mb in plan.micro_batches]
     if parallel_state.vpp_size or shape_group is not None:
         shapes = torch.tensor([list(r.input_ids.shape) for r in rows], dtype=torch.long, device=device)
-        shapes[:] = shapes.amax(0)
+        if parallel_state.vpp_size:
+            shapes[:] = shapes.amax(0)
         if shape_group is not None and dist.get_world_size(shape_group) > 1:
             dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=shape_group)
         rows = [r.pad_to(*shape) for r, shape in zip(rows, shapes.tolist())]
