@@ -125,10 +125,8 @@ class PlainRows:
         return None
 
     def window(self, full: Tensor, window: Tensor) -> Tensor:
-        """[b, s, ...] -> [b, R, ...]."""
-        if full.dim() == 2:
-            return full.gather(1, window)
-        return full.gather(1, window.view(*window.shape, *[1] * (full.dim() - 2)).expand(-1, -1, *full.shape[2:]))
+        """Gathered per-position results [b, s] -> [b, R] at the window's columns [b, R]."""
+        return full.gather(1, window)
 
 
 def tree_rows(mb: ModelBatch) -> TreeRows:
