@@ -278,8 +278,9 @@ def can_share(inner: nn.Module) -> Optional[str]:
 # responses a prompt, CPU): 6% saved (prompt 64, responses 512-1024) is 0.83x, slower: a tree's responses run
 # padded to its longest under an explicit mask; 23% saved (128, 256-512) 1.12-1.19x; 33% (256, 256-512) 1.4x;
 # 75% (1024, 64-256) 3.3x. Under context parallelism a group's tree row attends densely (`sharing_pays`'s
-# `tree_rows`), so (256, 256-512), whose row has 3x the attention scores of its rows alone, stays unshared there,
-# and (1024, 64-256), half of them, shares (both estimated, not measured under CP). Shorter prompts also gain
+# `tree_rows`): (256, 256-512), whose row has 3x the attention scores of its rows alone, stays unshared there
+# (measured shared at CP2: 0.47x log-prob pass, 0.94x step), and (1024, 64-256), half of them, shares (2.4x, 3.7x;
+# `--cp 2`, one group, a loaded 2-core machine: +-30%). Shorter prompts also gain
 # (32, 8-32: 1.6x) but little time in all; sharing them would move the tiny recipes' golden numbers in their last
 # bits, so it takes use_prefix_sharing=true.
 MIN_SAVED_FRACTION = 0.25
