@@ -182,13 +182,11 @@ def test_cp_tree_rows_run_each_prompt_once_and_read_back_as_each_row():
     ids, pos = b.left_aligned()
     window = _response_window(b)
 
-    def next_token_and_position(ids, pos):  # [n, s, 2]: what a log-prob at a position depends on
-        return torch.stack([torch.roll(ids, -1, 1), pos], -1)
-
-    got = t.window(next_token_and_position(t.input_ids, t.position_ids), window)
-    want = plain.window(next_token_and_position(ids, pos), window)
     real = b.response_mask.bool()
-    assert torch.equal(got[real], want[real]) and real.sum() == 9
+    assert real.sum() == 9
+    # what a log-prob at a position depends on: its next token and its position
+    for got, want in ((torch.roll(t.input_ids, -1, 1), torch.roll(ids, -1, 1)), (t.position_ids, pos)):
+        assert torch.equal(t.window(got, window)[real], plain.window(want, window)[real])
 
 
 def test_cp_tree_mask_lets_a_branch_see_its_prompt_and_itself_only():
@@ -209,6 +207,7 @@ def test_refusals_name_the_fix():
     b = _batch()
     plain = torch.nn.Linear(1, 1)  # a module without megappo's attention
     assert "SDPAttention" in can_share(plain)
+    assert "router replay" in can_share(plain, replaying=True)
     with pytest.raises(ValueError, match="use_prefix_sharing=false"):
         sharing_on(True, plain, 1, True, b)
     assert sharing_on(None, plain, 1, True, b) is False and sharing_on(False, plain, 1, True, b) is False

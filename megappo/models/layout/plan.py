@@ -32,6 +32,7 @@ from megappo.models.microbatch import MicroBatching, MicroBatchPlan, padded_toke
 from megappo.models.layout.packing import Pack, pack_micro_batch
 from megappo.models.layout.prefix import prompt_groups, share_micro_batch, sharing_on
 from megappo.models.layout.prefix_cp import PlainRows, TreeRows, tree_rows
+from megappo.models.router_replay import replayer_of
 from megappo.parallel import ParallelState
 
 __all__ = ["Layout", "Padded", "Packed", "ContextParallel", "plan_micro_batches", "can_pack", "causal_mask", "model_device",
@@ -238,7 +239,8 @@ def plan_micro_batches(model_chunks: Sequence[nn.Module], batch: ModelBatch, mic
     device = model_device(model_chunks)
     packed = micro.packed and can_pack(model_chunks, parallel_state)
     shape_group = _shape_group(inner, parallel_state)
-    share = sharing_on(micro.share_prefix, inner, parallel_state.cp_size, packed, batch)
+    share = sharing_on(micro.share_prefix, inner, parallel_state.cp_size, packed, batch,
+                       replaying=bool(getattr(replayer_of(inner), "routers", None)))
     plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
                        use_dynamic_bsz=micro.use_dynamic_bsz, dp_group=parallel_state.dp_group,
                        count_multiple=_count_multiple(parallel_state),

@@ -37,7 +37,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor, nn
 
 from megappo.models.batch import ModelBatch
-from megappo.models.router_replay import replayer_of
 
 __all__ = ["SharedPack", "SharedPrefixParams", "Tree", "prompt_groups", "share_micro_batch",
            "attend_shared", "install_prefix_positions", "can_share", "sharing_on", "sharing_pays"]
@@ -256,20 +255,19 @@ def install_prefix_positions(model: nn.Module) -> None:
         model.megappo_prefix_positions = kind in ("learned_absolute", "none")
 
 
-def can_share(inner: nn.Module) -> Optional[str]:
+def can_share(inner: nn.Module, replaying: bool = False) -> Optional[str]:
     """Why an (unwrapped) chunk cannot run shared micro-batches (packs, or tree rows under context parallelism),
-    or None: it needs megappo's SDPAttention, its positions installed, and no router replay."""
+    or None: it needs megappo's SDPAttention, its positions installed, and no router replay (`replaying`: its MoE
+    routers replay or record routes, `megappo.models.router_replay`)."""
+    if replaying:  # router replay lays its routes out per row (`router_replay.token_sources`), not per shared tree
+        return ("prefix sharing does not run with MoE router replay: set actor_rollout_ref.model."
+                "use_prefix_sharing=false or actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
     if not getattr(inner, "megappo_sdpa_attention", False):
         return ("prefix sharing needs megappo's SDPAttention (the local spec; transformer-engine's attention takes "
                 "no tree mask): set actor_rollout_ref.model.use_prefix_sharing=false")
     if not getattr(inner, "megappo_prefix_positions", False):
         return ("prefix sharing needs plain rotary or learned position embeddings (not mrope, yarn, MLA or fused "
                 "rope): set actor_rollout_ref.model.use_prefix_sharing=false")
-    replayer = replayer_of(inner)
-    if replayer is not None and replayer.routers:
-        # router replay lays its routes out per row (`router_replay.token_sources`), not per shared tree
-        return ("prefix sharing does not run with MoE router replay: set actor_rollout_ref.model."
-                "use_prefix_sharing=false or actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
     return None
 
 
@@ -307,14 +305,14 @@ def sharing_pays(batch: ModelBatch, tree_rows: bool = False) -> bool:
 
 
 def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, packed: bool,
-               batch: ModelBatch) -> bool:
+               batch: ModelBatch, replaying: bool = False) -> bool:
     """Whether a step's micro-batches run shared (`MicroBatching.share_prefix`: None where it pays and the model
     can, True wherever a prompt repeats (an error where the model cannot), False never). `packed`: whether the step
     runs packs at all (under context parallelism it runs tree rows, `prefix_cp`, instead); `inner`: the unwrapped
-    first chunk."""
+    first chunk; `replaying`: as `can_share`."""
     if share_prefix is False:
         return False
-    refusal = can_share(inner) or (None if packed or cp_size > 1 else (
+    refusal = can_share(inner, replaying) or (None if packed or cp_size > 1 else (
         "prefix sharing runs packed micro-batches (or context-parallel ones): set "
         "actor_rollout_ref.model.use_remove_padding=true (or use_prefix_sharing=false)"))
     if refusal is not None:
