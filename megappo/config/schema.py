@@ -156,9 +156,10 @@ class ModelConfig:
     # path to float summation order. None: true for actor_rollout_ref.model, the actor's value for critic.model
     use_remove_padding: Optional[bool] = None
     # Prefix sharing: a packed micro-batch runs a prompt shared by several rows (GRPO groups of rollout.n) once,
-    # each response attending to the prompt and itself only (megappo.models.layout.prefix); exact against the
-    # unshared path. None (automatic): on where the model can (megappo's SDPA attention with plain rope, packed,
-    # no context parallelism) and sharing prompts of >= 64 tokens drops >= 25% of a batch's tokens (prompt 1024,
+    # each response attending to the prompt and itself only (megappo.models.layout.prefix; under context
+    # parallelism a group is one tree row, megappo.models.layout.prefix_cp); exact against the unshared path.
+    # None (automatic): on where the model can (megappo's SDPA attention with plain rope, packed or context
+    # parallel, no router replay) and sharing prompts of >= 64 tokens drops >= 25% of a batch's tokens (prompt 1024,
     # responses 64-256, n 8: 3.3x; where under ~15% is saved it is slower: long responses, short prompts; see
     # megappo.models.layout.prefix.MIN_SAVED_FRACTION); true: wherever a prompt repeats (an error where the model
     # cannot); false: never. critic.model's None: the actor's

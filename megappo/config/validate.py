@@ -297,15 +297,19 @@ def _check_layouts(cfg: MegappoConfig, errors: list[str]) -> None:
 
 
 def _check_prefix_sharing(cfg: MegappoConfig, errors: list[str]) -> None:
-    """use_prefix_sharing=true runs packed micro-batches without context parallelism (None decides by itself)."""
+    """use_prefix_sharing=true runs packed micro-batches, or tree rows under context parallelism, without router
+    replay on the actor (None decides by itself)."""
+    cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
+    replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
     for prefix, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
         if model.use_prefix_sharing:
-            _need(errors, bool(model.use_remove_padding), f"{prefix}.use_prefix_sharing",
-                  "is true but use_remove_padding is false: shared prompts run in packed micro-batches",
-                  f"set {prefix}.use_remove_padding=true or use_prefix_sharing=false")
-            cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
-            _need(errors, cp == 1, f"{prefix}.use_prefix_sharing", f"is true but context_parallel_size={cp}: "
-                  "context-parallel micro-batches run padded", "set use_prefix_sharing=false (or leave it out)")
+            _need(errors, bool(model.use_remove_padding) or cp > 1, f"{prefix}.use_prefix_sharing",
+                  "is true but use_remove_padding is false: shared prompts run in packed micro-batches (or in "
+                  "context-parallel ones)", f"set {prefix}.use_remove_padding=true or use_prefix_sharing=false")
+            # the critic replays no routes
+            _need(errors, replay == "disabled" or prefix == "critic.model", f"{prefix}.use_prefix_sharing",
+                  f"is true but router_replay.mode={replay}: replayed routes are laid out per row",
+                  "set use_prefix_sharing=false (or leave it out)")
 
 
 def _check_actor(cfg: MegappoConfig, errors: list[str]) -> None:

@@ -5,8 +5,9 @@ interleaved with rows alone, responses 1 to 37 tokens and one empty), the packed
 log-probs, entropy, values, the actor's and the critic's step loss and metrics, and every gradient (megatron DDP's
 main_grad) must agree to 1e-5 (max |a - b| / max |b|, fp32). World 1 (fixed and dynamic micro-batches, full
 recompute, the padded path as a third witness, top-k log-probs) runs in the default test run;
-TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2 and EP2 x TP2 (Qwen3-MoE) are `long` here (a spawned
-gloo job each, ~20-35 s); so is CP2, which refuses a forced share_prefix and runs unshared when it is automatic.
+CP2 (one tree row per group, `prefix_cp`) too, ~17 s; TP2, TP2 with sequence parallelism, PP2, PP2 x VPP2, DP2,
+EP2 x TP2 and CP2 x EP2 (Qwen3-MoE), CP2 against one rank, CP2 x TP2 with sequence parallelism, CP2 x PP2 (x VPP2) are `long` here (a
+spawned gloo job each, ~20-35 s).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def _run_layout(layout_kw, hf_dir, micro_kw, modes):
                 continue
             plan = plan_micro_batches(ddp, batch_, micro, ps)
             res[key + "_packs"] = [type(getattr(lay, "pack", None)).__name__ for lay in plan.layouts]
+            res[key + "_rows"] = [type(getattr(lay, "layout_rows", None)).__name__ for lay in plan.layouts]
             m = train_step(ddp, opt, None, batch_, loss_fn, parallel_state=ps, micro=micro,
                            calculate_entropy=role == "actor", platform=plat)
             res[key + "_metrics"] = {"loss": m.loss, "grad_norm": m.grad_norm, **m.metrics}
@@ -168,17 +170,48 @@ def test_shared_equals_packed_moe_ep2_tp2(hf_model_dir):
         check(res[0], f"rank {r} ep2 tp2")
 
 
-@pytest.mark.long  # the refusal itself: tests/unit/test_prefix_sharing.py::test_refusals_name_the_fix
-def test_cp2_refuses_forced_sharing_and_runs_unshared_when_automatic(hf_model_dir):
-    """Context parallelism runs padded micro-batches: share_prefix=True names the fix; None runs as CP always
-    does (its outputs equal the one-rank packed path's, as test_compute's CP tests check for CP itself)."""
+def test_shared_equals_unshared_cp2(hf_model_dir):
+    """Context parallelism: each group of one prompt runs as one tree row split over the two CP ranks
+    (`prefix_cp`); log-probs, entropy, values, step metrics and gradients equal the unshared CP2 path's on both
+    ranks, and the automatic choice leaves this batch's short prompts unshared."""
     hf_dir = hf_model_dir("qwen2")
-    modes = (("forced", {"packed": True, "share_prefix": True}), ("auto", {"packed": True, "share_prefix": None}))
+    modes = PACKED_SHARED + (("auto", {"packed": True, "share_prefix": None}),)
     layouts = [({"cp": 2}, {"micro_batch_size": 6}, modes)]
     for r, res in enumerate(spawn(2, hf_dir, layouts, timeout=300)):
-        err = res[0]["actor_forced_error"]
-        assert "context parallelism" in err and "use_prefix_sharing=false" in err, err
-        assert res[0]["actor_auto_logp"].shape == batch().response_mask.shape
+        check(res[0], f"rank {r} cp2")
+        check(res[0], f"rank {r} cp2 auto", got="auto")
+        assert res[0]["actor_shared_rows"] == ["TreeRows"] * 2 and res[0]["actor_auto_rows"] == ["PlainRows"] * 2
+
+
+@pytest.mark.long  # CP2 itself: test_shared_equals_unshared_cp2
+def test_shared_cp2_equals_one_rank_and_cp2_tp2_sp_pp2(hf_model_dir):
+    """Shared CP2 (fixed and dynamic micro-batches) against the one-rank packed path; shared CP2 x TP2 with
+    sequence parallelism, CP2 x PP2 and CP2 x PP2 x VPP2 against their unshared paths."""
+    hf_dir = hf_model_dir("qwen2")
+    dyn = {"use_dynamic_bsz": True, "max_token_len": 90}
+    micro = ({"micro_batch_size": 6}, dyn)
+    (one,) = spawn(1, hf_dir, [({}, m, PACKED_SHARED) for m in micro], timeout=300)
+    for r, res in enumerate(spawn(2, hf_dir, [({"cp": 2}, m, PACKED_SHARED) for m in micro], timeout=300)):
+        for m, cp, single in zip(micro, res, one):
+            merged = {**single, **{k.replace("_shared_", "_cp2_"): v for k, v in cp.items() if "_shared_" in k}}
+            check(merged, f"rank {r} cp2 {m} against one rank", got="cp2", want="packed")
+    layouts = [({"cp": 2, "tp": 2, "sequence_parallel": True}, dyn, PACKED_SHARED),
+               ({"cp": 2, "pp": 2}, {"micro_batch_size": 4}, PACKED_SHARED),
+               ({"cp": 2, "pp": 2, "vpp": 2}, dyn, PACKED_SHARED)]  # tree rows padded to one shape
+    for r, res in enumerate(spawn(4, hf_dir, layouts)):
+        for (layout, m, _), got in zip(layouts, res):
+            check(got, f"rank {r} {layout} {m}")
+            assert "TreeRows" in got["actor_shared_rows"]
+
+
+@pytest.mark.long  # CP2 itself: test_shared_equals_unshared_cp2
+def test_shared_equals_unshared_moe_cp2_ep2(hf_model_dir):
+    """Qwen3-MoE at CP2 x EP2 (DP2, 4 ranks): tree rows whose experts take tokens from both CP ranks' chunks."""
+    hf_dir = hf_model_dir("qwen3_moe")
+    layouts = [({"cp": 2, "ep": 2}, {"use_dynamic_bsz": True, "max_token_len": 90}, PACKED_SHARED)]
+    for r, res in enumerate(spawn(4, hf_dir, layouts)):
+        check(res[0], f"rank {r} moe cp2 ep2")
+        assert "TreeRows" in res[0]["actor_shared_rows"]
 
 
 @pytest.mark.long  # the layouts' exactness: test_shared_equals_packed_and_padded_tp1

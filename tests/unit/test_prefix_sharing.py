@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from megappo.models.batch import ModelBatch
+from megappo.models.compute import _response_window
+from megappo.models.layout.context_parallel import positions
 from megappo.models.layout.packing import pack_micro_batch
+from megappo.models.layout.prefix_cp import PlainRows, TreeRowParams, tree_rows
 from megappo.models.layout.prefix import (
     MIN_PROMPT, can_share, prompt_groups, share_micro_batch, sharing_on, sharing_pays,
 )
@@ -161,13 +164,50 @@ def test_automatic_sharing_where_long_prompts_are_most_of_the_tokens():
     assert not sharing_pays(group(64, [512, 1024] * 4))  # 6%: slower shared
     assert not sharing_pays(group(MIN_PROMPT - 1, [1] * 8))  # tiny prompts stay unshared
     assert not sharing_pays(ModelBatch.from_token_lists([[3] * 900, [5] * 900], [[4], [4]], pad_token_id=0))
+    # context-parallel tree rows attend densely over a group's row: long responses make it longer than it saves
+    assert sharing_pays(group(1024, [64, 256] * 4), tree_rows=True)
+    assert not sharing_pays(group(256, [256, 512] * 4), tree_rows=True)
+
+
+def test_cp_tree_rows_run_each_prompt_once_and_read_back_as_each_row():
+    """Under context parallelism a group is one row: the prompt less its last token, then per row a branch of that
+    token and the response (one next-token label per position); outputs read back per row as the unshared rows'."""
+    b = _batch().pad_to(5, 3, 4)  # and an all-padding row
+    t = tree_rows(b)
+    assert t.input_ids.tolist() == [[5, 6, 7, 11, 12, 7, 16, 17, 18, 19, 7],
+                                    [8, 9, 13, 14, 15, 0, 0, 0, 0, 0, 0], [0] * 11]
+    assert t.position_ids[0].tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 2]
+    assert t.segments.tolist() == [[0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3], [0] * 5 + [-1] * 6, [-1] * 11]
+    plain = PlainRows(b)
+    ids, pos = b.left_aligned()
+    window = _response_window(b)
+
+    real = b.response_mask.bool()
+    assert real.sum() == 9
+    # what a log-prob at a position depends on: its next token and its position
+    for got, want in ((torch.roll(t.input_ids, -1, 1), torch.roll(ids, -1, 1)), (t.position_ids, pos)):
+        assert torch.equal(t.window(got, window)[real], plain.window(want, window)[real])
+
+
+def test_cp_tree_mask_lets_a_branch_see_its_prompt_and_itself_only():
+    t = tree_rows(_batch())
+    seg = torch.nn.functional.pad(t.segments, (0, 1), value=-1)  # 12 columns: 2 CP ranks x 2 chunks of 3
+    full = [TreeRowParams(qkv_format="sbhd", segments=seg, cp_size=2, cp_rank=r).attend_mask("cpu") for r in (0, 1)]
+    mask = torch.zeros(2, 12, 12, dtype=torch.bool)
+    for r, m in enumerate(full):  # rank r holds chunks r and 3 - r
+        mask[:, positions(12, 2, r)] = m[:, 0]
+    row = mask[0]
+    assert row[4].nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]  # row 0's branch: prompt 5 6, then 7 11 12
+    assert row[7].nonzero().squeeze(1).tolist() == [0, 1, 5, 6, 7]  # row 2's branch skips row 0's
+    assert row[10].nonzero().squeeze(1).tolist() == [0, 1, 10]  # row 3 (empty response): its copy of 7
+    assert torch.equal(mask[1, :5, :5], torch.ones(5, 5, dtype=torch.bool).tril())  # a row alone: causal
 
 
 def test_refusals_name_the_fix():
     b = _batch()
     plain = torch.nn.Linear(1, 1)  # a module without megappo's attention
-    assert "context parallelism" in can_share(plain, 2)
-    assert "SDPAttention" in can_share(plain, 1)
+    assert "SDPAttention" in can_share(plain)
+    assert "router replay" in can_share(plain, replaying=True)
     with pytest.raises(ValueError, match="use_prefix_sharing=false"):
         sharing_on(True, plain, 1, True, b)
     assert sharing_on(None, plain, 1, True, b) is False and sharing_on(False, plain, 1, True, b) is False
@@ -186,3 +226,10 @@ def test_config_key_defaults_follows_and_validates():
                              "actor_rollout_ref.model.use_remove_padding=false"])
     with pytest.raises(ConfigError, match="use_prefix_sharing"):
         validate(bad, world_size=1, check_files=False)
+    cp = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.model.use_prefix_sharing=true",
+                            "actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+    validate(cp, world_size=2, check_files=False)  # context-parallel micro-batches share as tree rows
+    replay = load_config(None, ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.model.use_prefix_sharing=true",
+                                "actor_rollout_ref.actor.megatron.router_replay.mode=R2"])
+    with pytest.raises(ConfigError, match="router_replay"):
+        validate(replay, world_size=1, check_files=False)

@@ -2,7 +2,8 @@
 
 The workload: `--groups` prompts of `--prompt` tokens, `--n` responses each of `--resp-min`..`--resp-max` tokens
 (uniform), a tiny Qwen2-style actor (random weights, hidden `--hidden`, `--layers` layers), `--micro` samples per
-micro-batch (a group per micro-batch at the default n = micro = 8), packed (use_remove_padding) in both paths. Timed:
+micro-batch (a group per micro-batch at the default n = micro = 8), packed (use_remove_padding) in both paths (with
+`--cp` > 1: context-parallel padded rows, a group's as one tree row, on that many gloo ranks; rank 0's times). Timed:
 the log-prob pass (`compute_log_probs`, forward only, as the reference and old-log-prob passes run it) and one
 PPO-shaped training step (`train_step`: forward, log-probs and entropy, a token-mean loss, backward; lr 0).
 
@@ -12,6 +13,7 @@ response), the same for both paths, so the ratio is the speed-up.
 
     python tools/bench/bench_prefix_sharing.py [--prompt 1024] [--resp-min 64] [--resp-max 256] [--n 8]
     python tools/bench/bench_prefix_sharing.py --prompt 64 --resp-min 512 --resp-max 1024   # where it does not pay
+    python tools/bench/bench_prefix_sharing.py --cp 2   # context parallelism: padded rows, a tree row per group
 """
 from __future__ import annotations
 
@@ -67,8 +69,9 @@ def _measure(rank: int, world: int, hf_dir: str, args, share) -> dict:
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
 
+    torch.set_num_threads(1)
     plat = detect_platform()
-    ps = init_parallel(ParallelLayout(), plat, seed=0)
+    ps = init_parallel(ParallelLayout(cp=args.cp), plat, seed=0)
     chunks = build_model(hf_dir, "actor", ps, plat, seed=0)
     load_hf_weights(chunks, hf_dir, ps)
     settings = OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=2 * args.repeats + 2)
@@ -77,12 +80,15 @@ def _measure(rank: int, world: int, hf_dir: str, args, share) -> dict:
     batch, tokens = _batch(args, int(load_hf_config_dict(hf_dir)["vocab_size"]))
     micro = MicroBatching(micro_batch_size=args.micro, packed=True, share_prefix=share)
     layouts = plan_micro_batches(ddp, batch, micro, ps).layouts
-    pack_tokens = sum(lay.pack.num_tokens for lay in layouts)
+    # the tokens the model runs: a pack's, or (context parallel) the padded rows' over every CP rank
+    pack_tokens = sum(lay.pack.num_tokens if lay.pack is not None else lay.rows * lay.seq_length for lay in layouts)
     logp_s, (logp, _) = _best(lambda: compute_log_probs(ddp, batch, parallel_state=ps, micro=micro), args.repeats)
     step_s, m = _best(lambda: train_step(ddp, opt, None, batch, _loss, parallel_state=ps, micro=micro,
                                          calculate_entropy=True, platform=plat), args.repeats)
     name = {False: "packed", True: "shared", None: "auto"}[share]
-    return {"path": name, "shared": any(type(lay.pack).__name__ == "SharedPack" for lay in layouts),
+    shared = [type(lay.pack).__name__ == "SharedPack" or type(getattr(lay, "layout_rows", None)).__name__ == "TreeRows"
+              for lay in layouts]
+    return {"path": name, "shared": any(shared),
             "pack_tokens": pack_tokens, "tokens": tokens, "logp_s": logp_s, "step_s": step_s,
             "logp_tokens_per_s": tokens / logp_s, "step_tokens_per_s": tokens / step_s, "loss": m.loss,
             "logp": logp, "device": "cuda" if plat.is_cuda else "cpu"}
@@ -102,6 +108,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (tree rows, padded, `prefix_cp`)")
     ap.add_argument("--auto", action="store_true", help="also run use_prefix_sharing=None (the automatic choice)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -117,7 +124,7 @@ def main() -> None:
     print(f"{args.groups} prompts of {args.prompt} tokens x {args.n} responses of {args.resp_min}..{args.resp_max}; "
           f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.micro} samples per micro-batch")
     modes = (False, True) + ((None,) if args.auto else ())
-    results = [run_distributed(_measure, 1, hf_dir, args, share, timeout=1800)[0] for share in modes]
+    results = [run_distributed(_measure, args.cp, hf_dir, args, share, timeout=1800)[0] for share in modes]
     print(f"{'path':<8}{'pack tok':>9}{'logp s':>9}{'logp tok/s':>12}{'step s':>9}{'step tok/s':>12}{'loss':>14}")
     for r in results:
         print(f"{r['path'] + ('' if r['shared'] else '*'):<8}{r['pack_tokens']:>9}{r['logp_s']:>9.2f}"

@@ -5,8 +5,9 @@
   shared-prefix pack (`prefix.attend_shared`: each response over its prompt and itself);
 - `ContextParallelSequences`: this CP rank holds its two chunks of each row (`context_parallel`). K and V are
   all-gathered over the CP group (autograd-aware: their gradients are summed back) and each local query attends to
-  the keys at or before its global position: megatron's "all_gather" CP scheme, the same result as CP=1. Packed
-  micro-batches do not run under CP (the plan runs them padded).
+  the keys at or before its global position: megatron's "all_gather" CP scheme, the same result as CP=1; a
+  micro-batch of tree rows (`prefix_cp`, prefix sharing) attends under its tree mask instead. Packed micro-batches
+  do not run under CP (the plan runs them padded).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import Tensor
 from megappo.models.layout.context_parallel import causal_attend, gather_sequence
 from megappo.models.layout.packing import attend_packed
 from megappo.models.layout.prefix import SharedPrefixParams, attend_shared
+from megappo.models.layout.prefix_cp import TreeRowParams
 
 __all__ = ["LocalSequences", "ContextParallelSequences", "sequence_layout"]
 
@@ -44,8 +46,9 @@ class ContextParallelSequences:
     def attend(self, attn: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                attention_bias: Optional[Tensor], packed_seq_params: Any) -> Tensor:
         """key/value [s/cp, b, ng, hn] -> the whole sequence's [s, b, ng, hn] in global order, attended under the
-        [s/cp, s] mask (True = attend) of the local queries' causal attention at their global positions."""
-        if packed_seq_params is not None:
+        [s/cp, s] mask (True = attend) of the local queries' causal attention at their global positions, or the
+        tree rows' [b, 1, s/cp, s] mask (`prefix_cp`: each branch over its prompt and itself)."""
+        if packed_seq_params is not None and not isinstance(packed_seq_params, TreeRowParams):
             raise NotImplementedError("SDPAttention runs context parallelism on padded micro-batches only, not "
                                       "packed ones (megappo.models.compute does not pack under CP)")
         attn.check_dense(query, key, attention_bias)
@@ -55,7 +58,8 @@ class ContextParallelSequences:
         s = key.size(0) * self.size
         key = gather_sequence(key, 0, self.group, s)
         value = gather_sequence(value, 0, self.group, s)
-        mask = causal_attend(s, self.size, self.group.rank(), str(key.device))
+        mask = (causal_attend(s, self.size, self.group.rank(), str(key.device)) if packed_seq_params is None
+                else packed_seq_params.attend_mask(key.device))
         return attn.attend(query, key, value, mask, False, None)
 
 

@@ -31,6 +31,8 @@ from megappo.models.layout.context_parallel import CPSplit, cp_pad_multiple, spl
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan, padded_tokens, real_tokens, split_batch
 from megappo.models.layout.packing import Pack, pack_micro_batch
 from megappo.models.layout.prefix import prompt_groups, share_micro_batch, sharing_on
+from megappo.models.layout.prefix_cp import PlainRows, TreeRows, tree_rows
+from megappo.models.router_replay import replayer_of
 from megappo.parallel import ParallelState
 
 __all__ = ["Layout", "Padded", "Packed", "ContextParallel", "plan_micro_batches", "can_pack", "causal_mask", "model_device",
@@ -102,34 +104,56 @@ class Packed:
 
 
 class ContextParallel:
-    """This CP rank's chunks of the left-aligned rows. Per-position results are computed from the local output
-    (the logits stay local) and all-gathered over the CP group to [b, s] before the window is read, so every CP
-    rank returns, and computes the loss on, the whole micro-batch."""
+    """This CP rank's chunks of the micro-batch's rows (`prefix_cp`: as they are, or with each group of one prompt
+    as one tree row). Per-position results are computed from the local output (the logits stay local) and
+    all-gathered over the CP group to [n, s] before the window is read, so every CP rank returns, and computes the
+    loss on, the whole micro-batch."""
 
     pack: Optional[Pack] = None
 
-    def __init__(self, mb: ModelBatch, parallel_state: ParallelState, multiple: int):
-        ids, pos = mb.left_aligned()
-        self.input_ids, self.position_ids, self.split = split_micro_batch(ids, pos, parallel_state, multiple)
-        self.rows, self.seq_length = mb.batch_size, self.split.seq_len  # megatron divides seq_length by cp
+    def __init__(self, rows: Union[PlainRows, TreeRows], parallel_state: ParallelState, multiple: int):
+        self.layout_rows = rows
+        self.input_ids, self.position_ids, self.split = split_micro_batch(rows.input_ids, rows.position_ids,
+                                                                          parallel_state, multiple)
+        self.params = rows.params(self.split, parallel_state.cp_size, parallel_state.cp_rank)
+        self.rows, self.seq_length = self.input_ids.shape[0], self.split.seq_len  # megatron divides seq_length by cp
 
     def inputs(self) -> dict[str, Any]:
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "packed_seq_params": self.params}
 
     def values(self, output: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """output [b, s / cp] -> [b, R]."""
-        return self.split.gather(output).gather(1, window)
+        """output [n, s / cp] -> [b, R]."""
+        return self.layout_rows.window(self.split.gather(output), window)
 
     def token_stats(self, output: torch.Tensor, window: torch.Tensor, targets: torch.Tensor,
                     stats: TokenStats) -> Sequence[Optional[torch.Tensor]]:
-        """output [b, s / cp, V/tp] -> `stats` of every local position and its next token, gathered, at the window
+        """output [n, s / cp, V/tp] -> `stats` of every local position and its next token, gathered, at the window
         ([b, R] each); `targets` (the response tokens) are the gathered positions' own."""
         split: CPSplit = self.split
         out = stats(output, split.targets)
         if any(t is not None and t.dim() > 2 for t in out):
             raise ValueError("per-position top-k log-probs are not computed under context parallelism (its ranks "
                              "gather per-token scalars only): set context_parallel_size=1")
-        return [None if t is None else split.gather(t).gather(1, window) for t in out]
+        return [None if t is None else self.layout_rows.window(split.gather(t), window) for t in out]
+
+
+def _context_parallel(plan: MicroBatchPlan, inner: nn.Module, parallel_state: ParallelState, shape_group: Any,
+                      device: torch.device, share: bool) -> list[ContextParallel]:
+    """Each micro-batch's CP layout; with `share`, micro-batches with a prompt in several rows run tree rows
+    (`prefix_cp`), padded to one shape where megatron needs equal shapes (as `_packed`)."""
+    multiple = cp_pad_multiple(parallel_state.cp_size, parallel_state.tp_size,
+                               bool(getattr(inner.config, "sequence_parallel", False)))
+    rows = [tree_rows(mb) if share and any(len(g) > 1 for g in prompt_groups(mb)) else PlainRows(mb)
+            for mb in plan.micro_batches]
+    if parallel_state.vpp_size or shape_group is not None:
+        shapes = torch.tensor([list(r.input_ids.shape) for r in rows], dtype=torch.long, device=device)
+        if parallel_state.vpp_size:
+            shapes[:] = shapes.amax(0)
+        if shape_group is not None and dist.get_world_size(shape_group) > 1:
+            dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=shape_group)
+        rows = [r.pad_to(*shape) for r, shape in zip(rows, shapes.tolist())]
+    return [ContextParallel(r, parallel_state, multiple) for r in rows]
 
 
 Layout = Union[Padded, Packed, ContextParallel]
@@ -215,7 +239,8 @@ def plan_micro_batches(model_chunks: Sequence[nn.Module], batch: ModelBatch, mic
     device = model_device(model_chunks)
     packed = micro.packed and can_pack(model_chunks, parallel_state)
     shape_group = _shape_group(inner, parallel_state)
-    share = sharing_on(micro.share_prefix, inner, parallel_state.cp_size, packed, batch)
+    share = sharing_on(micro.share_prefix, inner, parallel_state.cp_size, packed, batch,
+                       replaying=bool(getattr(replayer_of(inner), "routers", None)))
     plan = split_batch(batch, micro_batch_size=micro.micro_batch_size, max_token_len=micro.max_token_len,
                        use_dynamic_bsz=micro.use_dynamic_bsz, dp_group=parallel_state.dp_group,
                        count_multiple=_count_multiple(parallel_state),
@@ -226,9 +251,7 @@ def plan_micro_batches(model_chunks: Sequence[nn.Module], batch: ModelBatch, mic
     if packed:
         plan.layouts = _packed(plan, inner, parallel_state, shape_group, device, share)
     elif parallel_state.cp_size > 1:
-        multiple = cp_pad_multiple(parallel_state.cp_size, parallel_state.tp_size,
-                                   bool(getattr(inner.config, "sequence_parallel", False)))
-        plan.layouts = [ContextParallel(mb, parallel_state, multiple) for mb in plan.micro_batches]
+        plan.layouts = _context_parallel(plan, inner, parallel_state, shape_group, device, share)
     else:
         plan.layouts = [Padded(mb, pass_mask=not _own_attention(inner)) for mb in plan.micro_batches]
     return plan

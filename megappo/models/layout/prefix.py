@@ -21,8 +21,9 @@ float summation order (tests/unit/test_prefix_sharing.py, tests/multirank/test_p
 Outputs are read back per row (`SharedPack.window`): a response's column reads its own token; the last prompt
 column, which predicts every response's first token, is the tree's one prompt token, shared.
 
-Not under context parallelism (the plan runs CP micro-batches padded), nor with transformer-engine's attention or
-fused rope (their kernels take no tree mask): `can_share` says where it runs.
+Under context parallelism the plan runs padded micro-batches; there a group is one tree row instead (`prefix_cp`),
+with the same rules. Not with transformer-engine's attention or fused rope (their kernels take no tree mask):
+`can_share` says where it runs. `sharing_pays` counts the same saving in both (a prompt's tokens per extra row).
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ class SharedPrefixParams(PackedSeqParams):
     trees: tuple = ()  # (Tree, ...)
     rotary_positions: Optional[Tensor] = None  # [T] long
     _plan: Any = field(default=None, repr=False)  # attend_shared's index tensors, built once per forward
+
+    def rotary_table(self, rotary: nn.Module, output: Tensor) -> Tensor:
+        """megatron's rotary table [s, 1, 1, d] -> its rows at the pack's positions [T, 1, 1, d]."""
+        return output.index_select(0, self.rotary_positions.to(output.device))
 
 
 def prompt_groups(mb: ModelBatch) -> list[list[int]]:
@@ -222,14 +227,16 @@ def attend_shared(attn: Any, query: Tensor, key: Tensor, value: Tensor, attentio
 
 
 def _rotary_positions_pre_hook(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Before a GPTModel forward: hand its rotary module the pack's per-token positions (None: megatron's own)."""
-    model.rotary_pos_emb.megappo_positions = getattr(kwargs.get("packed_seq_params"), "rotary_positions", None)
+    """Before a GPTModel forward: hand its rotary module the params that place each token (None: megatron's own
+    table): a shared pack's or a CP micro-batch's tree rows (`prefix_cp`), both with a `rotary_table`."""
+    params = kwargs.get("packed_seq_params")
+    model.rotary_pos_emb.megappo_positions = params if hasattr(params, "rotary_table") else None
 
 
 def _rotary_positions_hook(rotary: nn.Module, args: tuple, output: Tensor) -> Tensor:
-    """megatron's rotary table [s, 1, 1, d] -> its rows at the pack's positions [T, 1, 1, d], when given."""
-    positions = getattr(rotary, "megappo_positions", None)
-    return output if positions is None else output.index_select(0, positions.to(output.device))
+    """megatron's rotary table -> the rows of each token's own position, where the params give them."""
+    params = getattr(rotary, "megappo_positions", None)
+    return output if params is None else params.rotary_table(rotary, output)
 
 
 def install_prefix_positions(model: nn.Module) -> None:
@@ -248,12 +255,13 @@ def install_prefix_positions(model: nn.Module) -> None:
         model.megappo_prefix_positions = kind in ("learned_absolute", "none")
 
 
-def can_share(inner: nn.Module, cp_size: int) -> Optional[str]:
-    """Why an (unwrapped) chunk cannot run shared packs, or None: it needs megappo's SDPAttention, its positions
-    installed, and no context parallelism."""
-    if cp_size > 1:
-        return ("prefix sharing does not run under context parallelism (its micro-batches run padded): set "
-                "actor_rollout_ref.model.use_prefix_sharing=false or context_parallel_size=1")
+def can_share(inner: nn.Module, replaying: bool = False) -> Optional[str]:
+    """Why an (unwrapped) chunk cannot run shared micro-batches (packs, or tree rows under context parallelism),
+    or None: it needs megappo's SDPAttention, its positions installed, and no router replay (`replaying`: its MoE
+    routers replay or record routes, `megappo.models.router_replay`)."""
+    if replaying:  # router replay lays its routes out per row (`router_replay.token_sources`), not per shared tree
+        return ("prefix sharing does not run with MoE router replay: set actor_rollout_ref.model."
+                "use_prefix_sharing=false or actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
     if not getattr(inner, "megappo_sdpa_attention", False):
         return ("prefix sharing needs megappo's SDPAttention (the local spec; transformer-engine's attention takes "
                 "no tree mask): set actor_rollout_ref.model.use_prefix_sharing=false")
@@ -267,34 +275,50 @@ def can_share(inner: nn.Module, cp_size: int) -> Optional[str]:
 # MIN_SAVED_FRACTION of its packed tokens. Measured (tools/bench/bench_prefix_sharing.py, hidden 256, 4 layers, 8
 # responses a prompt, CPU): 6% saved (prompt 64, responses 512-1024) is 0.83x, slower: a tree's responses run
 # padded to its longest under an explicit mask; 23% saved (128, 256-512) 1.12-1.19x; 33% (256, 256-512) 1.4x;
-# 75% (1024, 64-256) 3.3x. Shorter prompts also gain (32, 8-32: 1.6x) but little time in all; sharing them would
-# move the tiny recipes' golden numbers in their last bits, so it takes use_prefix_sharing=true.
+# 75% (1024, 64-256) 3.3x. Under context parallelism a group's tree row attends densely (`sharing_pays`'s
+# `tree_rows`): (256, 256-512), whose row has 3x the attention scores of its rows alone, stays unshared there
+# (measured shared at CP2: 0.47x log-prob pass, 0.94x step), and (1024, 64-256), half of them, shares (2.4x, 3.7x;
+# `--cp 2`, one group, a loaded 2-core machine: +-30%). Shorter prompts also gain
+# (32, 8-32: 1.6x) but little time in all; sharing them would move the tiny recipes' golden numbers in their last
+# bits, so it takes use_prefix_sharing=true.
 MIN_SAVED_FRACTION = 0.25
 MIN_PROMPT = 64
 
 
-def sharing_pays(batch: ModelBatch) -> bool:
-    """Whether sharing `batch`'s repeated prompts of >= MIN_PROMPT tokens saves >= MIN_SAVED_FRACTION of its tokens."""
+def sharing_pays(batch: ModelBatch, tree_rows: bool = False) -> bool:
+    """Whether sharing `batch`'s repeated prompts of >= MIN_PROMPT tokens saves >= MIN_SAVED_FRACTION of its tokens.
+    `tree_rows`: the micro-batches run as context-parallel tree rows (`prefix_cp`), whose attention is one dense
+    masked call over a group's whole row: then also only where that is no more attention scores than the rows
+    alone (sum of squared lengths; long prompts with short responses, not long responses)."""
     plen = batch.prompt_lengths().to(torch.long)
-    total = int((plen + batch.response_lengths().to(torch.long)).sum())
-    saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in prompt_groups(batch) if int(plen[g[0]]) >= MIN_PROMPT)
-    return total > 0 and saved >= MIN_SAVED_FRACTION * total
+    lengths = plen + batch.response_lengths().to(torch.long)
+    total = int(lengths.sum())
+    groups = prompt_groups(batch)
+    saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in groups if int(plen[g[0]]) >= MIN_PROMPT)
+    if total == 0 or saved < MIN_SAVED_FRACTION * total:
+        return False
+    if not tree_rows:
+        return True
+    shared = sum(int(lengths[g].sum() - (plen[g[0]] - 1) * (len(g) - 1)) ** 2 if len(g) > 1
+                 else int(lengths[g[0]]) ** 2 for g in groups)
+    return shared <= int((lengths ** 2).sum())
 
 
 def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, packed: bool,
-               batch: ModelBatch) -> bool:
+               batch: ModelBatch, replaying: bool = False) -> bool:
     """Whether a step's micro-batches run shared (`MicroBatching.share_prefix`: None where it pays and the model
     can, True wherever a prompt repeats (an error where the model cannot), False never). `packed`: whether the step
-    runs packs at all; `inner`: the unwrapped first chunk."""
+    runs packs at all (under context parallelism it runs tree rows, `prefix_cp`, instead); `inner`: the unwrapped
+    first chunk; `replaying`: as `can_share`."""
     if share_prefix is False:
         return False
-    refusal = can_share(inner, cp_size) or (None if packed else (
-        "prefix sharing runs packed micro-batches: set actor_rollout_ref.model.use_remove_padding=true (or "
-        "use_prefix_sharing=false)"))
+    refusal = can_share(inner, replaying) or (None if packed or cp_size > 1 else (
+        "prefix sharing runs packed micro-batches (or context-parallel ones): set "
+        "actor_rollout_ref.model.use_remove_padding=true (or use_prefix_sharing=false)"))
     if refusal is not None:
         if share_prefix:
             raise ValueError(refusal)
         return False
     if not any(len(g) > 1 for g in prompt_groups(batch)):
         return False
-    return bool(share_prefix) or sharing_pays(batch)
+    return bool(share_prefix) or sharing_pays(batch, tree_rows=cp_size > 1)
