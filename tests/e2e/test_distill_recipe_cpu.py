@@ -86,6 +86,9 @@ def _two_sources(tmp_path, distill_task_dir):
     return task, teacher
 
 
+# long (CI's 45 minutes): routing rows to teachers by data source is tests/unit/test_distill.py's, an engine
+# teacher in a trainer run the test above's, one-step-off the trainer's own tests'
+@pytest.mark.long
 def test_two_teachers_by_data_source_beside_the_task_reward_one_step_off(tmp_path, distill_task_dir):
     """digit_max scored by a megatron teacher, digit_max_b by the same model on an engine; the teachers' signal
     added to GRPO's task advantages (use_task_rewards) while rollouts run a step ahead (one_step_off). Each teacher
