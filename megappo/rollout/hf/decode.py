@@ -199,7 +199,7 @@ def decode(forward: Forward, prefill: Prefill, cache: KVCache, sampler: RowSampl
     lp_out = torch.zeros((b, max_new_tokens), dtype=torch.float32, device=dev)
     length = torch.zeros(b, dtype=torch.long, device=dev)
     stopped = torch.zeros(b, dtype=torch.bool, device=dev)
-    aborted, t = False, 0
+    aborted = False
     ones = torch.ones((b, 1), dtype=prefill.mask.dtype, device=dev)
     for t in range(max_new_tokens):
         if abort.is_set():

@@ -8,7 +8,9 @@ does. Requests and completions mirror SGLang's (`SamplingParams`, `Completion`).
 Batches are left-padded; positions are counted from each row's first real token, and each sampled row draws from its
 own generator, seeded with the sample's seed (`megappo.rollout.seeds`: the request's seed, the prompt's index in the
 step's batch and the sample's index), so a row's tokens and log-probs do not depend on what it was batched with, nor
-on how the batch was split over requests (up to float summation order).
+on how the batch was split over requests (up to float summation order). The decoding loop is `decode.py`'s: a row
+leaves the forward batch when it stops, over a KV cache that grows in place, so a batch whose responses end at very
+different lengths costs what its tokens cost. Every model forward of generation goes through `HFEngine._forward`.
 
 A Qwen2-VL / Qwen2.5-VL directory loads as its `...ForConditionalGeneration` class; what its prompts' images
 (`multi_modal`, one `MultiModalInputs` or None per prompt, the prompts' ids already holding the image tokens) add to
