@@ -64,9 +64,11 @@ class Completion:
 
 def _distributions(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (log-probs [B, V] the reported ones are under, the top-k/top-p filtered probs [B, V])."""
-    logits = logits.float() / params.logprob_temperature
+    logits = logits.float()
+    if params.logprob_temperature != 1.0:  # x / 1 is x: one op less a decode step
+        logits = logits / params.logprob_temperature
     logp = torch.log_softmax(logits, -1)
-    filtered = logits.clone()
+    filtered = logits.clone() if params.top_k > 0 or params.top_p < 1.0 else logits  # filtered in place below
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(filtered, params.top_k, dim=-1).values[..., -1:]
         filtered[filtered < kth] = float("-inf")
