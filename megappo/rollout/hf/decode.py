@@ -2,9 +2,10 @@
 grows in place.
 
 A forward batch's cost is what its tokens cost: a row that has stopped leaves the batch at the step it stops (its
-cache rows, position and mask row go with it, in one compaction of the cache per step at which some row stops), the
-columns that only left padding of rows that have left filled are cut from the cache at the same compaction, and
-with no padding left the decode steps run without an attention mask. The cache (`KVCache`) writes each step's keys
+cache rows, position and mask row go with it, in one compaction of the cache per step at which some row stops); the
+leading positions that are left padding in every row still decoding are cut from the cache at the same compaction,
+and once no row has padding left the decode steps run without an attention mask. Needs transformers' cache-layer
+API (`Cache(layers=...)`, `DynamicLayer`: transformers >= 4.56). The cache (`KVCache`) writes each step's keys
 and values into a buffer that grows by doubling (amortised O(1) per token, at most twice the tokens held), and
 hands the model views of it; the attention mask is a view of a buffer filled once. The per-step Python work is a
 fixed number of tensor calls whatever the batch size, except sampling's one noise draw per live row from the row's
