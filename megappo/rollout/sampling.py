@@ -12,7 +12,7 @@ so rollout and training log-probs can be compared token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -68,24 +68,47 @@ class Completion:
             [self.weight_version] * len(self.output_ids)
 
 
+def _distributions(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (log-probs [B, V] the reported ones are under, the top-k/top-p filtered probs [B, V])."""
+    logits = logits.float()
+    if params.logprob_temperature != 1.0:  # x / 1 is x: one op less a decode step
+        logits = logits / params.logprob_temperature
+    logp = torch.log_softmax(logits, -1)
+    filtered = logits.clone() if params.top_k > 0 or params.top_p < 1.0 else logits  # filtered in place below
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(filtered, params.top_k, dim=-1).values[..., -1:]
+        filtered[filtered < kth] = float("-inf")
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the smallest set reaching top_p
+        sorted_logits[drop] = float("-inf")
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
+    return logp, torch.softmax(filtered, -1)
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (float) -> (tokens [B] long, log-probs [B] of those tokens, see the module docstring)."""
-    logits = logits.float() / params.logprob_temperature
-    logp = torch.log_softmax(logits, -1)
     if params.is_greedy:
-        tokens = logits.argmax(-1)
+        scaled = logits.float() / params.logprob_temperature
+        logp, tokens = torch.log_softmax(scaled, -1), scaled.argmax(-1)
     else:
-        filtered = logits.clone()
-        if params.top_k > 0 and params.top_k < logits.shape[-1]:
-            kth = torch.topk(filtered, params.top_k, dim=-1).values[..., -1:]
-            filtered[filtered < kth] = float("-inf")
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
-            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, -1) >= params.top_p  # keep the smallest set reaching top_p
-            sorted_logits[drop] = float("-inf")
-            filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = torch.softmax(filtered, -1)
+        logp, probs = _distributions(logits, params)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams,
+                generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_next` of each row r of logits [B, V] with its own generator `generators[r]`, in one batched pass:
+    row r draws the token `sample_next(logits[r:r + 1], params, generators[r])` draws (the same noise from the same
+    generator state, leaving it where that call leaves it). One-sample `torch.multinomial` draws V exponentials
+    q from the generator and takes argmax(probs / q); the rows' draws are those V-element draws, row by row (the one
+    per-row call of a decode step: a few microseconds a row beside the forward, see tools/bench/bench_hf_generate)."""
+    logp, probs = _distributions(logits, params)
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators):
+        row.exponential_(generator=generator)
+    tokens = (probs / noise).argmax(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -8,7 +8,9 @@ does. Requests and completions mirror SGLang's (`SamplingParams`, `Completion`).
 Batches are left-padded; positions are counted from each row's first real token, and each sampled row draws from its
 own generator, seeded with the sample's seed (`megappo.rollout.seeds`: the request's seed, the prompt's index in the
 step's batch and the sample's index), so a row's tokens and log-probs do not depend on what it was batched with, nor
-on how the batch was split over requests (up to float summation order).
+on how the batch was split over requests (up to float summation order). The decoding loop is `decode.py`'s: a row
+leaves the forward batch when it stops, over a KV cache that grows in place, so a batch whose responses end at very
+different lengths costs what its tokens cost. Every model forward of generation goes through `HFEngine._forward`.
 
 A Qwen2-VL / Qwen2.5-VL directory loads as its `...ForConditionalGeneration` class; what its prompts' images
 (`multi_modal`, one `MultiModalInputs` or None per prompt, the prompts' ids already holding the image tokens) add to
@@ -25,10 +27,11 @@ import torch
 
 from megappo.data.multimodal import MultiModalInputs
 from megappo.rollout.base import RolloutEngine
+from megappo.rollout.hf.decode import KVCache, Prefill, RowSampler, decode, num_cached_layers
 from megappo.rollout.hf.routing import RouteRecorder
 from megappo.rollout.hf.vlm import MultiModal, prompt_inputs
 from megappo.rollout.hf.weights import HFWeightLoader
-from megappo.rollout.sampling import Completion, SamplingParams, sample_next
+from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -87,10 +90,11 @@ class HFEngine(RolloutEngine):
         accepted = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in accepted else "past_key_values"
         self._extra_kw = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        self._layers = num_cached_layers(self.model)
         self.routes = RouteRecorder.of(self.model)  # MoE: each token's experts, when a request asks
 
     # -- generation ------------------------------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  prompt_offset: int = 0, multi_modal: MultiModal = None) -> list[list[Completion]]:
         """`params.n` completions for each prompt (token ids), grouped by prompt in request order.
@@ -128,25 +132,11 @@ class HFEngine(RolloutEngine):
         no-op when nothing is in flight (the next `generate` starts afresh)."""
         self._abort.set()
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, gens: Optional[list[torch.Generator]],
-                finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next token of each row and its log-prob: greedy over the whole batch, else each unfinished row with
-        its own generator (a finished row's token is padding, and its generator is not used again)."""
-        if gens is None:
-            return sample_next(logits, params)
-        tok = torch.full((logits.shape[0],), self.pad_id, dtype=torch.long, device=logits.device)
-        logp = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-        live = (~finished).nonzero().flatten().tolist()
-        drawn = [sample_next(logits[r:r + 1], params, gens[r]) for r in live]
-        if drawn:
-            index = torch.tensor(live, dtype=torch.long, device=logits.device)
-            tok[index] = torch.cat([t for t, _ in drawn])
-            logp[index] = torch.cat([lp for _, lp in drawn])
-        return tok, logp
-
     def _generate_batch(self, rows: list[tuple[int, list[int]]], params: SamplingParams,
                         seeds: Sequence[Optional[int]], images: Optional[list[Optional[MultiModalInputs]]] = None
                         ) -> list[Completion]:
+        """One forward batch's completions (`decode`: finished rows leave the batch), rows (prompt index, prompt
+        ids) left-padded together, row r sampled with seed `seeds[r]`."""
         b, p = len(rows), max(len(ids) for _, ids in rows)
         ids = torch.full((b, p), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, p), dtype=torch.long)
@@ -158,54 +148,32 @@ class HFEngine(RolloutEngine):
         # ignore_eos ignores every stop token, as SGLang does
         stops = set() if params.ignore_eos else set(params.stop_token_ids) | self.eos_ids
         stop = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
+        cache = KVCache(self._layers, p + params.max_new_tokens)
         rec = self.routes if params.return_routed_experts else None
         if self.routes is not None:  # a generation that failed part way leaves no record running
             self.routes.end()
-        if rec is not None:
-            rec.begin(b)
-        every = torch.arange(b)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **vision_kw,
-                         **self._extra_kw)
-        if rec is not None:
-            rec.after_forward(every, mask)
-        tokens, logps = [], []
-        finished = torch.zeros(b, dtype=torch.bool, device=self.device)
-        length = torch.zeros(b, dtype=torch.long, device=self.device)
-        gens = None if params.is_greedy else [torch.Generator(self.device).manual_seed(s) for s in seeds]
-        aborted = False
-        for _ in range(params.max_new_tokens):
-            if self._abort.is_set():
-                aborted = True
-                break
-            tok, logp = self._sample(out.logits[:, -1], params, gens, finished)
-            tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
-            tokens.append(tok)
-            logps.append(logp)
-            length += (~finished).long()
-            finished |= torch.isin(tok, stop)
-            if bool(finished.all()):
-                break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            pos = pos[..., -1:] + 1
-            cache = out["cache"] if "cache" in out else out.past_key_values
-            out = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=pos, use_cache=True,
-                             **{self._cache_kw: cache}, **self._extra_kw)
-            if rec is not None:  # a row that just stopped fed its last token: no route of it is kept
-                rec.after_forward(every, (~finished).unsqueeze(1))
-        if tokens:
-            tok_mat, logp_mat = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-        else:  # aborted before the first token
-            tok_mat = logp_mat = [[] for _ in range(b)]
-        unfinished = "abort" if aborted else "length"
-        done = [
-            Completion(prompt_index=i, output_ids=tok_mat[r][:n], log_probs=logp_mat[r][:n],
-                       finish_reason="stop" if bool(finished[r]) else unfinished, weight_version=self.weight_version,
-                       routed_experts=None if rec is None else rec.routes(r)[:len(rows[r][1]) + max(n - 1, 0)])
-            for r, ((i, _), n) in enumerate(zip(rows, length.tolist()))
-        ]
+        forward = self._forward if rec is None else rec.recording(self._forward, b)
+        got = decode(forward, Prefill(ids, mask, pos, vision_kw), cache, RowSampler(params, seeds, self.device),
+                     stop, params.max_new_tokens, self._abort)
+        unfinished = "abort" if got.aborted else "length"
+        done = []
+        for r, (i, prompt) in enumerate(rows):
+            fed = len(prompt) + max(len(got.tokens[r]) - 1, 0)  # a row's last token is never fed: it has no route
+            done.append(Completion(prompt_index=i, output_ids=got.tokens[r], log_probs=got.log_probs[r],
+                                   finish_reason="stop" if got.stopped[r] else unfinished,
+                                   weight_version=self.weight_version,
+                                   routed_experts=None if rec is None else rec.routes(r)[:fed]))
         if rec is not None:
             rec.end()
         return done
+
+    def _forward(self, rows: torch.Tensor, new_mask: torch.Tensor, *, cache: KVCache, **model_kwargs):
+        """Every model forward of generation, the prefill and each decode step: the model's output (logits [b, s or
+        1, V]) for this forward's batch. rows [b] long: the indices of its rows into `_generate_batch`'s rows (rows
+        that finished have left the batch); new_mask [b, s]: which of its s input positions are real tokens (the
+        prefill's left padding is 0). model_kwargs: the model's inputs (input_ids [b, s], attention_mask or None,
+        position_ids, a vision-language prefill's images); `cache` goes under the model's own keyword."""
+        return self.model(**model_kwargs, use_cache=True, **{self._cache_kw: cache}, **self._extra_kw)
 
     # -- weights ---------------------------------------------------------------------------------------------------
     @torch.no_grad()

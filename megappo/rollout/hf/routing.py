@@ -11,7 +11,7 @@ dense model (no gates, `RouteRecorder.of` gives None) pay nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -60,6 +60,17 @@ class RouteRecorder:
         self._n, self._pending = n_rows, []
         self._rows, self._routes = [], []  # per forward: each real token's row [n_f], its routes [n_f, L, k]
         self._split: Optional[list[torch.Tensor]] = None
+
+    def recording(self, forward: Callable, n_rows: int) -> Callable:
+        """`forward(rows, new_mask, **kw)` (the engine's every forward of a generation) that records as it runs;
+        a new record of `n_rows` rows begins."""
+        self.begin(n_rows)
+
+        def recorded(rows: torch.Tensor, new_mask: torch.Tensor, **kw):
+            out = forward(rows, new_mask, **kw)
+            self.after_forward(rows, new_mask)
+            return out
+        return recorded
 
     def after_forward(self, rows: torch.Tensor, new_mask: torch.Tensor) -> None:
         """rows [b] long: the generation's rows this forward ran; new_mask [b, s]: its real input positions. Each
