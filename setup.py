@@ -8,7 +8,7 @@ INSTALL_REQUIRES = [
     "megatron-core==0.16.1; python_version<'3.12'",
     "numpy>=1.26",
     "packaging",
-    "transformers>=4.51,<6",
+    "transformers>=4.56,<6",  # the in-process engine's KV cache uses the cache-layers API (4.56)
     "safetensors>=0.4",
     "tokenizers>=0.20",
     "pyarrow>=15",
