@@ -17,12 +17,7 @@ def random_batch(seed: int, prompt_lens: Sequence[int], response_lens: Sequence[
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in prompt_lens]
     responses = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in response_lens]
     b = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
-    if old_log_prob is not None:
-        shape = b.response_mask.shape
-        b.train = TrainInputs(old_log_probs=old_log_prob + 0.1 * torch.randn(shape, generator=g),
-                              advantages=torch.randn(shape, generator=g), returns=torch.randn(shape, generator=g),
-                              values=0.1 * torch.randn(shape, generator=g) if values else None)
-    return b
+    return _with_train_inputs(b, g, old_log_prob, values)
 
 
 def grouped_batch(seed: int, prompt_of_row: Sequence[int], prompt_lens: Sequence[int],
@@ -34,6 +29,11 @@ def grouped_batch(seed: int, prompt_of_row: Sequence[int], prompt_lens: Sequence
     prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in prompt_lens]
     responses = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in response_lens]
     b = ModelBatch.from_token_lists([prompts[k] for k in prompt_of_row], responses, pad_token_id=0)
+    return _with_train_inputs(b, g, old_log_prob, values)
+
+
+def _with_train_inputs(b: ModelBatch, g: torch.Generator, old_log_prob: Optional[float], values: bool) -> ModelBatch:
+    """`b` with random training inputs drawn from `g` (none when old_log_prob is None)."""
     if old_log_prob is not None:
         shape = b.response_mask.shape
         b.train = TrainInputs(old_log_probs=old_log_prob + 0.1 * torch.randn(shape, generator=g),

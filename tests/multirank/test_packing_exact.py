@@ -35,49 +35,25 @@ def _job(rank, world_size, hf_dir, layouts):
 
 
 def _run_layout(layout_kw, hf_dir, micro_kw):
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values, train_step
-    from megappo.models.losses import ActorLossSettings, CriticLossSettings, actor_loss_fn, critic_loss_fn
-    from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megappo.parallel import destroy_parallel, init_parallel
-    from megappo.platform import detect_platform
-    from megappo.platform.layout import ParallelLayout
+    from megappo.testing.layout_roles import layout_roles
 
-    torch.set_num_threads(1)
-    layout_kw = dict(layout_kw)
-    overrides = {}
-    if layout_kw.pop("recompute", False):  # model.enable_gradient_checkpointing's megatron settings
-        overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    plat = detect_platform()
-    ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
-    full = _batch()
-    batch = full.select(torch.arange(full.batch_size).chunk(ps.dp_size)[ps.dp_rank])
-    settings = OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=4)
     res: dict = {}
-    for role in ("actor", "critic"):
-        chunks = build_model(hf_dir, role, ps, plat, seed=3, config_overrides=overrides)
-        load_hf_weights(chunks, hf_dir, ps)
-        ddp = wrap_ddp(chunks, settings, plat)
-        opt = build_optimizer(ddp, settings, plat)
-        if role == "actor":
-            loss_fn = actor_loss_fn(ActorLossSettings(entropy_coeff=0.01, use_kl_loss=False))
-        else:
-            loss_fn = critic_loss_fn(CriticLossSettings())
+    for r in layout_roles(layout_kw, hf_dir, _batch()):
         # megappo's padded path does not pad [b, s] to a multiple of TP for sequence parallelism: packed only
         for packed in ((True,) if layout_kw.get("sequence_parallel") else (False, True)):
             micro = MicroBatching(**micro_kw, packed=packed)
-            key = f"{role}_{'packed' if packed else 'padded'}"
-            if role == "actor":
+            key = f"{r.role}_{'packed' if packed else 'padded'}"
+            if r.role == "actor":
                 res[key + "_logp"], res[key + "_ent"], res[key + "_sq"] = compute_log_probs(
-                    ddp, batch, parallel_state=ps, micro=micro, calculate_entropy=True, calculate_sum_pi_squared=True)
+                    r.ddp, r.batch, parallel_state=r.ps, micro=micro, calculate_entropy=True,
+                    calculate_sum_pi_squared=True)
             else:
-                res[key + "_values"] = compute_values(ddp, batch, parallel_state=ps, micro=micro)
-            m = train_step(ddp, opt, None, batch, loss_fn, parallel_state=ps, micro=micro,
-                           calculate_entropy=role == "actor", platform=plat)
+                res[key + "_values"] = compute_values(r.ddp, r.batch, parallel_state=r.ps, micro=micro)
+            m = train_step(r.ddp, r.optimizer, None, r.batch, r.loss_fn, parallel_state=r.ps, micro=micro,
+                           calculate_entropy=r.role == "actor", platform=r.platform)
             res[key + "_metrics"] = {"loss": m.loss, "grad_norm": m.grad_norm, **m.metrics}
-            res[key + "_grads"] = [p.main_grad.detach().clone() for c in ddp for p in c.parameters()]
-    destroy_parallel()
+            res[key + "_grads"] = [p.main_grad.detach().clone() for c in r.ddp for p in c.parameters()]
     return res
 
 

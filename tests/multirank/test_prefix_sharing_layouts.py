@@ -40,41 +40,20 @@ def job(rank, world_size, hf_dir, layouts):
 
 def _run_layout(layout_kw, hf_dir, micro_kw, modes):
     """modes: (name, MicroBatching kwargs) to run; each gets log-probs, values, a step's metrics and grads."""
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
     from megappo.models.compute import (
         MicroBatching, compute_log_probs, compute_topk_log_probs, compute_values, train_step,
     )
     from megappo.models.layout.plan import plan_micro_batches
-    from megappo.models.losses import ActorLossSettings, CriticLossSettings, actor_loss_fn, critic_loss_fn
-    from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megappo.parallel import destroy_parallel, init_parallel
-    from megappo.platform import detect_platform
-    from megappo.platform.layout import ParallelLayout
+    from megappo.testing.layout_roles import layout_roles
 
-    torch.set_num_threads(1)
-    layout_kw = dict(layout_kw)
-    overrides = {}
-    if layout_kw.pop("recompute", False):
-        overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    plat = detect_platform()
-    ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
-    full = batch()
-    batch_ = full.select(torch.arange(full.batch_size).chunk(ps.dp_size)[ps.dp_rank])
-    settings = OptimSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0, total_steps=4)
     res: dict = {}
-    for role in ("actor", "critic"):
-        chunks = build_model(hf_dir, role, ps, plat, seed=3, config_overrides=overrides)
-        load_hf_weights(chunks, hf_dir, ps)
-        ddp = wrap_ddp(chunks, settings, plat)
-        opt = build_optimizer(ddp, settings, plat)
-        loss_fn = (actor_loss_fn(ActorLossSettings(entropy_coeff=0.01, use_kl_loss=False)) if role == "actor"
-                   else critic_loss_fn(CriticLossSettings()))
+    for r in layout_roles(layout_kw, hf_dir, batch()):
+        ddp, batch_, ps = r.ddp, r.batch, r.ps
         for name, kw in modes:
             micro = MicroBatching(**micro_kw, **kw)
-            key = f"{role}_{name}"
+            key = f"{r.role}_{name}"
             try:
-                if role == "actor":
+                if r.role == "actor":
                     res[key + "_logp"], res[key + "_ent"] = compute_log_probs(
                         ddp, batch_, parallel_state=ps, micro=micro, calculate_entropy=True)
                     if ps.world_size == 1:  # a distillation teacher's top-k tokens read back the same
@@ -89,11 +68,10 @@ def _run_layout(layout_kw, hf_dir, micro_kw, modes):
             plan = plan_micro_batches(ddp, batch_, micro, ps)
             res[key + "_packs"] = [type(getattr(lay, "pack", None)).__name__ for lay in plan.layouts]
             res[key + "_rows"] = [type(getattr(lay, "layout_rows", None)).__name__ for lay in plan.layouts]
-            m = train_step(ddp, opt, None, batch_, loss_fn, parallel_state=ps, micro=micro,
-                           calculate_entropy=role == "actor", platform=plat)
+            m = train_step(ddp, r.optimizer, None, batch_, r.loss_fn, parallel_state=ps, micro=micro,
+                           calculate_entropy=r.role == "actor", platform=r.platform)
             res[key + "_metrics"] = {"loss": m.loss, "grad_norm": m.grad_norm, **m.metrics}
             res[key + "_grads"] = [p.main_grad.detach().clone() for c in ddp for p in c.parameters()]
-    destroy_parallel()
     return res
 
 
