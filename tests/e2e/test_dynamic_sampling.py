@@ -28,6 +28,9 @@ def _train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+# long (CI's 45 minutes): a stop and resume continue exactly in tests/e2e/test_resume_exact.py (default tier); this
+# adds a step that drew several generation batches (tiny_dapo's recipe test draws them in the default tier)
+@pytest.mark.long
 def test_resume_after_a_step_of_several_generation_batches_is_exact(tmp_path):
     ref = tmp_path / "uninterrupted"
     done = _train(ref, "trainer.save_freq=-1")

@@ -230,8 +230,11 @@ def test_finished_run_leaves_nothing_and_saved(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-# the whole group at once takes the path of every rank killed one by one: long (CI's 45 minutes)
-@pytest.mark.parametrize("how", [pytest.param("group", marks=pytest.mark.long), "ranks"])
+# long (CI's 45 minutes): what a killed rank leaves is the one-rank kill's at each point above (default tier), and
+# four ranks' shutdown the preemption test's (tests/multirank/test_preemption_multirank.py); the whole group at
+# once takes the path of every rank killed one by one
+@pytest.mark.long
+@pytest.mark.parametrize("how", ["group", "ranks"])
 def test_sigkill_of_four_rank_run_mid_save_leaves_nothing(tmp_path, how):
     """TP2 x PP2 under torchrun, killed while the writer workers of the first save write: torchrun's whole process
     group (the job killed), or only the four ranks (torchrun then exits by itself)."""

@@ -84,6 +84,7 @@ def _choose_on_rank(rank: int, world: int, q: float):
     return exp.train.pg_token_mask, metrics
 
 
+@pytest.mark.multirank
 def test_two_data_parallel_ranks_choose_what_one_rank_with_the_whole_batch_chooses():
     q = 0.25
     (c0, m0), (c1, m1) = run_distributed(_choose_on_rank, 2, q, timeout=120)
