@@ -28,7 +28,7 @@ with the same rules. Not with transformer-engine's attention or fused rope (thei
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
