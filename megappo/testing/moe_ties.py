@@ -54,8 +54,6 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     """On every rank: the engine's samples (rank 0's, broadcast), the trainer's log-probs of them replaying the
     engine's routes (R3) and not, the trainer's own routes (recorded) and its log-probs replaying those (R2).
     Tensors are this rank's data-parallel share's."""
-    import torch.distributed as dist
-
     from megappo.convert.hf_to_mcore import load_hf_weights
     from megappo.models import router_replay
     from megappo.models.batch import ModelBatch
@@ -66,10 +64,7 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     from megappo.platform.layout import ParallelLayout
     from megappo.models.router_replay import batch_routes
 
-    payload = [engine_samples(hf_dir, prompts) if rank == 0 else None]
-    if world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    responses, engine_lp, routes = payload[0]
+    responses, engine_lp, routes = _shared_engine_samples(rank, world_size, hf_dir, prompts)
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
     chunks = build_model(hf_dir, "actor", ps, plat, seed=0)
@@ -95,6 +90,16 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     return {"rows": rows, "engine": lp[rows], "free": free, "replayed": replayed, "own": own, "r2": r2,
             "engine_routes": batch.routes[rows], "mask": batch.response_mask[rows], "agree": agree, "total": total,
             "attention_mask": batch.attention_mask[rows]}
+
+
+def _shared_engine_samples(rank: int, world_size: int, hf_dir: str, prompts: list[list[int]]) -> tuple:
+    """`engine_samples` of rank 0, broadcast to every rank (one engine generates what every rank replays)."""
+    import torch.distributed as dist
+
+    payload = [engine_samples(hf_dir, prompts) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
 
 
 def tie_prompts() -> list[list[int]]:
@@ -138,10 +143,7 @@ def replay_grads(rank: int, world_size: int, hf_dir: str, prompts: list[list[int
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
 
-    payload = [engine_samples(hf_dir, prompts) if rank == 0 else None]
-    if world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    responses, _, routes = payload[0]
+    responses, _, routes = _shared_engine_samples(rank, world_size, hf_dir, prompts)
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
     batch = ModelBatch.from_token_lists(prompts, responses, pad_token_id=0)
