@@ -192,7 +192,7 @@ def old_log_probs(run: Run, exp: Experience) -> dict[str, float]:
     out = compute_log_probs(
         run.roles.actor.chunks, exp.batch, parallel_state=run.ps, micro=run.batching.old_log_prob,
         temperature=run.sampling.logprob_temperature, calculate_sum_pi_squared=with_sq, calculate_entropy=quantile < 1)
-    replayed = run.replay.after_old_log_probs(run, exp)  # R2: the routes recorded; R3: the routers' agreement
+    replayed = run.replay.after_old_log_probs(exp)  # R2: the routes recorded; R3: the routers' agreement
     exp.train.old_log_probs = out[0]
     if with_sq:
         exp.sum_pi_squared = out[2]

@@ -54,7 +54,7 @@ class Replay:
         router_replay.reset_agreement(self.actor)
         router_replay.set_recording(self.actor, self.mode == "R2")
 
-    def after_old_log_probs(self, run: Any, exp: Any) -> dict[str, float]:
+    def after_old_log_probs(self, exp: Any) -> dict[str, float]:
         if self.mode == "disabled":
             return {}
         if self.mode == "R2":

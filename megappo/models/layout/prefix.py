@@ -285,15 +285,16 @@ MIN_SAVED_FRACTION = 0.25
 MIN_PROMPT = 64
 
 
-def sharing_pays(batch: ModelBatch, tree_rows: bool = False) -> bool:
+def sharing_pays(batch: ModelBatch, tree_rows: bool = False, groups: Optional[list[list[int]]] = None) -> bool:
     """Whether sharing `batch`'s repeated prompts of >= MIN_PROMPT tokens saves >= MIN_SAVED_FRACTION of its tokens.
     `tree_rows`: the micro-batches run as context-parallel tree rows (`prefix_cp`), whose attention is one dense
     masked call over a group's whole row: then also only where that is no more attention scores than the rows
-    alone (sum of squared lengths; long prompts with short responses, not long responses)."""
+    alone (sum of squared lengths; long prompts with short responses, not long responses). `groups`: the batch's
+    `prompt_groups`, when the caller has them."""
     plen = batch.prompt_lengths().to(torch.long)
     lengths = plen + batch.response_lengths().to(torch.long)
     total = int(lengths.sum())
-    groups = prompt_groups(batch)
+    groups = prompt_groups(batch) if groups is None else groups
     saved = sum(int(plen[g[0]]) * (len(g) - 1) for g in groups if int(plen[g[0]]) >= MIN_PROMPT)
     if total == 0 or saved < MIN_SAVED_FRACTION * total:
         return False
@@ -319,6 +320,7 @@ def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, pac
         if share_prefix:
             raise ValueError(refusal)
         return False
-    if not any(len(g) > 1 for g in prompt_groups(batch)):
+    groups = prompt_groups(batch)
+    if not any(len(g) > 1 for g in groups):
         return False
-    return bool(share_prefix) or sharing_pays(batch, tree_rows=cp_size > 1)
+    return bool(share_prefix) or sharing_pays(batch, tree_rows=cp_size > 1, groups=groups)
