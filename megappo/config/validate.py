@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from megappo.config.fields import ConfigError, check_type, iter_leaves, type_name
+from megappo.config.fields import ConfigError, check_type, iter_leaves, need as _need, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
 from megappo.config.validate_judge import judge_errors
@@ -92,11 +92,6 @@ def uses_synthetic_task(cfg: MegappoConfig) -> bool:
     """Whether the trainer makes the model and the Parquet files itself (data.synthetic.name is set): then
     actor_rollout_ref.model.path, data.train_files and data.val_files need not be set or exist."""
     return cfg.data.synthetic.name is not None
-
-
-def _need(errors: list[str], ok: bool, key: str, problem: str, fix: str) -> None:
-    if not ok:
-        errors.append(f"{key}: {problem}; {fix}")
 
 
 def _check_trainer(cfg: MegappoConfig, errors: list[str]) -> None:
