@@ -134,6 +134,9 @@ def test_sglang_routed_experts_format_decodes_to_the_moe_layers(tmp_path):
     assert got.dtype == torch.uint8 and torch.equal(got.long(), ids[:, 1:].long())
     with pytest.raises(ValueError, match="not a multiple"):
         decode_routed_experts(base64.b64encode(ids.numpy().tobytes()[:12]).decode(), layout)
+    ids[3, 2, 1] = 4  # an expert this 4-expert model does not have
+    with pytest.raises(ValueError, match=r"\.\.4 of a model with 4:"):
+        decode_routed_experts(base64.b64encode(ids.numpy().tobytes()).decode("utf-8"), layout)
 
 
 def _fake_sglang(answer_routes: bool):

@@ -50,5 +50,9 @@ def decode_routed_experts(b64: str, layout: RouteLayout) -> torch.Tensor:
         raise ValueError(f"SGLang's routed_experts holds {flat.numel()} ids, not a multiple of {n_layers} layers x "
                          f"top-{layout.topk}: the server's model is not the one this client was given")
     routes = flat.view(-1, n_layers, layout.topk)
-    keep = torch.tensor(layout.moe_layers, dtype=torch.bool)
-    return routes[:, keep].to(routes_dtype(layout.num_experts))
+    routes = routes[:, torch.tensor(layout.moe_layers, dtype=torch.bool)]
+    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= layout.num_experts):
+        # a narrower dtype would wrap them into valid-looking experts, replayed silently
+        raise ValueError(f"SGLang's routed_experts name experts {int(routes.min())}..{int(routes.max())} of a model "
+                         f"with {layout.num_experts}: the server's model is not the one this client was given")
+    return routes.to(routes_dtype(layout.num_experts))
