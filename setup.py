@@ -25,6 +25,9 @@ EXTRAS = {
     # GPU-only extras: never imported unless present.
     "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
     "sglang": ["sglang>=0.5.23", "sglang-router>=0.3.2"],  # the router: rollout.router=sglang
+    # rollout.name=vllm: the release megappo's requests and control calls are written against (it pins torch 2.14.0
+    # and transformers 5.x, which megappo's ranges admit); GPU only (its CPU backend needs a CPU build of vLLM)
+    "vllm": ["vllm==0.34.0"],
     "bench": ["trl==1.12.0"],
     "agents": ["openai>=1.40"],  # the agent programs' client (recipes/cpu/agents/guess_agent.py); megappo needs none
 }

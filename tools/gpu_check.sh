@@ -9,7 +9,10 @@
 # wheels are too large to carry, so there the local layer spec runs: NCCL, bf16 and the CUDA platform are covered,
 # the TE spec only where the image has TE. SGLang's GPU paths (NCCL and CUDA IPC weight sync, a TP2 server, the
 # trainer with a CUDA SGLang rollout: tests/gpu/test_gpu_sglang.py) run where the image has SGLang, in this python
-# or in MEGAPPO_SGLANG_PYTHON; elsewhere they are skipped with that reason. Logs go to $OUT (or /tmp) as
+# or in MEGAPPO_SGLANG_PYTHON; elsewhere they are skipped with that reason. vLLM's (tests/gpu/test_gpu_vllm.py: the
+# engine colocated in a rank, sleep/wake, in-process weight loads, LoRA requests; a vLLM server megappo starts, its
+# key on every path, disk sync, abort with partial tokens, pause/resume) run where the image has vLLM 0.34
+# (`megappo[vllm]`), in this python or in MEGAPPO_VLLM_PYTHON for the server. Logs go to $OUT (or /tmp) as
 # gpu_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -77,6 +77,10 @@ class RolloutConfig:
     # The engine (megappo/rollout/registry.py): hf, megappo's in-process engine (works on CPU); sglang, SGLang
     # servers the trainer starts (or server_urls), shared by every data-parallel replica.
     name: str = "hf"
+    # How the engine is deployed (verl's key): async, servers the trainer starts or reaches (sglang, vllm); sync,
+    # inside the trainer's ranks (hf; vllm: its engine colocated, asleep between rollouts). None: the engine's own
+    # (hf sync, sglang async, vllm async)
+    mode: Optional[Literal["async", "sync"]] = None
     n: int = 1  # responses sampled per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -91,6 +95,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192  # engine's per-step token budget
     max_num_seqs: int = 1024  # engine's concurrent sequence limit
     max_model_len: Optional[int] = None  # None: prompt_length + response_length
+    enforce_eager: bool = False  # vllm: no CUDA graphs (verl's default: graphs on)
     # release the KV cache while training, re-allocate before generating; the in-process hybrid engine (hf) of a
     # full-parameter actor also frees its weights from each step's rollout to its weight sync (sync mode)
     free_cache_engine: bool = True

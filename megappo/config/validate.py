@@ -16,6 +16,7 @@ from typing import Optional
 from megappo.config.fields import ConfigError, check_type, iter_leaves, need as _need, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
+from megappo.config.validate_engine import engine_errors, served
 from megappo.config.validate_judge import judge_errors
 from megappo.config.validate_losses import token_choice_errors
 from megappo.config.validate_replay import replay_errors
@@ -72,7 +73,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_multi_turn(cfg, errors, check_files)
     _check_agent(cfg, errors, check_files)
     _check_dapo(cfg, errors)
-    errors += replay_errors(cfg)
+    errors += replay_errors(cfg) + engine_errors(cfg)
     from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
 
     check_lora(cfg, errors, check_files)
@@ -356,8 +357,9 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
     total = d.max_prompt_length + d.max_response_length
     _need(errors, r.max_model_len is None or r.max_model_len >= total, f"{p}.max_model_len",
           f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
-    _need(errors, r.name == "sglang" or not r.server_urls, f"{p}.server_urls",
-          f"names running SGLang servers but {p}.name={r.name}", f"set {p}.name=sglang, or drop the URLs")
+    _need(errors, served(r) or not r.server_urls, f"{p}.server_urls",
+          f"names running servers but {p}.name={r.name} (mode {r.mode}) runs none",
+          f"set {p}.name=sglang or vllm (mode async), or drop the URLs")
     _need(errors, r.name == "sglang" or r.router == "none", f"{p}.router",
           f"is {r.router} but {p}.name={r.name} (a router fronts SGLang servers)",
           f"set {p}.name=sglang, or {p}.router=none")

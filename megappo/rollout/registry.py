@@ -10,18 +10,24 @@ from typing import Any, Optional
 
 ENGINES: dict[str, dict[str, Any]] = {
     # in-process transformers model, one per data-parallel replica (the CPU default)
-    "hf": {"deploy": "megappo.rollout.hf.deploy:deploy", "sync_modes": ("tensor",), "partial_rollout": True,
-           "multi_modal": True, "routed_experts": True},
+    "hf": {"deploy": "megappo.rollout.hf.deploy:deploy", "modes": ("sync",), "sync_modes": ("tensor",),
+           "partial_rollout": True, "multi_modal": True, "routed_experts": True},
     # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
     "sglang": {"deploy": "megappo.rollout.sglang.deploy:deploy", "preflight": "megappo.rollout.sglang.deploy:preflight",
-               "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True, "multi_modal": True,
-               "routed_experts": True},
+               "modes": ("async",), "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True,
+               "multi_modal": True, "routed_experts": True},
+    # vLLM servers the trainer starts (or server_urls), or vLLM's engine in the trainer's ranks (mode=sync)
+    "vllm": {"deploy": "megappo.rollout.vllm.deploy:deploy", "preflight": "megappo.rollout.vllm.deploy:preflight",
+             "modes": ("async", "sync"), "sync_modes": {"async": ("disk",), "sync": ("tensor",)},
+             "partial_rollout": True, "multi_modal": True, "routed_experts": True},
 }
-# sync_modes: the values of rollout.weight_sync the engine's `load_weights` takes ("disk": `update_weights_from_disk`);
+# modes: the deployments (rollout.mode) it has, the first its default. sync_modes: the values of rollout.weight_sync
+# the engine's `load_weights` takes ("disk": a Hugging Face directory it reloads), per mode where they differ;
 # "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
 # (async_training.partial_rollout continues them); False when absent. multi_modal: its `generate` takes the prompts'
 # images (`multi_modal=`, vision-language models); routed_experts: its completions carry each token's MoE routes
-# when SamplingParams.return_routed_experts (router replay R3); False when absent
+# when SamplingParams.return_routed_experts (router replay R3). A deployment may refuse what its mode lacks (its
+# preflight says why).
 
 
 def engine_names() -> list[str]:
@@ -48,10 +54,28 @@ def _entry(name: str, what: str) -> Optional[Any]:
     return getattr(importlib.import_module(module), function)
 
 
-def sync_modes(name: str) -> tuple[str, ...]:
+def deployment_modes(name: str) -> tuple[str, ...]:
     if unknown_engine(name):
         raise ValueError(unknown_engine(name))
-    return tuple(ENGINES[name]["sync_modes"])
+    return tuple(ENGINES[name]["modes"])
+
+
+def deployment_mode(name: str, mode: Optional[str]) -> str:
+    """rollout.mode resolved: `mode`, or the engine's default (its first); ValueError when it has no such mode."""
+    modes = deployment_modes(name)
+    if mode is None:
+        return modes[0]
+    if mode not in modes:
+        raise ValueError(f"actor_rollout_ref.rollout.mode={mode!r}: the {name} engine runs as {' or '.join(modes)}")
+    return mode
+
+
+def sync_modes(name: str, mode: Optional[str] = None) -> tuple[str, ...]:
+    """The weight transports (rollout.weight_sync) of engine `name` deployed as `mode` (None: its default)."""
+    table = ENGINES[name]["sync_modes"] if not unknown_engine(name) else None
+    if table is None:
+        raise ValueError(unknown_engine(name))
+    return tuple(table[deployment_mode(name, mode)] if isinstance(table, dict) else table)
 
 
 def partial_rollout(name: str) -> bool:

@@ -47,3 +47,8 @@ class RolloutSettings:
     weight_sync_master_address: Optional[str]
     lora_adapter: Optional[AdapterServing]  # None: the servers serve merged weights
     routed_experts: bool = False  # rollout.enable_rollout_routing_replay: completions carry MoE routes
+    mode: str = "async"  # rollout.mode, resolved (`registry.deployment_mode`)
+    enforce_eager: bool = False
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    free_cache_engine: bool = True

@@ -191,15 +191,20 @@ def require_output_dir(cfg: MegappoConfig) -> None:
 def _check_engine_name(cfg: MegappoConfig, errors: list[str]) -> bool:
     """rollout.name is a registered engine (`megappo/rollout/registry.py`) and rollout.weight_sync one of its
     transports; False when the name is unknown."""
-    from megappo.rollout.registry import sync_modes, unknown_engine
+    from megappo.rollout.registry import deployment_mode, sync_modes, unknown_engine
 
     r, p = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
     if unknown_engine(r.name):
         errors.append(unknown_engine(r.name))
         return False
-    modes = sync_modes(r.name)
+    try:
+        modes = sync_modes(r.name, r.mode)
+    except ValueError as e:  # a mode the engine has not
+        errors.append(f"{e}; set {p}.mode to one of those, or leave it null")
+        return True
     _need(errors, r.weight_sync == "auto" or r.weight_sync in modes, f"{p}.weight_sync",
-          f"is {r.weight_sync} but the {r.name} engine takes the weights by {', '.join(modes)}",
+          f"is {r.weight_sync} but the {r.name} engine ({p}.mode={deployment_mode(r.name, r.mode)}) takes the "
+          f"weights by {', '.join(modes)}",
           f"use {p}.weight_sync=auto (= {modes[0]})" + ("" if "disk" in modes else f", or {p}.name=sglang"))
     return True
 

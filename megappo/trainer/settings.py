@@ -16,6 +16,7 @@ from megappo.algos.rollout_correction import RolloutCorrection
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
 from megappo.models.losses import ActorLossSettings, CriticLossSettings, DistillLossSettings
+from megappo.rollout import registry
 from megappo.models.lora.adapter import served_adapter
 from megappo.models.lora.layers import LoRASettings
 from megappo.models.optim import OptimSettings
@@ -186,7 +187,15 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
         restart_failed_servers=r.restart_failed_servers, router=r.router, router_policy=r.router_policy,
         router_python=r.router_python, api_key=r.api_key, api_key_file=r.api_key_file,
         sync_timeout_s=r.sync_timeout_s, weight_sync_master_address=r.weight_sync_master_address,
-        lora_adapter=adapter, routed_experts=r.enable_rollout_routing_replay)
+        lora_adapter=adapter, routed_experts=r.enable_rollout_routing_replay,
+        mode=registry.deployment_mode(r.name, r.mode), enforce_eager=r.enforce_eager,
+        max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len or _total_length(r),
+        free_cache_engine=r.free_cache_engine)
+
+
+def _total_length(r: Any) -> Optional[int]:
+    """prompt_length + response_length once both are resolved (the engine's context length by default)."""
+    return r.prompt_length + r.response_length if r.prompt_length and r.response_length else None
 
 
 def lora_settings(lora: Any, seed: int = 0) -> LoRASettings:

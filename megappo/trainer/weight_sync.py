@@ -184,7 +184,7 @@ def choose(cfg: Any, ps: Any, dtype: Any, actor_adapter: FullParameters) -> Weig
     """The run's weight-sync strategy (`cfg`: the run's config; `actor_adapter`: the actor role's adapter object)."""
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
-    mode = rollout.weight_sync if rollout.weight_sync != "auto" else registry.sync_modes(rollout.name)[0]
+    mode = rollout.weight_sync if rollout.weight_sync != "auto" else registry.sync_modes(rollout.name, rollout.mode)[0]
     setup = SyncSetup(mode=mode, payload=actor_adapter.sync_payload(rollout.lora_sync),
                       language_model_only=run_kind(cfg).multi_modal and arr.actor.freeze_vision_tower,
                       weight_sync_dir=rollout.weight_sync_dir, local_dir=cfg.trainer.default_local_dir,

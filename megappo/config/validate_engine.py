@@ -1,0 +1,52 @@
+"""Rules on the rollout engine's deployment (rollout.mode) that the registry's flags alone do not say: what vLLM's
+colocated engine and its servers each lack."""
+from __future__ import annotations
+
+from typing import Any
+
+from megappo.config.schema import MegappoConfig
+from megappo.rollout.registry import deployment_mode, unknown_engine
+
+P = "actor_rollout_ref.rollout"
+
+
+def served(r: Any) -> bool:
+    """Whether rollout `r`'s engine runs as servers (rollout.mode async), so server keys apply."""
+    if unknown_engine(r.name):
+        return r.name == "sglang"
+    try:
+        return deployment_mode(r.name, r.mode) == "async"
+    except ValueError:
+        return False
+
+
+def engine_errors(cfg: MegappoConfig) -> list[str]:
+    r = cfg.actor_rollout_ref.rollout
+    if unknown_engine(r.name):
+        return []  # named by the engine-name check
+    try:
+        mode = deployment_mode(r.name, r.mode)
+    except ValueError as e:
+        return [f"{e}; set {P}.mode to one of those, or leave it null"]
+    return _vllm_errors(cfg, mode) if r.name == "vllm" else []
+
+
+def _vllm_errors(cfg: MegappoConfig, mode: str) -> list[str]:
+    r, errors = cfg.actor_rollout_ref.rollout, []
+    rc = cfg.algorithm.rollout_correction
+    if (r.top_k > 0 or r.top_p < 1.0) and (rc.bypass_mode or rc.rollout_is or rc.rollout_rs):
+        from megappo.rollout.vllm.requests import FILTERED_LOGPROBS
+
+        errors.append(f"{P}.name=vllm with top_k={r.top_k}, top_p={r.top_p} and algorithm.rollout_correction, which "
+                      f"takes the engine's log-probs as the behaviour policy's: {FILTERED_LOGPROBS}; sample "
+                      f"without the filter (top_k=-1, top_p=1), or use rollout.name=sglang or hf")
+    if mode == "sync":
+        if r.tensor_model_parallel_size != 1:
+            errors.append(f"{P}.mode=sync (vLLM in the trainer's ranks) runs one engine per model-parallel group's "
+                          f"first rank, tensor_model_parallel_size 1; got {r.tensor_model_parallel_size}: use "
+                          f"{P}.mode=async (vLLM servers at that size) or set it to 1")
+        if cfg.async_training.partial_rollout and cfg.async_training.mode == "fully_async":
+            errors.append(f"async_training.partial_rollout: vLLM's engine in the trainer's ranks cannot cut a "
+                          f"generation short and keep its tokens; use {P}.mode=async (servers), or set "
+                          "async_training.partial_rollout=false")
+    return errors

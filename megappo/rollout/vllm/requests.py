@@ -1,0 +1,168 @@
+"""megappo's sampling requests as vLLM takes them, and vLLM's answers as megappo's completions (pure: no vLLM import,
+no I/O), for both deployments: a server's `/v1/completions` (`completion_request`, `parse_choice`) and the engine in
+this process (`sampling_kwargs` for `vllm.SamplingParams`, `parse_output`).
+
+What megappo asks of vLLM (0.34; field names from vllm/entrypoints/openai/completion/protocol.py):
+- one request per sample, `n = 1` with the sample's own `seed` (`seeds.sample_seed`): a request's seed seeds all its
+  `n` samples' generator, so several samples in one request would not be drawn as megappo's seeds say;
+- the prompt as token ids, the response as token ids (`return_token_ids`) with the sampled token's log-prob
+  (`logprobs: 0`), nothing detokenized that megappo would read;
+- log-probs under softmax(logits / T) (`SamplingParams.logprob_temperature`): the server and the engine run with
+  `logprobs_mode=processed_logprobs`, which equals that when no top-k / top-p filter is set; with one, vLLM reports
+  the filtered, renormalised distribution's (`FILTERED_LOGPROBS`, refused where the trainer uses them as the
+  behaviour policy);
+- greedy as temperature 0 (vLLM's greedy), whose processed log-probs are the plain softmax's, as megappo's;
+- each output token's weight version (`return_weight_versions`: spans of "version" labels, megappo's integer
+  versions as strings), so a generation continued across a weight sync keeps each token's version.
+"""
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any, Mapping, Optional, Sequence
+
+from megappo.rollout.sampling import Completion, SamplingParams
+
+SERVED_MODEL = "megappo"  # --served-model-name of the servers megappo starts; a request names it (or an adapter)
+LOGPROBS_MODE = "processed_logprobs"
+FILTERED_LOGPROBS = ("a top-k or top-p filter makes vLLM report log-probs of the filtered, renormalised "
+                     "distribution (logprobs_mode=processed_logprobs), not the unfiltered softmax(logits / T) the "
+                     "trainer recomputes")
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def sampling_fields(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
+    """The sampling fields both vLLM request kinds share (a completion request's, `vllm.SamplingParams`'s)."""
+    fields: dict[str, Any] = {
+        "max_tokens": int(params.max_new_tokens),
+        "temperature": 0.0 if params.is_greedy else float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": int(params.top_k) if params.top_k > 0 else -1,
+        "n": 1,
+        "ignore_eos": bool(params.ignore_eos),
+        "stop_token_ids": list(params.stop_token_ids),
+        "skip_special_tokens": False,
+        "logprobs": 0,
+    }
+    if seed is not None:
+        fields["seed"] = int(seed)
+    return fields
+
+
+def completion_request(prompt_ids: Sequence[int], params: SamplingParams, seed: Optional[int], *,
+                       request_id: str, model: str = SERVED_MODEL) -> dict[str, Any]:
+    """The JSON body of one `/v1/completions` request: one sample of `prompt_ids` drawn with `seed`. `model`: the
+    served model's name, or a LoRA adapter's (`lora_name`); `request_id`: the id `/abort_requests` names it by."""
+    if not prompt_ids:
+        raise ValueError("every prompt needs at least one token")
+    body = {"model": model, "prompt": [int(t) for t in prompt_ids], "request_id": request_id,
+            "return_token_ids": True, "return_weight_versions": True, "stream": False,
+            **sampling_fields(params, seed)}
+    return body
+
+
+def prompt_logprobs_request(token_ids: Sequence[int], *, request_id: str, model: str = SERVED_MODEL
+                            ) -> dict[str, Any]:
+    """A request whose answer holds log p(token_ids[k] | token_ids[:k]) for k >= 1 (`prompt_logprobs: 0`: the
+    prompt's own token at each position), generating one greedy token that is not read."""
+    if len(token_ids) < 2:
+        raise ValueError("prompt log-probs need at least two tokens")
+    return {"model": model, "prompt": [int(t) for t in token_ids], "request_id": request_id, "max_tokens": 1,
+            "temperature": 0.0, "prompt_logprobs": 0, "return_token_ids": True, "stream": False}
+
+
+def versions_of(spans: Optional[Sequence[Mapping[str, Any]]], n_tokens: int, default: int
+                ) -> tuple[int, Optional[list[int]]]:
+    """vLLM's weight-version spans ([{version, start, end}], output-token ranges) -> (the first token's version, the
+    per-token versions when they differ, else None). Unlabelled spans and tokens are `default`'s (the version the
+    client last gave the server)."""
+    per_token = [default] * n_tokens
+    for span in spans or ():
+        label = span.get("version")
+        version = int(label) if label is not None and str(label).lstrip("-").isdigit() else default
+        for k in range(max(0, int(span["start"])), min(n_tokens, int(span["end"]))):
+            per_token[k] = version
+    if not per_token:
+        return default, None
+    return per_token[0], (per_token if len(set(per_token)) > 1 else None)
+
+
+def decode_npy(b64: str) -> Any:
+    """A base64 `.npy` payload (vLLM's routed experts) -> a numpy array (no pickles)."""
+    import numpy as np
+
+    return np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+
+
+def parse_choice(choice: Mapping[str, Any], prompt_index: int, *, weight_version: int, partial: bool,
+                 routes: Any = None, engine: str = "vLLM") -> Completion:
+    """One `/v1/completions` choice -> a `Completion`. `routes`: a `RouteLayout` when the request asked for routed
+    experts. An aborted choice raises unless `partial` (its tokens then continue a partial rollout)."""
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise RuntimeError(f"{engine} answered without token_ids: the server does not take return_token_ids "
+                           "(megappo needs vLLM >= 0.10.2; megappo[vllm] pins the tested release)")
+    reason = _FINISH.get(str(choice.get("finish_reason") or "length"), "length")
+    if reason == "abort" and not partial:
+        raise RuntimeError(f"{engine} aborted a request ({choice.get('stop_reason')!r})")
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"{engine} answered {len(ids)} tokens with {len(logprobs)} log-probs")
+    first, per_token = versions_of(choice.get("weight_versions"), len(ids), weight_version)
+    return Completion(prompt_index=prompt_index, output_ids=[int(t) for t in ids],
+                      log_probs=[float(x) if x is not None else float("nan") for x in logprobs],
+                      finish_reason=reason, weight_version=first, token_versions=per_token,
+                      routed_experts=_routes(choice.get("routed_experts"), routes, engine))
+
+
+def _routes(b64: Optional[str], layout: Any, engine: str) -> Any:
+    if layout is None:
+        return None
+    if b64 is None:
+        raise RuntimeError(f"{engine} returned no routed experts: start its servers with "
+                           "--enable-return-routed-experts (megappo does when rollout.enable_rollout_routing_replay)")
+    import torch
+
+    from megappo.rollout.routes import engine_routes
+
+    return engine_routes(torch.from_numpy(decode_npy(b64).astype("int64")), layout, engine)
+
+
+def parse_prompt_logprobs(choice: Mapping[str, Any], token_ids: Sequence[int], engine: str = "vLLM") -> list[float]:
+    """`prompt_logprobs` of a `prompt_logprobs_request`'s choice -> [log p(token_ids[k] | token_ids[:k]), k >= 1].
+    Each position maps token ids (JSON keys: strings) to {logprob, rank, ...}; the prompt's own token must be there."""
+    per_position = choice.get("prompt_logprobs")
+    if per_position is None or len(per_position) != len(token_ids):
+        got = None if per_position is None else len(per_position)
+        raise RuntimeError(f"{engine} answered {got} prompt log-probs for {len(token_ids)} tokens")
+    out = []
+    for k in range(1, len(token_ids)):
+        entry = per_position[k] or {}
+        hit = entry.get(str(token_ids[k]), entry.get(token_ids[k]))
+        if hit is None:
+            raise RuntimeError(f"{engine}'s prompt log-probs at position {k} lack token {token_ids[k]}")
+        out.append(float(hit["logprob"] if isinstance(hit, Mapping) else hit))
+    return out
+
+
+def parse_output(output: Any, prompt_index: int, *, weight_version: int, partial: bool, routes: Any = None
+                 ) -> Completion:
+    """One `vllm.CompletionOutput` of the engine in this process -> a `Completion` (its `logprobs`: per token a
+    {token id: Logprob} map holding the sampled token's)."""
+    ids = [int(t) for t in output.token_ids]
+    logprobs = output.logprobs or []
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs")
+    choice = {"token_ids": ids, "finish_reason": output.finish_reason, "stop_reason": output.stop_reason,
+              "logprobs": {"token_logprobs": [float(lp[t].logprob) for lp, t in zip(logprobs, ids)]}}
+    completion = parse_choice(choice, prompt_index, weight_version=weight_version, partial=partial)
+    raw = getattr(output, "routed_experts", None)
+    if routes is not None:
+        if raw is None:
+            raise RuntimeError("vLLM returned no routed experts: the engine needs enable_return_routed_experts")
+        import torch
+
+        from megappo.rollout.routes import engine_routes
+
+        completion.routed_experts = engine_routes(torch.as_tensor(raw).to(torch.int64), routes, "vLLM")
+    return completion
