@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megappo.platform.job_signals import JOB_SIGNALS, job_signals_blocked
-from megappo.rollout.sglang.server import REAPER, SHELTER
+from megappo.rollout.serving.process import REAPER, SHELTER
 
 SERVER = """
 import multiprocessing as mp, os, signal, sys, time

@@ -29,8 +29,9 @@ from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
                                            begin_update, broadcast_buckets, end_update)
-from megappo.rollout.sglang.http_client import http_json, is_healthy
-from megappo.rollout.sglang.server import free_port
+from megappo.rollout.serving.http_client import http_json
+from megappo.rollout.sglang.health import is_healthy
+from megappo.rollout.serving.process import free_port
 from megappo.rollout.sglang.vlm import row_images, sglang_prompts
 from megappo.rollout.sglang.weight_staging import SharedStaging
 
