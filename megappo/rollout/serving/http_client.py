@@ -13,8 +13,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+# an engine's health probe: whether the server at this URL serves, within this many seconds, asked with this key
+# (None: the key registered for the URL)
+HealthProbe = Callable[[str, float, Optional[str]], bool]
 _API_KEYS: dict[str, str] = {}  # "scheme://host:port" -> the API key of the server there (set by servers, engines)
 
 

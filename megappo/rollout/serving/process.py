@@ -249,8 +249,8 @@ class ManagedServer:
             if proc.poll() is not None:  # gone before we asked: a crash, whose log tells why
                 self.failed = True
                 if ready:  # (a failed start says so in its error)
-                    print(f"{self.ENGINE} server {self.url} had exited with code {proc.returncode}; log {self.log.name}",
-                          file=sys.stderr)
+                    print(f"{self.ENGINE} server {self.url} had exited with code {proc.returncode}; "
+                          f"log {self.log.name}", file=sys.stderr)
             else:
                 try:  # the watchdog's stop request (it ignores SIGTERM)
                     proc.stdin.write(b"stop\n")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megappo.platform.device import Platform
-from megappo.rollout.serving.http_client import read_api_key_file
+from megappo.rollout.serving.http_client import HealthProbe, read_api_key_file
 from megappo.rollout.serving.process import ManagedServer
 from megappo.rollout.settings import RolloutSettings
 
@@ -32,8 +32,6 @@ from megappo.rollout.settings import RolloutSettings
 ServerFactory = Callable[[int, Optional[int], str], ManagedServer]
 # a router over these server URLs with the run's API key; not started yet
 RouterFactory = Callable[[list[str], str], ManagedServer]
-# whether the server at this URL serves, within this many seconds, asked with this key
-HealthProbe = Callable[[str, float, Optional[str]], bool]
 
 
 def _all_gather(obj: Any) -> list:
