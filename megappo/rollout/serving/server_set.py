@@ -65,7 +65,7 @@ class ServerSet:
         # LOCAL_RANK is torchrun's; a process started otherwise is alone on its node
         self.starter = not self.external and int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
         self.servers: list[ManagedServer] = []
-        self.router: Any = None
+        self.router: Optional[ManagedServer] = None
         self.urls: list[str] = list(self.r.server_urls)
         self.alive: list[bool] = [True] * len(self.urls)
         self.api_key: Optional[str] = configured_api_key(self.r)
