@@ -53,7 +53,7 @@ def _publish(path: str, record: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megappo.rollout.sglang.http_client import read_api_key_file
+    from megappo.rollout.serving.http_client import read_api_key_file
     from megappo.rollout.sglang.server import SGLangServer
 
     if args.tp < 1:

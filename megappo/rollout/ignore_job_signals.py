@@ -1,4 +1,4 @@
-"""Run a Python program (`-m MODULE` or `-c CODE`, then its arguments) that job-wide signals cannot reach:
+"""Run a Python program (`-m MODULE`, `-c CODE` or `FILE.py`, then its arguments) that job-wide signals cannot reach:
 
     python ignore_job_signals.py -m sglang.launch_server --model-path ...
 
@@ -59,8 +59,14 @@ ignore_job_signals()  # at import: also in a spawned child, which runs this file
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0].endswith(".py"):  # a launcher run by path (vLLM's): as `-c` with its file's code
+        with open(argv[0]) as f:
+            code = compile(f.read(), argv[0], "exec")
+        sys.argv = list(argv)
+        exec(code, {"__name__": "__main__", "__file__": argv[0], "__builtins__": __builtins__})
+        return 0
     if len(argv) < 2 or argv[0] not in ("-m", "-c"):
-        print("usage: ignore_job_signals.py (-m MODULE | -c CODE) [ARG...]", file=sys.stderr)
+        print("usage: ignore_job_signals.py (-m MODULE | -c CODE | FILE.py) [ARG...]", file=sys.stderr)
         return 2
     how, what, args = argv[0], argv[1], argv[2:]
     if how == "-c":

@@ -68,7 +68,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     # the real sglang-router in front of both: with other weights on the second server, each row's answer is one
     # of the two models', and both models answer (the router spread the rows); a wrong key is refused
     from megappo.rollout.sglang.router import SGLangRouter
-    from megappo.rollout.sglang.http_client import http_json
+    from megappo.rollout.serving.http_client import http_json
 
     routed = make_hf_model("qwen2", str(tmp_path / "routed"), seed=3)
     SGLangEngine(servers[1].url).update_weights_from_disk(routed, version=1)
@@ -126,7 +126,7 @@ def test_fleet_spreads_rows_streams_weights_to_all_and_survives_a_killed_server(
     # the trainer's whole sync in each mode (the health probe of the heal, then pause, send, resume, version check)
     # asks nothing that SGLang answers after a poll: not GET /health, whose handler looks for its one-token
     # generation after asyncio.sleep(1) (that second was the whole floor of a tiny model's sync)
-    from megappo.rollout.sglang.http_client import is_healthy
+    from megappo.rollout.sglang.health import is_healthy
     from megappo.trainer.weight_sync import around_sync
 
     buckets = lambda: [tensors[i:i + 4] for i in range(0, len(tensors), 4)]  # noqa: E731 - `third`'s

@@ -28,8 +28,9 @@ import pytest
 
 from megappo.rollout import SamplingParams
 from megappo.rollout.sglang.engine import SGLangEngine
-from megappo.rollout.sglang.http_client import http_json
-from megappo.rollout.sglang.server import SGLangServer, free_port
+from megappo.rollout.serving.http_client import http_json
+from megappo.rollout.serving.process import free_port
+from megappo.rollout.sglang.server import SGLangServer
 
 SGLANG = [pytest.mark.e2e, pytest.mark.sglang]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
@@ -359,7 +360,7 @@ def test_the_weight_group_listens_on_the_master_address_and_fails_fast():
 
 THREAD_PARENT = """
 import subprocess, sys, threading, time
-from megappo.rollout.sglang.server import REAPER
+from megappo.rollout.serving.process import REAPER
 
 def start():
     subprocess.Popen([sys.executable, "-I", REAPER, str(__import__("os").getpid()), "--", "sleep", sys.argv[1]],

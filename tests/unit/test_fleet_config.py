@@ -46,7 +46,7 @@ def test_the_api_key_comes_from_its_file_and_a_bad_file_is_named(tmp_path, monke
 
     # this environment has no SGLang (its own check is tests/unit/test_preflight_edges.py): only the key is checked
     monkeypatch.setattr("megappo.rollout.sglang.deploy.sglang_missing", lambda python: None)
-    from megappo.rollout.sglang.server_set import configured_api_key
+    from megappo.rollout.serving.server_set import configured_api_key
 
     key_file = tmp_path / "api_key"
     key_file.write_text("0123abcd\n")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megappo.platform.job_signals import JOB_SIGNALS, job_signals_blocked
-from megappo.rollout.sglang.server import REAPER, SHELTER
+from megappo.rollout.serving.process import REAPER, SHELTER
 
 SERVER = """
 import multiprocessing as mp, os, signal, sys, time
@@ -38,11 +38,16 @@ def _masks(pid: int) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(60)
-def test_job_wide_signals_leave_the_helper_tree_running_and_the_parents_stop_ends_it():
+@pytest.mark.parametrize("launcher", ["-c", "FILE.py"])  # SGLang's `-m`/`-c` launchers, vLLM's launch.py by path
+def test_job_wide_signals_leave_the_helper_tree_running_and_the_parents_stop_ends_it(launcher, tmp_path):
+    program = ["-c", SERVER]
+    if launcher == "FILE.py":
+        (tmp_path / "server.py").write_text(SERVER)
+        program = [str(tmp_path / "server.py")]
     with job_signals_blocked():
         watchdog = subprocess.Popen(
             [sys.executable, "-I", REAPER, str(os.getpid()), "--grace", "15", "--ignore-job-signals", "--",
-             sys.executable, SHELTER, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+             sys.executable, SHELTER, *program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             start_new_session=True)
     try:
         line = watchdog.stdout.readline().decode().split()

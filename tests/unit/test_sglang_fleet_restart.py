@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megappo.rollout.sglang import http_client
+from megappo.rollout.serving import http_client
 from megappo.rollout.sglang.fleet import SGLangFleet
 
 

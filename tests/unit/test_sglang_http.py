@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megappo.rollout.sglang import http_client
-from megappo.rollout.sglang.http_client import http_json
+from megappo.rollout.serving import http_client
+from megappo.rollout.serving.http_client import http_json
 
 
 class _Server:
@@ -135,7 +135,7 @@ def test_a_server_that_is_gone_raises(pool):
 
 
 def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
-    from megappo.rollout.sglang.http_client import _direct
+    from megappo.rollout.serving.http_client import _direct
 
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy",
                 "ALL_PROXY"):
@@ -155,7 +155,7 @@ def test_only_servers_reached_without_a_proxy_get_kept_connections(monkeypatch):
     (b'{"text": "a", "output_ids": [7]}', False),  # not a stream
 ])
 def test_the_health_probe_is_one_streamed_token_and_wants_the_whole_stream(pool, stream, healthy):
-    from megappo.rollout.sglang.http_client import is_healthy
+    from megappo.rollout.sglang.health import is_healthy
 
     server = _Server()
     server.stream = stream

@@ -114,7 +114,7 @@ def gloo_broadcast_gbps(nbytes: int, threads: int) -> float:
     """Rank 0 -> rank 1 over loopback TCP, two processes: what `distributed` mode's transport can carry at best."""
     import multiprocessing as mp
 
-    from megappo.rollout.sglang.server import free_port
+    from megappo.rollout.serving.process import free_port
 
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
@@ -330,7 +330,7 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
     from megappo.rollout import SamplingParams
     from megappo.rollout.sglang import engine as sglang_engine, fleet as sglang_fleet
     from megappo.rollout.sglang.fleet import SGLangFleet
-    from megappo.rollout.sglang.http_client import is_healthy
+    from megappo.rollout.sglang.health import is_healthy
     from megappo.rollout.sglang.server import SGLangServer
     from megappo.testing.hf_models import make_hf_model
     from megappo.trainer.checkpointing import write_actor_hf_dir

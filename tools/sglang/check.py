@@ -28,7 +28,7 @@ import time
 
 # megappo's server launcher (standard library only): importable from SGLang's environment without installing megappo
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from megappo.rollout.sglang.http_client import http_json  # noqa: E402
+from megappo.rollout.serving.http_client import http_json  # noqa: E402
 from megappo.rollout.sglang.server import SGLangServer  # noqa: E402
 
 PROMPT_LENGTHS = (5, 8, 13, 3)

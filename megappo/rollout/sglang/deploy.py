@@ -3,7 +3,7 @@ client per data-parallel replica, weights streamed by global rank 0 into every s
 
 Each replica's first rank (the holder) generates through an `SGLangFleet` over all the run's servers (itself, or
 through sglang-router); global rank 0's fleet is the sync target. Before each sync, dead servers are restarted (or
-dropped) collectively (`ServerSet.heal`, sglang/server_set.py) and every client is told, so the sync that follows
+dropped) collectively (`ServerSet.heal`, serving/server_set.py) and every client is told, so the sync that follows
 gives a restarted server the current weights.
 
 Light to import: the trainer's preflight calls `preflight` before torch is loaded.
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from megappo.rollout.base import RolloutDeployment
 from megappo.rollout.settings import RolloutSettings
-from megappo.rollout.sglang.http_client import read_api_key_file
+from megappo.rollout.serving.http_client import read_api_key_file
 
 SGLANG_INSTALL = 'pip install "megappo[sglang]"'
 SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
@@ -74,7 +74,7 @@ def _python_problems(server_python: Optional[str]) -> list[str]:
 def server_kwargs(r: RolloutSettings, platform: Any) -> dict:
     """SGLangServer arguments: the rollout dtype, then `rollout.engine_kwargs` (dtype, max_total_tokens,
     extra_args: a list of further launch_server flags)."""
-    from megappo.rollout.sglang.server_set import configured_api_key
+    from megappo.rollout.serving.server_set import configured_api_key
 
     dtype = r.dtype or str(platform.dtype).replace("torch.", "")
     unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
@@ -99,11 +99,11 @@ class SGLangDeployment(RolloutDeployment):
         import torch.distributed as dist
 
         from megappo.rollout.sglang.fleet import SGLangFleet
-        from megappo.rollout.sglang.server_set import ServerSet
+        from megappo.rollout.sglang.server_set import sglang_server_set
         from megappo.rollout.sglang.routing import RouteLayout
         from megappo.rollout.sglang.vlm import image_token_id
 
-        self.servers = ServerSet(r, platform, server_kwargs(r, platform))
+        self.servers = sglang_server_set(r, platform, server_kwargs(r, platform))
         self.servers.start()
         fleet = None
         try:

@@ -25,9 +25,9 @@ import torch
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
-from megappo.rollout.sglang.http_client import _http, http_json, register_api_key
+from megappo.rollout.serving.http_client import _http, http_json, register_api_key
 from megappo.rollout.sglang.routing import RouteLayout, decode_routed_experts
-from megappo.rollout.sglang.server import free_port
+from megappo.rollout.serving.process import free_port
 from megappo.rollout.sglang.vlm import ImageData, add_image_data, row_images, sglang_prompts
 
 if TYPE_CHECKING:

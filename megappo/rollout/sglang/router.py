@@ -17,8 +17,8 @@ import os
 import tempfile
 from typing import Optional, Sequence
 
-from megappo.rollout.sglang.http_client import http_json, http_status
-from megappo.rollout.sglang.server import SGLangServer
+from megappo.rollout.serving.http_client import http_json, http_status
+from megappo.rollout.serving.process import ManagedServer
 
 # Reads the router's argument list from a file (the API key among them), deletes it, runs the router.
 _LAUNCHER = ("import json, os, sys; f = sys.argv[1]; a = json.load(open(f)); os.unlink(f); "
@@ -26,8 +26,10 @@ _LAUNCHER = ("import json, os, sys; f = sys.argv[1]; a = json.load(open(f)); os.
              "launch_router(parse_router_args(a))")
 
 
-class SGLangRouter(SGLangServer):
+class SGLangRouter(ManagedServer):
     """`python -m sglang_router.launch_router` over `worker_urls`, under a watchdog; `url` takes generation."""
+
+    ENGINE = "SGLang"  # its messages are the servers' ("SGLang server ...")
 
     def __init__(self, worker_urls: Sequence[str], *, python: str, api_key: str, host: str = "127.0.0.1",
                  port: Optional[int] = None, policy: str = "round_robin", health_check_interval_s: float = 30,
@@ -41,19 +43,17 @@ class SGLangRouter(SGLangServer):
             "--health-check-timeout-secs", str(max(1, int(health_check_timeout_s))),
             "--request-timeout-secs", str(max(1, int(request_timeout_s))),
             "--log-level", "warn", *extra_args]
-        # cuda=True only keeps the server's CPU flags away: the router has no device
-        super().__init__("", python=python, port=port, cuda=True, host=host, api_key=api_key)
+        super().__init__(python=python, port=port, host=host, api_key=api_key)
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
 
-    def _set_port(self, port: int) -> None:
-        super()._set_port(port)
-        self.cmd = [self.python, "-I", "-c", _LAUNCHER]  # the argument file follows (`_key_args`)
+    def command(self, port: int) -> list[str]:
+        return [self.python, "-I", "-c", _LAUNCHER]  # the argument file follows (`key_delivery`)
 
-    def _key_args(self) -> list[str]:
+    def key_delivery(self) -> tuple[list[str], dict[str, str]]:
         fd, self._key_file = tempfile.mkstemp(prefix="sglang_router_", suffix=".json")  # mode 0600
         with os.fdopen(fd, "w") as f:
-            json.dump([*getattr(self, "_router_args", []), "--port", str(self.port), "--api-key", self.api_key], f)
-        return [self._key_file]
+            json.dump([*self._router_args, "--port", str(self.port), "--api-key", self.api_key], f)
+        return [self._key_file], {}
 
     def _answers_as_ours(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
@@ -63,8 +63,7 @@ class SGLangRouter(SGLangServer):
             return False
         return len(self.healthy_workers()) == len(self.worker_urls)
 
-    def _bind_failed(self) -> bool:
-        tail = self.log_tail(200)
+    def bind_failed(self, tail: str) -> bool:
         return "Address already in use" in tail or "address already in use" in tail
 
     def healthy_workers(self) -> list[str]:
