@@ -21,7 +21,7 @@ ENGINES: dict[str, dict[str, Any]] = {
              "modes": ("async", "sync"), "sync_modes": {"async": ("disk",), "sync": ("tensor",)},
              "partial_rollout": True, "multi_modal": True, "routed_experts": True},
 }
-# modes: the deployments (rollout.mode) it has, the first its default. sync_modes: the values of rollout.weight_sync
+# modes: the deployments (rollout.mode) it has, the first its default (absent: sync, the engine in the ranks). sync_modes: the values of rollout.weight_sync
 # the engine's `load_weights` takes ("disk": a Hugging Face directory it reloads), per mode where they differ;
 # "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
 # (async_training.partial_rollout continues them); False when absent. multi_modal: its `generate` takes the prompts'
@@ -57,7 +57,7 @@ def _entry(name: str, what: str) -> Optional[Any]:
 def deployment_modes(name: str) -> tuple[str, ...]:
     if unknown_engine(name):
         raise ValueError(unknown_engine(name))
-    return tuple(ENGINES[name]["modes"])
+    return tuple(ENGINES[name].get("modes", ("sync",)))
 
 
 def deployment_mode(name: str, mode: Optional[str]) -> str:

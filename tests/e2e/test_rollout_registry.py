@@ -88,8 +88,9 @@ def test_a_registered_engine_trains_like_the_one_it_wraps(toy, tmp_path, monkeyp
 
 def test_unknown_engines_and_transports_are_refused_before_anything_starts(toy):
     with pytest.raises(ConfigError, match=r"rollout.name='tyo' is not a rollout engine \(one of \['hf', 'sglang', "
-                                          r"'toy'\]\); did you mean 'toy'\?"):
+                                          r"'toy', 'vllm'\]\); did you mean 'toy'\?"):
         preflight(load_config("cpu/tiny_ppo", ["actor_rollout_ref.rollout.name=tyo"]), world_size=1)
-    with pytest.raises(ConfigError, match="weight_sync: is distributed but the toy engine takes the weights by tensor"):
+    with pytest.raises(ConfigError, match=r"weight_sync: is distributed but the toy engine "
+                                          r"\(actor_rollout_ref.rollout.mode=sync\) takes the weights by tensor"):
         preflight(load_config("cpu/tiny_ppo", ["actor_rollout_ref.rollout.name=toy",
                                                "actor_rollout_ref.rollout.weight_sync=distributed"]), world_size=1)

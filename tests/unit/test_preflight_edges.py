@@ -13,6 +13,7 @@ import pytest
 
 from megappo.cli import main
 from megappo.config import ConfigError, load_config
+from megappo.rollout.serving.probe import package_missing
 from megappo.rollout.sglang import deploy as sd
 from megappo.trainer import preflight as pf
 
@@ -81,7 +82,7 @@ def test_sglang_missing_from_server_python_fails_fast_without_starting_servers(n
     import megappo.rollout.sglang.server as server_mod
 
     monkeypatch.setattr(server_mod.SGLangServer, "start", lambda *a, **k: pytest.fail("a server was started"))
-    sd.sglang_missing.cache_clear()
+    package_missing.cache_clear()
     t0 = time.monotonic()
     rc = main(["train", "--config", "cpu/tiny_ppo", f"{R}.name=sglang", f"{R}.server_python={python}"])
     err = capsys.readouterr().err
@@ -101,7 +102,7 @@ def test_sglang_is_not_probed_for_hf_or_for_servers_given_by_url(monkeypatch):
 
 
 def test_a_server_python_that_cannot_run_is_named():
-    sd.sglang_missing.cache_clear()
+    package_missing.cache_clear()
     assert "cannot be run" in sd.sglang_missing("/nonexistent/python")
 
 
@@ -112,7 +113,7 @@ def test_a_server_python_with_sglang_passes(tmp_path):
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'site'} exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
-    sd.sglang_missing.cache_clear()
+    package_missing.cache_clear()
     assert sd.sglang_missing(str(python)) is None
     pf.preflight(load_config("cpu/tiny_ppo", [f"{R}.name=sglang", f"{R}.server_python={python}"]))
 

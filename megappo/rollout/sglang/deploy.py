@@ -10,13 +10,11 @@ Light to import: the trainer's preflight calls `preflight` before torch is loade
 """
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
 import sys
 from typing import Any, Optional
 
-from megappo.rollout.base import RolloutDeployment
+from megappo.rollout.serving.deployment import ServedDeployment
+from megappo.rollout.serving.probe import package_missing
 from megappo.rollout.settings import RolloutSettings
 from megappo.rollout.serving.http_client import read_api_key_file
 
@@ -25,24 +23,9 @@ SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
 SERVER_KWARGS = ("dtype", "max_total_tokens", "extra_args", "port", "host", "api_key")
 
 
-@functools.lru_cache(maxsize=None)
 def sglang_missing(python: str) -> Optional[str]:
-    """Why `python` cannot run an SGLang server (None when it can): it does not start, or has no `sglang` package.
-
-    Cheap: the package is looked up, not imported (a few hundred milliseconds; the answer is kept per python)."""
-    probe = "import importlib.util, sys; sys.exit(3 if importlib.util.find_spec('sglang') is None else 0)"
-    try:
-        # as the server sees it (megappo.rollout.sglang.server): this environment, less PYTHONPATH
-        done = subprocess.run([python, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, timeout=60, env={**os.environ, "PYTHONPATH": ""})
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"'{python}' cannot be run ({e})"
-    if done.returncode == 3:
-        return f"'{python}' has no sglang package (No module named 'sglang')"
-    if done.returncode:
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
-        return f"'{python}' cannot be run ({tail[0]})"
-    return None
+    """Why `python` cannot run sglang (None when it can): `serving.probe.package_missing`."""
+    return package_missing(python, "sglang")
 
 
 def preflight(cfg: Any) -> list[str]:
@@ -88,56 +71,23 @@ def server_kwargs(r: RolloutSettings, platform: Any) -> dict:
     return kw
 
 
-def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> "SGLangDeployment":
-    return SGLangDeployment(settings, ps, platform)
+def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> ServedDeployment:
+    """The run's SGLang servers and, on each replica's first rank, an `SGLangFleet` over them."""
+    from megappo.rollout.routes import RouteLayout
+    from megappo.rollout.sglang.fleet import SGLangFleet
+    from megappo.rollout.sglang.server_set import sglang_server_set
+    from megappo.rollout.sglang.vlm import image_token_id
 
+    r = settings
 
-class SGLangDeployment(RolloutDeployment):
-    """The run's servers (`ServerSet`, on every rank) and the holders' fleet clients."""
+    def fleet(servers: Any) -> SGLangFleet:
+        return SGLangFleet(
+            servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
+            engine_kwargs={"api_key": servers.api_key, "sync_timeout": r.sync_timeout_s,
+                           "image_token_id": image_token_id(r.model_path),
+                           "routes": RouteLayout.of(r.model_path) if r.routed_experts else None},
+            master_address=r.weight_sync_master_address or r.server_host,
+            backend="nccl" if platform.is_cuda else "gloo", router_url=servers.router_url,
+            health_check_interval_s=r.health_check_interval_s, health_check_timeout_s=r.health_check_timeout_s)
 
-    def __init__(self, r: RolloutSettings, ps: Any, platform: Any):
-        import torch.distributed as dist
-
-        from megappo.rollout.sglang.fleet import SGLangFleet
-        from megappo.rollout.sglang.server_set import sglang_server_set
-        from megappo.rollout.sglang.routing import RouteLayout
-        from megappo.rollout.sglang.vlm import image_token_id
-
-        self.servers = sglang_server_set(r, platform, server_kwargs(r, platform))
-        self.servers.start()
-        fleet = None
-        try:
-            if dist.get_rank(ps.mp_group) == 0:
-                fleet = SGLangFleet(
-                    self.servers.urls, timeout=r.request_timeout_s, tp_size=r.tensor_model_parallel_size,
-                    engine_kwargs={"api_key": self.servers.api_key, "sync_timeout": r.sync_timeout_s,
-                                   "image_token_id": image_token_id(r.model_path),
-                                   "routes": RouteLayout.of(r.model_path) if r.routed_experts else None},
-                    master_address=r.weight_sync_master_address or r.server_host,
-                    backend="nccl" if platform.is_cuda else "gloo", router_url=self.servers.router_url,
-                    health_check_interval_s=r.health_check_interval_s,
-                    health_check_timeout_s=r.health_check_timeout_s)
-        except BaseException:
-            self.servers.stop()
-            raise
-        super().__init__(fleet, fleet if dist.get_rank() == 0 else None)
-
-    def prepare_sync(self) -> dict[str, float]:
-        """Collective: dead servers restarted (or dropped) and every client told."""
-        fleet = self.engine
-        dropped = {fleet.urls[k] for k, ok in enumerate(fleet.alive) if not ok} if fleet is not None else set()
-        if self.servers.heal(dropped) and fleet is not None:
-            fleet.set_servers(self.servers.urls, self.servers.alive, self.servers.router_url)
-        return self.health()
-
-    def health(self) -> dict[str, float]:
-        """rollout/retried_samples: samples this holder's fleet sent to another server after one failed, since the
-        start (global rank 0's view, as every logged metric)."""
-        fleet = self.engine
-        return {"rollout/servers_live": float(sum(self.servers.alive)),
-                "rollout/server_restarts": float(self.servers.restarts),
-                "rollout/retried_samples": float(fleet.retried_rows if fleet is not None else 0)}
-
-    def close(self) -> None:
-        super().close()  # the weight groups first: the servers' ranks go with the servers
-        self.servers.stop()
+    return ServedDeployment(sglang_server_set(r, platform, server_kwargs(r, platform)), fleet, ps)

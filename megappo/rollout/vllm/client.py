@@ -49,7 +49,7 @@ class VLLMServerClient(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, prompt_offset: int = 0,
                  multi_modal: Optional[Sequence[Any]] = None) -> list[list[Completion]]:
         if multi_modal is not None and any(m is not None for m in multi_modal):
-            raise NotImplementedError(_NO_IMAGES)
+            raise NotImplementedError(NO_IMAGES)
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = request_seeds(params, len(prompts), prompt_offset)
         grouped: list[list[Completion]] = [[] for _ in prompts]
@@ -63,7 +63,7 @@ class VLLMServerClient(RolloutEngine):
         """One completion per row (`input_ids[k]` drawn with `seeds[k]`), in row order; raises RuntimeError naming the
         server when a request fails or (without `partial`) is aborted. batched: unused (every row is a request)."""
         if image_data is not None and any(image_data):
-            raise NotImplementedError(_NO_IMAGES)
+            raise NotImplementedError(NO_IMAGES)
         if params.return_routed_experts and self.routes is None:
             raise ValueError("routed experts asked of a vLLM client given no route layout (a dense model?)")
         if not input_ids:
@@ -168,6 +168,6 @@ class VLLMServerClient(RolloutEngine):
             return list(pool.map(self._prompt_log_probs, sequences))
 
 
-_NO_IMAGES = ("vLLM servers take token-id prompts without images (its /v1/completions has no image field for them): "
+NO_IMAGES = ("vLLM servers take token-id prompts without images (its /v1/completions has no image field for them): "
               "serve a vision-language actor with actor_rollout_ref.rollout.mode=sync (vLLM in the trainer's "
               "ranks), or rollout.name=sglang or hf")

@@ -1,0 +1,115 @@
+"""rollout.name=vllm over the trainer's ranks, in the mode the config resolves (`rollout.mode`):
+- async (verl's default): vLLM servers each node's first rank starts (or `rollout.server_urls`), shared by every
+  data-parallel replica through a `VLLMFleet` (megappo/rollout/serving: started, keyed, healed and reaped as SGLang's);
+- sync: vLLM's engine inside each model-parallel group's first rank (`VLLMColocatedEngine`), asleep between rollouts.
+
+Light to import: the trainer's preflight calls `preflight` before torch is loaded.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence
+
+from megappo.rollout.base import LocalDeployment, RolloutDeployment
+from megappo.rollout.serving.probe import package_missing
+from megappo.rollout.settings import RolloutSettings
+
+VLLM_INSTALL = 'pip install "megappo[vllm]"'
+VLLM_CPU_VENV = "bash tools/vllm/install_cpu.sh VENV"
+SERVER_KWARGS = ("extra_args", "max_num_seqs", "dtype")  # VLLMServer arguments engine_kwargs may set (async)
+
+
+def vllm_missing(python: str) -> Optional[str]:
+    """Why `python` cannot run vllm (None when it can): `serving.probe.package_missing`."""
+    return package_missing(python, "vllm")
+
+
+def preflight(cfg: Any) -> list[str]:
+    """vLLM must be importable where it runs: this python (mode sync), or server_python for the servers the trainer
+    starts (servers given by URL are someone else's); an API key file must hold a key."""
+    from megappo.rollout.registry import deployment_mode
+
+    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
+    problems = []
+    if deployment_mode(r.name, r.mode) == "sync":
+        problem = vllm_missing(sys.executable)
+        if problem:
+            problems.append(f"actor_rollout_ref.rollout.mode=sync runs vLLM in the trainer's ranks, but {problem}; "
+                            f"install it (`{sys.executable} -m {VLLM_INSTALL}`), or use mode=async with "
+                            f"{key}=PYTHON of an environment that has it (on CPU, `{VLLM_CPU_VENV}` makes one)")
+    elif not r.server_urls:
+        python = r.server_python or sys.executable
+        problem = vllm_missing(python)
+        if problem:
+            which = key if r.server_python else f"{key} (unset: this python)"
+            problems.append(f"actor_rollout_ref.rollout.name: vllm servers would run on {which}, but {problem}; "
+                            f"install it there (`{python} -m {VLLM_INSTALL}`), or set {key}=PYTHON to a python "
+                            f"that has it (on CPU, `{VLLM_CPU_VENV}` makes one and prints the line to use), or "
+                            "use actor_rollout_ref.rollout.name=hf")
+    if r.api_key_file:
+        from megappo.rollout.serving.http_client import read_api_key_file
+
+        try:
+            read_api_key_file(r.api_key_file)
+        except ValueError as e:
+            problems.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
+    return problems
+
+
+def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> RolloutDeployment:
+    from megappo.rollout.routes import RouteLayout
+
+    r = settings
+    routes = RouteLayout.of(r.model_path) if r.routed_experts else None
+    dtype = r.dtype or str(platform.dtype).replace("torch.", "")
+    if r.mode == "sync":
+        import torch.distributed as dist
+
+        from megappo.rollout.vllm.colocated import VLLMColocatedEngine
+
+        return LocalDeployment(dist.get_rank(ps.mp_group) == 0, lambda: VLLMColocatedEngine(r, dtype, routes=routes))
+    from megappo.rollout.serving.deployment import ServedDeployment
+
+    return ServedDeployment(vllm_server_set(r, platform, dtype), lambda servers: _fleet(r, servers, routes), ps)
+
+
+def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
+    """The run's vLLM servers: node server i on GPUs i*tp ... (i+1)*tp - 1, the rollout's knobs as vLLM's flags,
+    `engine_kwargs` (extra_args: further `vllm serve` flags) after them."""
+    from megappo.rollout.serving.server_set import ServerSet, configured_api_key
+    from megappo.rollout.vllm.server import VLLMServer, is_healthy
+
+    unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
+    if unknown:
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not VLLMServer arguments; use "
+                         f"{SERVER_KWARGS} (other `vllm serve` flags as extra_args: [--flag, value])")
+    extra: list[str] = list(r.engine_kwargs.get("extra_args", ()))
+    extra += ["--logprobs-mode", "processed_logprobs", "--seed", str(r.seed)]
+    if r.max_model_len:
+        extra += ["--max-model-len", str(r.max_model_len)]
+    if r.routed_experts:
+        extra.append("--enable-return-routed-experts")
+    if r.lora_adapter is not None:
+        extra += ["--enable-lora", "--max-lora-rank", str(r.lora_adapter.rank), "--max-loras", "1"]
+    tp, python = r.tensor_model_parallel_size, r.server_python or sys.executable
+    configured_api_key(r)  # an unreadable key file fails here, before any server starts
+
+    def server(index: int, port: Optional[int], key: str) -> VLLMServer:
+        gpus: Optional[Sequence[int]] = range(index * tp, (index + 1) * tp) if platform.is_cuda else None
+        return VLLMServer(r.model_path, python=python, port=port, dtype=r.engine_kwargs.get("dtype", dtype),
+                          max_num_seqs=int(r.engine_kwargs.get("max_num_seqs", r.max_num_seqs)),
+                          gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=tp,
+                          max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager,
+                          trust_remote_code=r.trust_remote_code, extra_args=extra, gpus=gpus, host=r.server_host,
+                          api_key=key)
+
+    return ServerSet(r, platform, server, healthy=is_healthy, engine="vLLM")
+
+
+def _fleet(r: RolloutSettings, servers: Any, routes: Any) -> Any:
+    from megappo.rollout.vllm.fleet import VLLMFleet
+
+    return VLLMFleet(servers.urls, api_key=servers.api_key, timeout=r.request_timeout_s,
+                     sync_timeout=r.sync_timeout_s, routes=routes,
+                     health_check_interval_s=r.health_check_interval_s,
+                     health_check_timeout_s=r.health_check_timeout_s)
