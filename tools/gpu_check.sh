@@ -11,7 +11,7 @@
 # trainer with a CUDA SGLang rollout: tests/gpu/test_gpu_sglang.py) run where the image has SGLang, in this python
 # or in MEGAPPO_SGLANG_PYTHON; elsewhere they are skipped with that reason. vLLM's (tests/gpu/test_gpu_vllm.py: the
 # engine colocated in a rank, sleep/wake, in-process weight loads, LoRA requests; a vLLM server megappo starts, its
-# key on every path, disk sync, abort with partial tokens, pause/resume) run where the image has vLLM 0.34
+# key on every path, disk sync, abort with partial tokens, pause/resume) run where the image has vLLM 0.32
 # (`megappo[vllm]`), in this python or in MEGAPPO_VLLM_PYTHON for the server. Logs go to $OUT (or /tmp) as
 # gpu_check.log.
 set -uo pipefail

@@ -24,7 +24,7 @@ def test_a_request_is_one_sample_with_its_own_seed():
     assert body["prompt"] == [5, 6, 7] and body["n"] == 1 and body["seed"] == 123
     assert body["max_tokens"] == 7 and body["temperature"] == 0.8 and body["top_p"] == 0.9 and body["top_k"] == 5
     assert body["stop_token_ids"] == [2, 3] and body["logprobs"] == 0 and body["return_token_ids"] is True
-    assert body["return_weight_versions"] is True and body["request_id"] == "r1" and body["model"] == "megappo"
+    assert body["request_id"] == "r1" and body["model"] == "megappo"
     assert body["skip_special_tokens"] is False and body["stream"] is False
 
 

@@ -1,4 +1,4 @@
-"""One vLLM server as megappo's engines talk to it over HTTP (`vllm serve` 0.34 with VLLM_SERVER_DEV_MODE=1, as
+"""One vLLM server as megappo's engines talk to it over HTTP (`vllm serve` 0.32 with VLLM_SERVER_DEV_MODE=1, as
 `megappo.rollout.vllm.server.VLLMServer` starts it, or a running one in `rollout.server_urls`).
 
 Generation is one `/v1/completions` request per sample (`requests.completion_request`: the sample's seed, token ids

@@ -2,7 +2,7 @@
 no I/O), for both deployments: a server's `/v1/completions` (`completion_request`, `parse_choice`) and the engine in
 this process (`sampling_kwargs` for `vllm.SamplingParams`, `parse_output`).
 
-What megappo asks of vLLM (0.34; field names from vllm/entrypoints/openai/completion/protocol.py):
+What megappo asks of vLLM (0.32, `megappo[vllm]`'s pin; field names from vllm/entrypoints/openai/completion/protocol.py):
 - one request per sample, `n = 1` with the sample's own `seed` (`seeds.sample_seed`): a request's seed seeds all its
   `n` samples' generator, so several samples in one request would not be drawn as megappo's seeds say;
 - the prompt as token ids, the response as token ids (`return_token_ids`) with the sampled token's log-prob
@@ -12,8 +12,9 @@ What megappo asks of vLLM (0.34; field names from vllm/entrypoints/openai/comple
   the filtered, renormalised distribution's (`FILTERED_LOGPROBS`, refused where the trainer uses them as the
   behaviour policy);
 - greedy as temperature 0 (vLLM's greedy), whose processed log-probs are the plain softmax's, as megappo's;
-- each output token's weight version (`return_weight_versions`: spans of "version" labels, megappo's integer
-  versions as strings), so a generation continued across a weight sync keeps each token's version.
+- the server's weight version label is megappo's integer version as a string (`/update_weight_version`); where vLLM
+  reports per-token versions (`CompletionOutput.weight_versions` spans; over HTTP from vLLM 0.34's
+  `return_weight_versions`) each token gets its own, else the version the client served when it asked.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def completion_request(prompt_ids: Sequence[int], params: SamplingParams, seed: 
     if not prompt_ids:
         raise ValueError("every prompt needs at least one token")
     body = {"model": model, "prompt": [int(t) for t in prompt_ids], "request_id": request_id,
-            "return_token_ids": True, "return_weight_versions": True, "stream": False,
+            "return_token_ids": True, "stream": False,
             **sampling_fields(params, seed)}
     return body
 
@@ -154,7 +155,9 @@ def parse_output(output: Any, prompt_index: int, *, weight_version: int, partial
     if len(logprobs) != len(ids):
         raise RuntimeError(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probs")
     choice = {"token_ids": ids, "finish_reason": output.finish_reason, "stop_reason": output.stop_reason,
-              "logprobs": {"token_logprobs": [float(lp[t].logprob) for lp, t in zip(logprobs, ids)]}}
+              "logprobs": {"token_logprobs": [float(lp[t].logprob) for lp, t in zip(logprobs, ids)]},
+              "weight_versions": [{"version": span.version, "start": span.start, "end": span.end}
+                                  for span in getattr(output, "weight_versions", None) or ()]}
     completion = parse_choice(choice, prompt_index, weight_version=weight_version, partial=partial)
     raw = getattr(output, "routed_experts", None)
     if routes is not None:
