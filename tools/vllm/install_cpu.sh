@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a virtual environment in which a real vLLM engine (offline `vllm.LLM` and the OpenAI server) runs on a
-# CPU-only x86 machine with AVX2 and no AVX512 (measured: 94 s with an empty pip cache, 2.2 GB). GPU machines use a plain
-# `pip install "megappo[vllm]"` instead.
+# CPU-only x86 machine with AVX2 and no AVX512 (measured: 94 s with an empty pip cache, 2.2 GB). GPU machines use
+# a plain `pip install "megappo[vllm]"` instead.
 #
 #   bash tools/vllm/install_cpu.sh VENV   # then: VENV/bin/python tools/vllm/check_loader.py HF_DIR
 #
