@@ -119,7 +119,10 @@ def main():
             continue
         # vocab-parallel layers pad rows to a multiple of 64; the padding is not part of the checkpoint
         got = p.detach()[: exp.shape[0]] if p.shape != exp.shape and p.shape[1:] == exp.shape[1:] else p.detach()
-        diffs[name] = (got.float() - exp.float()).abs().max().item() if got.shape == exp.shape else f"shape {tuple(p.shape)} vs {tuple(exp.shape)}"
+        if got.shape == exp.shape:
+            diffs[name] = (got.float() - exp.float()).abs().max().item()
+        else:
+            diffs[name] = f"shape {tuple(p.shape)} vs {tuple(exp.shape)}"
     not_taken = sorted(n for n, v in loaded.items() if not v)
     ok = not not_taken and not unbuilt and all(d == 0.0 for d in diffs.values())
     print(json.dumps({
