@@ -35,13 +35,21 @@ def test_the_command_and_environment_carry_the_settings_and_never_the_key(tmp_pa
     assert s.cmd == ["/venv/bin/python", LAUNCHER, "--model", str(tmp_path), "--dtype", "float16",
                      "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "megappo",
                      "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3", "--tensor-parallel-size", "2",
-                     "--max-num-batched-tokens", "512", "--enforce-eager", "--trust-remote-code", "--seed", "3"]
+                     "--generation-config", "vllm", "--max-num-batched-tokens", "512", "--enforce-eager",
+                     "--trust-remote-code", "--seed", "3"]
     assert s.key_delivery() == ([], {"VLLM_API_KEY": "k" * 48})  # the environment of the start, not the argv
     assert not any("k" * 48 in a for a in s.cmd) and "VLLM_API_KEY" not in s.env
     assert s.env["VLLM_SERVER_DEV_MODE"] == "1" and s.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert s.env["PYTHONPATH"] == "" and "RANK" not in s.env
     assert s._sheltered(s.cmd)[:3] == ["/venv/bin/python", SHELTER, LAUNCHER]  # job signals cannot reach it
     assert (s.url, s.KEYED_PATH, s.ENGINE) == ("http://127.0.0.1:8123", "/v1/models", "vLLM")
+
+
+def test_a_cpu_server_reserves_little_host_memory_and_runs_eager(tmp_path):
+    s = _unstarted(VLLMServer(str(tmp_path), cuda=False, gpu_memory_utilization=0.5, max_model_len=96))
+    assert s.cmd[s.cmd.index("--gpu-memory-utilization") + 1] == "0.1" and "--enforce-eager" in s.cmd
+    assert s.cmd[s.cmd.index("--max-model-len") + 1] == "96"
+    assert s.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and s.env["VLLM_TARGET_DEVICE"] == "cpu"
 
 
 def test_optional_flags_stay_off_and_a_random_key_and_port_are_chosen(tmp_path, monkeypatch):

@@ -85,8 +85,6 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
                          f"{SERVER_KWARGS} (other `vllm serve` flags as extra_args: [--flag, value])")
     extra: list[str] = list(r.engine_kwargs.get("extra_args", ()))
     extra += ["--logprobs-mode", "processed_logprobs", "--seed", str(r.seed)]
-    if r.max_model_len:
-        extra += ["--max-model-len", str(r.max_model_len)]
     if r.routed_experts:
         extra.append("--enable-return-routed-experts")
     if r.lora_adapter is not None:
@@ -99,9 +97,9 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
         return VLLMServer(r.model_path, python=python, port=port, dtype=r.engine_kwargs.get("dtype", dtype),
                           max_num_seqs=int(r.engine_kwargs.get("max_num_seqs", r.max_num_seqs)),
                           gpu_memory_utilization=r.gpu_memory_utilization, tensor_parallel_size=tp,
-                          max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager,
-                          trust_remote_code=r.trust_remote_code, extra_args=extra, gpus=gpus, host=r.server_host,
-                          api_key=key)
+                          max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                          enforce_eager=r.enforce_eager, trust_remote_code=r.trust_remote_code, extra_args=extra,
+                          gpus=gpus, cuda=platform.is_cuda, host=r.server_host, api_key=key)
 
     return ServerSet(r, platform, server, healthy=is_healthy, engine="vLLM")
 
