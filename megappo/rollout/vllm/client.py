@@ -22,8 +22,8 @@ from megappo.rollout.base import Bucket, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.serving.http_client import http_json
-from megappo.rollout.vllm.requests import (SERVED_MODEL, completion_request, parse_choice, parse_prompt_logprobs,
-                                           prompt_logprobs_request)
+from megappo.rollout.vllm.requests import (SERVED_MODEL, completion_request, engine_request_id, parse_choice,
+                                           parse_prompt_logprobs, prompt_logprobs_request)
 
 _IDS = itertools.count()
 
@@ -96,7 +96,7 @@ class VLLMServerClient(RolloutEngine):
         with self._lock:
             ids = sorted(self._in_flight)
         if ids:
-            self._call("/abort_requests", {"request_ids": ids})
+            self._call("/abort_requests", {"request_ids": [engine_request_id(i) for i in ids]})
 
     def pause(self) -> None:
         self._call("/pause?mode=keep", {})

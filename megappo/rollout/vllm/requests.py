@@ -62,6 +62,13 @@ def completion_request(prompt_ids: Sequence[int], params: SamplingParams, seed: 
     return body
 
 
+def engine_request_id(request_id: str) -> str:
+    """The id vLLM's engine knows a completion request by, which `/abort_requests` takes: the completions handler
+    names the request "cmpl-<request_id>" and its i-th prompt "<that>-<i>" (vllm/entrypoints/openai/completion/
+    serving.py); megappo's requests hold one prompt."""
+    return f"cmpl-{request_id}-0"
+
+
 def prompt_logprobs_request(token_ids: Sequence[int], *, request_id: str, model: str = SERVED_MODEL
                             ) -> dict[str, Any]:
     """A request whose answer holds log p(token_ids[k] | token_ids[:k]) for k >= 1 (`prompt_logprobs: 0`: the
