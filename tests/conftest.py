@@ -151,3 +151,29 @@ def vllm_python() -> str:
     if os.environ.get("MEGAPPO_VLLM_PYTHON"):
         return os.environ["MEGAPPO_VLLM_PYTHON"]
     return _cached_venv("vllm", VLLM_TOOLS, ("install_cpu.sh", "requirements-cpu.txt"))
+
+
+VLLM_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # hidden 64: heads of 32 (vLLM's CPU attention has
+# no kernel for megappo's usual 16)
+
+
+@pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory) -> tuple[str, str]:
+    """Two tiny Qwen2 directories (seeds 0 and 1) that vLLM's CPU build serves."""
+    from megappo.testing.hf_models import make_hf_model
+
+    root = tmp_path_factory.mktemp("vllm_models")
+    return (make_hf_model("qwen2", str(root / "a"), seed=0, **VLLM_HEADS),
+            make_hf_model("qwen2", str(root / "b"), seed=1, **VLLM_HEADS))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python, vllm_models):
+    """One real vLLM server of `vllm_models[0]` for the session (~30 s to start), started by megappo. A test that
+    loads other weights into it loads the first model's back before it ends."""
+    from megappo.rollout.vllm.server import VLLMServer
+
+    with VLLMServer(vllm_models[0], python=vllm_python, cuda=False, dtype="float32", max_num_seqs=8,
+                    max_model_len=512, extra_args=["--logprobs-mode", "processed_logprobs", "--seed", "0"]) as server:
+        yield server
+

