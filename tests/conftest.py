@@ -169,11 +169,14 @@ def vllm_models(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def vllm_server(vllm_python, vllm_models):
-    """One real vLLM server of `vllm_models[0]` for the session (~30 s to start), started by megappo. A test that
-    loads other weights into it loads the first model's back before it ends."""
+    """One real vLLM server of `vllm_models[0]` for the session (~30 s to start), started by megappo, able to serve
+    LoRA adapters (rank <= 8). A test that loads other weights or an adapter into it restores the first model before
+    it ends."""
     from megappo.rollout.vllm.server import VLLMServer
 
     with VLLMServer(vllm_models[0], python=vllm_python, cuda=False, dtype="float32", max_num_seqs=8,
-                    max_model_len=512, extra_args=["--logprobs-mode", "processed_logprobs", "--seed", "0"]) as server:
+                    max_model_len=512, extra_args=["--logprobs-mode", "processed_logprobs", "--seed", "0",
+                                                   "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
+                    ) as server:
         yield server
 

@@ -15,19 +15,20 @@ ENGINES: dict[str, dict[str, Any]] = {
     # SGLang servers the trainer starts per node (or rollout.server_urls), shared by every replica
     "sglang": {"deploy": "megappo.rollout.sglang.deploy:deploy", "preflight": "megappo.rollout.sglang.deploy:preflight",
                "modes": ("async",), "sync_modes": ("distributed", "tensor", "disk"), "partial_rollout": True,
-               "multi_modal": True, "routed_experts": True},
+               "multi_modal": True, "routed_experts": True, "lora_adapters": ("cuda",)},
     # vLLM servers the trainer starts (or server_urls), or vLLM's engine in the trainer's ranks (mode=sync)
     "vllm": {"deploy": "megappo.rollout.vllm.deploy:deploy", "preflight": "megappo.rollout.vllm.deploy:preflight",
              "modes": ("async", "sync"), "sync_modes": {"async": ("disk",), "sync": ("tensor",)},
-             "partial_rollout": True, "multi_modal": True, "routed_experts": True},
+             "partial_rollout": True, "multi_modal": True, "routed_experts": True, "lora_adapters": ("cuda", "cpu")},
 }
 # modes: the deployments (rollout.mode) it has, the first its default (absent: sync, the engine in the ranks). sync_modes: the values of rollout.weight_sync
 # the engine's `load_weights` takes ("disk": a Hugging Face directory it reloads), per mode where they differ;
 # "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
 # (async_training.partial_rollout continues them); False when absent. multi_modal: its `generate` takes the prompts'
 # images (`multi_modal=`, vision-language models); routed_experts: its completions carry each token's MoE routes
-# when SamplingParams.return_routed_experts (router replay R3). A deployment may refuse what its mode lacks (its
-# preflight says why).
+# when SamplingParams.return_routed_experts (router replay R3); lora_adapters: the devices (trainer.device) on which
+# its `load_lora_adapter` serves a LoRA actor's adapters (rollout.lora_sync=adapter). A deployment may refuse what
+# its mode lacks (its preflight says why).
 
 
 def engine_names() -> list[str]:
@@ -91,6 +92,11 @@ def multi_modal(name: str) -> bool:
 def routed_experts(name: str) -> bool:
     """Whether the engine returns each token's routed experts (`Completion.routed_experts`, router replay R3)."""
     return bool(ENGINES.get(name, {}).get("routed_experts", False))
+
+
+def lora_adapters(name: str) -> tuple[str, ...]:
+    """The devices on which the engine serves LoRA adapters by name (rollout.lora_sync=adapter); () when none."""
+    return tuple(ENGINES.get(name, {}).get("lora_adapters", ()))
 
 
 def deploy(settings: Any, ps: Any, platform: Any) -> Any:

@@ -21,22 +21,25 @@ def _servers(model_dir: str) -> list[str]:
     return [line for line in ps.splitlines() if "vllm/launch.py" in line and model_dir in line]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from megappo.testing.hf_models import make_hf_model
-
-    # heads of 32 dimensions: vLLM's CPU attention has no kernel for the 16 of megappo's usual tiny models
-    return make_hf_model("qwen2", str(tmp_path_factory.mktemp("vllm_actor")), num_attention_heads=2,
-                         num_key_value_heads=1)
+@pytest.fixture
+def model_dir(vllm_models):
+    return vllm_models[0]  # heads of 32 dimensions: vLLM's CPU attention has no kernel for 16
 
 
-def test_three_steps_with_vllm_servers(vllm_python, model_dir, tmp_path):
+def test_three_steps_on_a_running_vllm_server(vllm_server, model_dir, tmp_path):
+    """rollout.server_urls: the session's running server (its key given), not one the trainer starts."""
+    from megappo.rollout.vllm.fleet import VLLMFleet
+
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
     cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
         str(tmp_path / "run"), model_dir, train, steps=3,
-        extra=[f"{R}.name=vllm", f"{R}.server_python={vllm_python}", f"{R}.verify_sync=true", f"{R}.n=2"]))
+        extra=[f"{R}.name=vllm", f"{R}.server_urls=[{vllm_server.url}]", f"{R}.api_key={vllm_server.api_key}",
+               f"{R}.verify_sync=true", f"{R}.n=2"]))
     assert cfg.actor_rollout_ref.rollout.weight_sync == "auto"
-    assert fit(cfg) == 0
+    try:
+        assert fit(cfg) == 0
+    finally:  # the session's server serves its first model again
+        VLLMFleet([vllm_server.url], api_key=vllm_server.api_key).update_weights_from_disk(model_dir, version=0)
     rows = read_metrics(str(tmp_path / "run"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -44,4 +47,23 @@ def test_three_steps_with_vllm_servers(vllm_python, model_dir, tmp_path):
         assert r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3
         assert r["rollout/weight_sync_bytes"] > 0 and r["rollout/servers_live"] == 1
     assert [r["rollout/weight_version"] for r in rows] == [1, 2, 3]  # the version each step's sync gave the server
-    assert _servers(model_dir) == []  # the trainer stopped the server it started
+
+
+def test_a_lora_actor_served_as_an_adapter_by_a_server_the_trainer_starts(vllm_python, model_dir, tmp_path):
+    """rollout.lora_sync=adapter on CPU: after each update the trainer writes the actor's adapters as a PEFT
+    directory and the vLLM server it started serves it by name over the base it loaded; its log-probs match the
+    trainer's; the server is gone after the run."""
+    train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
+    cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
+        str(tmp_path / "run"), model_dir, train, steps=2,
+        extra=[f"{R}.name=vllm", f"{R}.server_python={vllm_python}", f"{R}.verify_sync=true",
+               f"{R}.lora_sync=adapter", "actor_rollout_ref.model.lora.rank=4",
+               "actor_rollout_ref.model.lora.alpha=8", "actor_rollout_ref.actor.optim.lr=1e-2"]))
+    before = _servers(model_dir)  # the session's server, when another test started it
+    assert fit(cfg) == 0
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3
+    assert rows[0]["rollout/weight_sync_bytes"] < 1e6 > rows[1]["rollout/weight_sync_bytes"]  # adapters, not layers
+    assert _servers(model_dir) == before  # the trainer stopped the server it started

@@ -7,6 +7,7 @@ kernel for megappo's usual 16)."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import urllib.error
@@ -146,3 +147,81 @@ def test_a_stopped_server_leaves_no_process(vllm_python, models):
         pid = s.proc.pid
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_partial_rollout_continues_with_the_new_weights(fleet, models):
+    """The async producer on the vLLM fleet (as the trainer has it): a sync's pause aborts the generation in
+    progress, the server answers with each sample's tokens; after the weights change (version 5) every sample
+    continues from its tokens on the new weights and keeps its first token's version. Greedy, so the continuation is
+    checked against the new model's own."""
+    from megappo.trainer.async_rollout import Producer, _Job
+
+    old, new = models
+    prompts, budget = [[5, 6, 7], [9, 10, 11, 12]], 400
+    fleet.generate(PROMPTS[:1], GREEDY)  # warm
+    producer = Producer(fleet, partial=True)
+    try:
+        job = _Job(prompts, SamplingParams(max_new_tokens=budget, temperature=0, ignore_eos=True, n=2), 0)
+        future = producer.put(job)
+        while not job.started:
+            time.sleep(0.01)
+        time.sleep(0.5)  # some tokens in (~200 a second a sample here), far from the end
+        producer.pause()  # the sync: aborts, returns once the engine is idle
+        partial = job.done
+        assert partial is not None and not future.done()
+        assert all(c.finish_reason == "abort" and len(c.output_ids) < budget for g in partial for c in g)
+        assert any(c.output_ids for g in partial for c in g)
+        version = fleet.weight_version
+        fleet.update_weights_from_disk(new, version=version + 1)
+        producer.resume()
+        groups = future.result(timeout=300)
+    finally:
+        producer.close()
+        fleet.update_weights_from_disk(old, version=fleet.weight_version + 1)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    checked = 0
+    for prompt, before, group in zip(prompts, partial, groups):
+        for b, c in zip(before, group):
+            assert c.output_ids[:len(b.output_ids)] == b.output_ids  # continued from its tokens
+            assert len(c.output_ids) == len(c.log_probs) == budget and c.finish_reason == "length"
+            assert c.weight_version == (version if b.output_ids else version + 1)
+            if b.output_ids:
+                start = prompt + b.output_ids
+                tail = c.output_ids[len(b.output_ids):][:8]
+                assert tail == HFEngine(new).generate([start], greedy)[0][0].output_ids  # the new weights'
+                checked += tail != HFEngine(old).generate([start], greedy)[0][0].output_ids
+    assert checked  # the old weights would have gone on otherwise: the check above tells them apart
+
+
+def test_a_lora_adapter_is_served_by_name_over_the_base(fleet, models, tmp_path):
+    """rollout.lora_sync=adapter: the server loads a PEFT adapter directory as adapter `megappo-v<version>` and every
+    request names it; it then generates what transformers does with the adapter merged. The next adapter replaces
+    it (the previous one unloaded); the base alone serves again after a weight reload."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def adapter(seed: int, out) -> str:
+        torch.manual_seed(seed)
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(models[0]),
+                              LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.5)  # PEFT starts B at 0: the adapter would change nothing
+        peft.save_pretrained(str(out))
+        merged = peft.merge_and_unload()
+        merged.save_pretrained(str(out) + "-merged")
+        return str(out)
+
+    first, second = adapter(1, tmp_path / "a1"), adapter(2, tmp_path / "a2")
+    for a in (first, second):  # a fleet of its own (this test's): the session server's base stays served to others
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+            if os.path.exists(os.path.join(models[0], f)):
+                shutil.copy(os.path.join(models[0], f), a + "-merged")
+        version = fleet.weight_version + 1
+        assert fleet.load_lora_adapter(a, version=version) == version
+        fleet.check_version(version)
+        assert fleet.engines[0].model == f"megappo-v{version}"
+        got = fleet.generate(PROMPTS, GREEDY)
+        assert_same_completions(got, HFEngine(a + "-merged").generate(PROMPTS, GREEDY), tol=1e-3)
+        assert tokens(got) != tokens(HFEngine(models[0]).generate(PROMPTS, GREEDY))

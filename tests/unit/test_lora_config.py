@@ -73,13 +73,16 @@ def test_shared_critic_base_needs_the_actors_model(overrides, words):
     (["actor_rollout_ref.rollout.name=sglang", "trainer.device=cpu"], "CPU backend cannot serve LoRA"),
     (["actor_rollout_ref.model.lora.rank=0", "actor_rollout_ref.rollout.name=sglang", "trainer.device=cuda"],
      "lora.rank > 0"),
-    (["trainer.device=cuda"], "rollout.name=sglang"),  # the recipe's hf engine
+    (["trainer.device=cuda"], "rollout.name=vllm, or sglang on GPU"),  # the recipe's hf engine
 ])
-def test_adapter_sync_needs_a_lora_actor_on_gpu_sglang(overrides, words):
+def test_adapter_sync_needs_a_lora_actor_and_an_engine_that_serves_adapters(overrides, words):
     cfg = load_config(RECIPE, ["actor_rollout_ref.rollout.lora_sync=adapter", *overrides])
     with pytest.raises(ConfigError, match=words):
         validate(cfg, 1, check_files=False)
     assert load_config(RECIPE).actor_rollout_ref.rollout.lora_sync == "merged"
+    for device in ("cpu", "cuda"):  # vLLM serves adapters on both (tests/e2e/test_vllm_fleet.py on CPU)
+        validate(load_config(RECIPE, ["actor_rollout_ref.rollout.lora_sync=adapter", f"trainer.device={device}",
+                                      "actor_rollout_ref.rollout.name=vllm"]), 1, check_files=False)
 
 
 def test_sglang_lora_flags_and_cpu_refusal():

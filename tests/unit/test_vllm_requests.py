@@ -13,7 +13,7 @@ import torch
 from megappo.rollout.routes import RouteLayout
 from megappo.rollout.sampling import SamplingParams
 from megappo.rollout.seeds import request_seeds, sample_seed
-from megappo.rollout.vllm.requests import (completion_request, parse_choice, parse_prompt_logprobs,
+from megappo.rollout.vllm.requests import (completion_request, max_lora_rank, parse_choice, parse_prompt_logprobs,
                                            prompt_logprobs_request, sampling_fields, versions_of)
 
 
@@ -116,3 +116,9 @@ def test_prompt_log_probs_read_the_prompts_own_tokens():
         parse_prompt_logprobs({"prompt_logprobs": [None, {}]}, [3, 1, 4])
     with pytest.raises(ValueError, match="two tokens"):
         prompt_logprobs_request([3], request_id="p")
+
+
+def test_lora_ranks_round_up_to_what_vllm_takes():
+    assert [max_lora_rank(r) for r in (1, 2, 4, 8, 9, 300, 512)] == [1, 8, 8, 8, 16, 320, 512]
+    with pytest.raises(ValueError, match="largest --max-lora-rank"):
+        max_lora_rank(513)

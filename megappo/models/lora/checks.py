@@ -27,7 +27,7 @@ def refuse_lora(cfg, what: str) -> list[str]:
 
 
 def _check_lora_sync(cfg, errors: list[str]) -> None:
-    """rollout.lora_sync=adapter: a LoRA actor served by SGLang on GPU."""
+    """rollout.lora_sync=adapter: a LoRA actor served by an engine that serves adapters on this device."""
     arr = cfg.actor_rollout_ref
     if arr.rollout.lora_sync != "adapter":
         return
@@ -35,11 +35,15 @@ def _check_lora_sync(cfg, errors: list[str]) -> None:
     if arr.model.lora.rank <= 0:
         errors.append(f"{key} sends a LoRA actor's adapters: set actor_rollout_ref.model.lora.rank > 0 or "
                       "lora_sync=merged")
-    if arr.rollout.name != "sglang":
-        errors.append(f"{key} needs rollout.name=sglang (SGLang's LoRA serving), got {arr.rollout.name!r}; use "
-                      "lora_sync=merged")
-    if cfg.trainer.device == "cpu":
-        errors.append(f"{key}: {SGLANG_CPU_LORA}")
+    from megappo.rollout.registry import lora_adapters
+
+    devices = lora_adapters(arr.rollout.name)
+    if not devices:
+        errors.append(f"{key} needs an engine that serves LoRA adapters (rollout.name=vllm, or sglang on GPU), got "
+                      f"{arr.rollout.name!r}; use lora_sync=merged")
+    elif cfg.trainer.device not in devices:
+        why = SGLANG_CPU_LORA if arr.rollout.name == "sglang" else f"use trainer.device in {devices}"
+        errors.append(f"{key}: the {arr.rollout.name} engine serves adapters on {', '.join(devices)} only: {why}")
 
 
 def _check_shared_critic_base(cfg, errors: list[str]) -> None:

@@ -182,6 +182,11 @@ def _http(url: str, payload: Any = None, timeout: float = 600, api_key: Optional
         raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
 
+def http_text(url: str, payload: Any = None, timeout: float = 600, api_key: Optional[str] = None) -> str:
+    """`http_json` for an endpoint that answers plain text (vLLM's /v1/load_lora_adapter)."""
+    return _http(url, payload, timeout, api_key).decode(errors="replace")
+
+
 def http_json(url: str, payload: Any = None, timeout: float = 600, api_key: Optional[str] = None) -> Any:
     """GET (payload None) or POST JSON; the decoded JSON answer. Raises RuntimeError with the server's message.
     `api_key` (default: the one registered for the URL's server) goes as `Authorization: Bearer`. A server reached

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Sequence
 from megappo.rollout.base import Bucket, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
-from megappo.rollout.serving.http_client import http_json
+from megappo.rollout.serving.http_client import http_json, http_text
 from megappo.rollout.vllm.requests import (SERVED_MODEL, completion_request, engine_request_id, parse_choice,
                                            parse_prompt_logprobs, prompt_logprobs_request)
 
@@ -144,12 +144,14 @@ class VLLMServerClient(RolloutEngine):
 
     def load_lora_adapter(self, adapter_dir: str, *, version: int) -> int:
         """Serve `adapter_dir` as adapter `megappo-v<version>` (requests name it), the previous one unloaded."""
-        name = f"megappo-v{int(version)}"
-        self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)},
-                   timeout=max(self.sync_timeout, 600))
+        name, timeout = f"megappo-v{int(version)}", max(self.sync_timeout, 600)
+        # plain-text answers ("Success: LoRA adapter ... added successfully"); an error status raises
+        http_text(self.url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir)},
+                  timeout=timeout, api_key=self.api_key)
         previous, self.model = self.model, name
-        if previous != SERVED_MODEL:
-            self._call("/v1/unload_lora_adapter", {"lora_name": previous})
+        if previous not in (SERVED_MODEL, name):
+            http_text(self.url + "/v1/unload_lora_adapter", {"lora_name": previous}, timeout=timeout,
+                      api_key=self.api_key)
         return self.set_version(version)
 
     # -- scoring ---------------------------------------------------------------------------------------------------

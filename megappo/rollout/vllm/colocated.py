@@ -22,7 +22,7 @@ from typing import Any, Iterable, Optional, Sequence
 from megappo.rollout.base import Bucket, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
-from megappo.rollout.vllm.requests import LOGPROBS_MODE, parse_output, sampling_fields
+from megappo.rollout.vllm.requests import LOGPROBS_MODE, max_lora_rank, parse_output, sampling_fields
 
 
 def engine_args(settings: Any, dtype: str, *, routes: bool, lora_rank: Optional[int]) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def engine_args(settings: Any, dtype: str, *, routes: bool, lora_rank: Optional[
     if routes:
         kw["enable_return_routed_experts"] = True
     if lora_rank:
-        kw.update(enable_lora=True, max_lora_rank=int(lora_rank), max_loras=1)
+        kw.update(enable_lora=True, max_lora_rank=max_lora_rank(int(lora_rank)), max_loras=1)
     kw.update(settings.engine_kwargs)
     return kw
 

@@ -32,6 +32,17 @@ FILTERED_LOGPROBS = ("a top-k or top-p filter makes vLLM report log-probs of the
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM 0.32's --max-lora-rank takes
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM takes that holds adapters of `rank` (4 -> 8)."""
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"a LoRA rank of {rank} is above vLLM's largest --max-lora-rank ({LORA_RANKS[-1]})")
+
+
 def sampling_fields(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
     """The sampling fields both vLLM request kinds share (a completion request's, `vllm.SamplingParams`'s)."""
     fields: dict[str, Any] = {

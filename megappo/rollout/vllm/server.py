@@ -62,6 +62,8 @@ class VLLMServer(ManagedServer):
         if trust_remote_code:  # vLLM runs code shipped with the model only when asked (model.trust_remote_code)
             self._args.append("--trust-remote-code")
         self._args += list(extra_args)
+        if "--enable-lora" in self._args:  # rollout.lora_sync=adapter: /v1/load_lora_adapter while it serves
+            self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         self._dtype = dtype
         self.env["VLLM_SERVER_DEV_MODE"] = "1"
         if gpus is not None:
