@@ -17,23 +17,20 @@ Calling it: from one process while the others wait (torchrun: rank 0 calls it, t
 returned `TaskFiles`, or a barrier after which the other ranks call it too and get the reused files). Concurrent
 calls on one machine (or on a filesystem with working `flock`) are also safe: a lock file `<out_dir>.lock` lets one
 caller build while the others wait, then they reuse its output. Files appear atomically (temporary name, rename).
-The bytes are the same for the same seed on the same CPU type and torch version; across machines the warm start can
-differ in the last bits, which is why a written model is reused rather than rebuilt.
+The bytes are the same for the same seed, CPU type and torch version (a written model is reused, not rebuilt).
 
 The task: **digit_max** (data_source `megappo/digit_max`). The prompt is `max 3 9 1 4 =` (four random digits), the
 answer the largest digit (`9`) followed by EOS. The reward (`synthetic_reward`, registered for every task's
 data_source) is 1.0 for exactly the right answer and 0.0 otherwise: no format credit, so a rising reward is learning.
 
-Prompts are 10 tokens, right answers 2. Prompts are drawn so that the answers 1..9 are equally frequent (answering a
-constant scores 1/9, not the 34% that "9" would score on uniform digits); the validation prompts are distinct and
-held out of training and warm start.
+Prompts are 10 tokens, right answers 2, drawn so that the answers 1..9 are equally frequent (a constant scores 1/9,
+not the 34% "9" would score on uniform digits); the validation prompts are held out of training and warm start.
 
 The warm start trains with a smoothed target: the right digit with weight 1 - `smoothing` (0.85) and every digit
 with `smoothing`/10, so after 200 steps (~8 s on 2 cores) the model knows the rule (its greedy answer is right on
 ~100% of prompts) but samples it at temperature 1 only ~23% of the time. RL then has a clear, quick job: make the
-policy pick the answer it already ranks first. (So validate by sampling at temperature 1: greedy decoding is right
-from the start.) A REINFORCE check outside the trainer (Adam at lr 1e-3, 64 samples a step, responses of at most 4
-tokens) takes the temperature-1 reward from ~0.23 to ~0.8 in 15 steps.
+policy pick the answer it already ranks first (so validate by sampling at temperature 1: greedy is right from the
+start). `digit_max_h32` is the same task on two heads of 32 dimensions.
 
 This module imports neither torch nor pyarrow until `prepare_task` runs: reward worker processes import it (on
 `megappo.rewards.registry`'s first look-up of a reward, through `builtin_rewards`) to find `synthetic_reward`.
@@ -50,8 +47,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager, suppress
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
@@ -175,11 +171,9 @@ TASKS: dict[str, SyntheticTask] = {
         answer_fn=max,
     ),
 }
-# digit_max on two heads of 32 dimensions (the same width): vLLM's CPU attention has no kernel for 16-dimension heads,
-# so the vLLM golden run (megappo/testing/golden.py) trains this one
-TASKS["digit_max_h32"] = dataclasses.replace(
-    TASKS["digit_max"], name="digit_max_h32",
-    model={**TASKS["digit_max"].model, "num_attention_heads": 2, "num_key_value_heads": 2})
+# two heads of 32 dimensions (vLLM's CPU attention has no kernel for 16): the vLLM golden run's task
+TASKS["digit_max_h32"] = replace(TASKS["digit_max"], name="digit_max_h32", model={
+    **TASKS["digit_max"].model, "num_attention_heads": 2, "num_key_value_heads": 2})
 
 
 def get_task(name: str) -> SyntheticTask:

@@ -22,10 +22,10 @@ from typing import Any, Iterable, Optional, Sequence
 from megappo.rollout.base import Bucket, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
-from megappo.rollout.vllm.requests import LOGPROBS_MODE, max_lora_rank, parse_output, sampling_fields
+from megappo.rollout.vllm.requests import LOGPROBS_MODE, lora_serving, parse_output, sampling_fields
 
 
-def engine_args(settings: Any, dtype: str, *, routes: bool, lora_rank: Optional[int]) -> dict[str, Any]:
+def engine_args(settings: Any, dtype: str, *, routes: bool) -> dict[str, Any]:
     """`vllm.LLM` keyword arguments from the rollout settings (verl's knob names map one to one), then the user's
     `engine_kwargs` (vLLM's own EngineArgs names), which win."""
     kw: dict[str, Any] = {
@@ -43,8 +43,7 @@ def engine_args(settings: Any, dtype: str, *, routes: bool, lora_rank: Optional[
         kw["max_model_len"] = int(settings.max_model_len)
     if routes:
         kw["enable_return_routed_experts"] = True
-    if lora_rank:
-        kw.update(enable_lora=True, max_lora_rank=max_lora_rank(int(lora_rank)), max_loras=1)
+    kw.update(lora_serving(settings.lora_adapter))
     kw.update(settings.engine_kwargs)
     return kw
 
@@ -57,9 +56,9 @@ class VLLMColocatedEngine(RolloutEngine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process: weights by reference
         from vllm import LLM
 
-        lora_rank = settings.lora_adapter.rank if settings.lora_adapter is not None else None
-        self.routes, self.sleep_level = routes, (1 if settings.lora_adapter is not None else 2)
-        self.llm = LLM(**engine_args(settings, dtype, routes=routes is not None, lora_rank=lora_rank))
+        # level 1: the weights wait in host memory (a partial sync, a LoRA actor's adapted layers, keeps the others)
+        self.routes, self.sleep_level = routes, 1
+        self.llm = LLM(**engine_args(settings, dtype, routes=routes is not None))
         self.free_cache = bool(settings.free_cache_engine)
         self.asleep: Optional[int] = None  # the sleep level, None awake
         self.lora: Any = None  # the served adapter's LoRARequest

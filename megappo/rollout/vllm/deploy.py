@@ -77,7 +77,7 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
     """The run's vLLM servers: node server i on GPUs i*tp ... (i+1)*tp - 1, the rollout's knobs as vLLM's flags,
     `engine_kwargs` (extra_args: further `vllm serve` flags) after them."""
     from megappo.rollout.serving.server_set import ServerSet, configured_api_key
-    from megappo.rollout.vllm.requests import max_lora_rank
+    from megappo.rollout.vllm.requests import cli_flags, lora_serving
     from megappo.rollout.vllm.server import VLLMServer, is_healthy
 
     unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
@@ -88,8 +88,7 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
     extra += ["--logprobs-mode", "processed_logprobs", "--seed", str(r.seed)]
     if r.routed_experts:
         extra.append("--enable-return-routed-experts")
-    if r.lora_adapter is not None:
-        extra += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(r.lora_adapter.rank)), "--max-loras", "1"]
+    extra += cli_flags(lora_serving(r.lora_adapter))
     tp, python = r.tensor_model_parallel_size, r.server_python or sys.executable
     configured_api_key(r)  # an unreadable key file fails here, before any server starts
 

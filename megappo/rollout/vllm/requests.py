@@ -43,6 +43,22 @@ def max_lora_rank(rank: int) -> int:
     raise ValueError(f"a LoRA rank of {rank} is above vLLM's largest --max-lora-rank ({LORA_RANKS[-1]})")
 
 
+def lora_serving(adapter: Any) -> dict[str, Any]:
+    """vLLM's engine arguments that serve a LoRA actor's adapters by name (`RolloutSettings.lora_adapter`, None:
+    merged weights, no adapters)."""
+    if adapter is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": max_lora_rank(adapter.rank), "max_loras": 1}
+
+
+def cli_flags(engine_args: Mapping[str, Any]) -> list[str]:
+    """Engine arguments as `vllm serve` flags (True: the flag alone)."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return flags
+
+
 def sampling_fields(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
     """The sampling fields both vLLM request kinds share (a completion request's, `vllm.SamplingParams`'s)."""
     fields: dict[str, Any] = {

@@ -62,10 +62,10 @@ class VLLMServer(ManagedServer):
         if trust_remote_code:  # vLLM runs code shipped with the model only when asked (model.trust_remote_code)
             self._args.append("--trust-remote-code")
         self._args += list(extra_args)
-        if "--enable-lora" in self._args:  # rollout.lora_sync=adapter: /v1/load_lora_adapter while it serves
-            self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        self._dtype = dtype
         self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        # /v1/load_lora_adapter while it serves (rollout.lora_sync=adapter; inert without --enable-lora)
+        self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        self._dtype = dtype
         if gpus is not None:
             self.env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
 
