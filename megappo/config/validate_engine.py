@@ -8,6 +8,11 @@ from megappo.config.schema import MegappoConfig
 from megappo.rollout.registry import deployment_mode, unknown_engine
 
 P = "actor_rollout_ref.rollout"
+# measured: `--enable-return-routed-experts` needs VLLM_USE_V2_MODEL_RUNNER=1, whose model runner needs Triton, which
+# has no CPU backend on PyPI (vLLM: "AuxOutput Connector requires Model Runner V2", then "Model Runner V2 requires
+# Triton")
+VLLM_CPU_ROUTES = ("vLLM 0.32 returns routed experts only from its Model Runner V2, which needs Triton (a GPU; x86 "
+                   "CPUs would need triton-cpu, which is not on PyPI)")
 
 
 def served(r: Any) -> bool:
@@ -40,6 +45,9 @@ def _vllm_errors(cfg: MegappoConfig, mode: str) -> list[str]:
         errors.append(f"{P}.name=vllm with top_k={r.top_k}, top_p={r.top_p} and algorithm.rollout_correction, which "
                       f"takes the engine's log-probs as the behaviour policy's: {FILTERED_LOGPROBS}; sample "
                       f"without the filter (top_k=-1, top_p=1), or use rollout.name=sglang or hf")
+    if r.enable_rollout_routing_replay and cfg.trainer.device == "cpu":
+        errors.append(f"{P}.enable_rollout_routing_replay with vllm on CPU: {VLLM_CPU_ROUTES}; use router replay R2 "
+                      f"(the trainer's own routes), or {P}.name=hf or sglang on CPU")
     if mode == "sync":
         if r.tensor_model_parallel_size != 1:
             errors.append(f"{P}.mode=sync (vLLM in the trainer's ranks) runs one engine per model-parallel group's "

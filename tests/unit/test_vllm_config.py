@@ -41,6 +41,8 @@ def test_vllm_configs_that_run_validate():
      "drop the URLs"),
     ([f"{P}.name=vllm", f"{P}.top_k=20", "algorithm.rollout_correction.rollout_is=token"], "top_k=20",
      "sample without the filter"),
+    ([f"{P}.name=vllm", f"{P}.enable_rollout_routing_replay=true"], "Model Runner V2",
+     "use router replay R2"),
     ([f"{P}.name=vllm", f"{P}.mode=sync", "async_training.mode=fully_async", "async_training.partial_rollout=true",
       "actor_rollout_ref.hybrid_engine=false"], "async_training.partial_rollout", f"use {P}.mode=async"),
 ])

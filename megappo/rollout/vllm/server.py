@@ -63,6 +63,8 @@ class VLLMServer(ManagedServer):
             self._args.append("--trust-remote-code")
         self._args += list(extra_args)
         self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        if "--enable-return-routed-experts" in self._args:  # vLLM 0.32 records routes in Model Runner V2 only
+            self.env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         # /v1/load_lora_adapter while it serves (rollout.lora_sync=adapter; inert without --enable-lora)
         self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         self._dtype = dtype
