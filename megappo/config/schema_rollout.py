@@ -169,7 +169,7 @@ class InferenceConfig:
     unset key is the policy's rollout's (actor_rollout_ref.rollout); the server keys not named here (server_python,
     timeouts, health checks, router) are always the policy's."""
 
-    name: Optional[str] = None  # hf | sglang; None: actor_rollout_ref.rollout.name
+    name: Optional[str] = None  # a rollout engine (hf, sglang, vllm); None: actor_rollout_ref.rollout.name
     # sglang: URLs of running servers that serve this model; empty: the trainer starts its own (servers_per_node)
     server_urls: list[str] = field(default_factory=list)
     servers_per_node: Optional[int] = None  # None: one per tensor_model_parallel_size GPUs (one on a CPU node)

@@ -153,16 +153,24 @@ def teacher_model_problems(cfg, tp: int, pp: int) -> list[str]:
 
 
 def _engine_problems(cfg) -> list[str]:
-    """An engine teacher on SGLang servers the run starts needs a python with SGLang (the policy's server_python)."""
-    from megappo.rollout.sglang.deploy import _python_problems
+    """An engine teacher on another engine than the policy's must be able to start: that engine's preflight, with
+    the policy's server python (the policy's own engine is checked by the policy's preflight)."""
+    import copy
 
-    started = [t for t in teacher_configs(cfg).values() if t.backend == "engine" and not t.inference.server_urls
-               and (t.inference.name or cfg.actor_rollout_ref.rollout.name) == "sglang"]
-    if not started or cfg.actor_rollout_ref.rollout.name == "sglang":  # the policy's preflight checked it
-        return []
-    return [p.replace("actor_rollout_ref.rollout.name: sglang servers", "a distillation teacher's sglang servers")
-            .replace("actor_rollout_ref.rollout.name=hf", f"{KEY}.teacher_model.inference.name=hf")
-            for p in _python_problems(cfg.actor_rollout_ref.rollout.server_python)]
+    from megappo.rollout.registry import preflight
+
+    policy, out = cfg.actor_rollout_ref.rollout.name, []
+    for t in teacher_configs(cfg).values():
+        name = t.inference.name or policy
+        if t.backend != "engine" or name == policy:
+            continue
+        probe = copy.deepcopy(cfg)
+        r = probe.actor_rollout_ref.rollout
+        r.name, r.mode, r.server_urls = name, None, list(t.inference.server_urls)
+        out += [p.replace(f"actor_rollout_ref.rollout.name: {name} servers", f"a distillation teacher's {name} servers")
+                .replace("actor_rollout_ref.rollout.name=hf", f"{KEY}.teacher_model.inference.name=hf")
+                for p in preflight(probe)]
+    return list(dict.fromkeys(out))
 
 
 def _config_json(path) -> Any:

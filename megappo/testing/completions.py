@@ -13,3 +13,27 @@ def assert_same_completions(got, want, tol: float = 1e-4) -> None:
     for g, w in zip(got, want):
         for a, b in zip(g, w):
             assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs)) < tol
+
+
+def assert_continued_on_new_weights(prompts, partial, groups, old: str, new: str, budget: int, versions) -> None:
+    """A greedy partial rollout that continued across a weight sync: `partial` (the aborted answer: each sample's
+    tokens so far) and `groups` (the finished one) for `prompts`, the weights changing from HF directory `old` to
+    `new`, `versions` = (the version before, after). Each sample kept its tokens, went on to `budget` tokens on the
+    new weights (what the in-process engine on `new` generates after them, told apart from what `old` would have),
+    and carries its first token's version."""
+    from megappo.rollout import HFEngine, SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    checked = 0
+    for prompt, before, group in zip(prompts, partial, groups):
+        for b, c in zip(before, group):
+            assert c.output_ids[:len(b.output_ids)] == b.output_ids  # continued from its tokens
+            assert len(c.output_ids) == len(c.log_probs) == budget and c.finish_reason == "length"
+            assert c.extra["partial"] == bool(b.output_ids)
+            assert c.weight_version == (versions[0] if b.output_ids else versions[1])
+            if b.output_ids:
+                start = prompt + b.output_ids
+                tail = c.output_ids[len(b.output_ids):][:8]
+                assert tail == HFEngine(new).generate([start], greedy)[0][0].output_ids  # the new weights'
+                checked += tail != HFEngine(old).generate([start], greedy)[0][0].output_ids
+    assert checked  # the old weights would have gone on otherwise: the check above tells them apart

@@ -54,8 +54,9 @@ def test_partial_rollout_on_sglang_continues_with_the_new_weights(sglang_python,
     partial. Greedy, so the continuation is checked against the new model's own."""
     import time
 
-    from megappo.rollout import HFEngine, SamplingParams
+    from megappo.rollout import SamplingParams
     from megappo.rollout.sglang.fleet import SGLangFleet
+    from megappo.testing.completions import assert_continued_on_new_weights
     from megappo.rollout.sglang.server import SGLangServer
     from megappo.testing.hf_models import make_hf_model
     from megappo.trainer.async_rollout import Producer, _Job
@@ -82,20 +83,8 @@ def test_partial_rollout_on_sglang_continues_with_the_new_weights(sglang_python,
         finally:
             producer.close()
             fleet.close()
-    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    checked = 0
-    for prompt, before, group in zip(prompts, partial, groups):
-        assert len(group) == 2
-        for b, c in zip(before, group):
-            assert c.output_ids[:len(b.output_ids)] == b.output_ids  # continued from its tokens
-            assert len(c.output_ids) == len(c.log_probs) == budget and c.finish_reason == "length"
-            assert c.extra["partial"] == bool(b.output_ids) and c.weight_version == (0 if b.output_ids else 1)
-            if b.output_ids:
-                start = prompt + b.output_ids
-                tail = c.output_ids[len(b.output_ids):][:8]
-                assert tail == HFEngine(new).generate([start], greedy)[0][0].output_ids  # the new weights'
-                checked += tail != HFEngine(old).generate([start], greedy)[0][0].output_ids
-    assert checked  # the old weights would have gone on otherwise: the check above tells them apart
+    assert [len(g) for g in groups] == [2, 2]
+    assert_continued_on_new_weights(prompts, partial, groups, old, new, budget, (0, 1))
 
 
 # long (about 2 minutes): the fleet sending a killed server's share to another is tests/e2e/test_sglang_fleet.py's,

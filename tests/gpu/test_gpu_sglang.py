@@ -10,38 +10,12 @@ than the tolerance).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
+from megappo.testing.gpu import ATOL, TOKENS, reference_log_probs
+
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
-TOKENS = [5, 9, 17, 3, 30, 12, 8, 2, 41, 7]
-ATOL = 5e-2  # bf16 server vs bf16 transformers
-
-
-@pytest.fixture(scope="module")
-def cuda_sglang_python() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    python = os.environ.get("MEGAPPO_SGLANG_PYTHON", sys.executable)
-    probe = subprocess.run([python, "-c", "import sglang"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"SGLang is not installed for {python} (set MEGAPPO_SGLANG_PYTHON): {probe.stderr[-300:]}")
-    return python
-
-
-def _reference_log_probs(model_dir: str) -> list[float]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor([TOKENS], device="cuda")
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
 
 
 def _buckets_on_cuda(model_dir: str, per_bucket: int = 4) -> list:
@@ -80,14 +54,14 @@ def test_nccl_and_cuda_ipc_weight_sync(cuda_sglang_python, hf_model_dir, tmp_pat
         assert fleet.update_weights(_buckets_on_cuda(first), version=1) == 1
         fleet.resume()
         fleet.check_version(1)
-        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(_reference_log_probs(first), abs=ATOL)
+        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(reference_log_probs(first), abs=ATOL)
         fleet.close_weight_group()
 
         fleet.pause()
         assert fleet.update_weights_from_tensor(_buckets_on_cuda(second), version=2) == 2
         fleet.resume()
         fleet.check_version(2)
-        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(_reference_log_probs(second), abs=ATOL)
+        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(reference_log_probs(second), abs=ATOL)
 
 
 @pytest.mark.parametrize("sync", ["distributed", "tensor"])

@@ -9,41 +9,14 @@ log-probs of fixed tokens with transformers' on the same weights (a wrong or sta
 than the tolerance)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
+from megappo.testing.gpu import ATOL, TOKENS, reference_log_probs
+
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
-TOKENS = [5, 9, 17, 3, 30, 12, 8, 2, 41, 7]
-ATOL = 5e-2  # bf16 server vs bf16 transformers
-
-
-@pytest.fixture(scope="module")
-def cuda_vllm_python() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    python = os.environ.get("MEGAPPO_VLLM_PYTHON", sys.executable)
-    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"vLLM is not installed for {python} (set MEGAPPO_VLLM_PYTHON): {probe.stderr[-300:]}")
-    return python
-
-
-def _reference_log_probs(model_dir: str) -> list[float]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor([TOKENS], device="cuda")
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
 
 
 def _server(model: str, python: str, tp: int = 1):
@@ -67,12 +40,12 @@ def test_a_cuda_server_scores_reloads_and_aborts(cuda_vllm_python, hf_model_dir,
     second = make_hf_model("qwen2", str(tmp_path / "second"), seed=6, dtype=torch.bfloat16)
     with _server(first, cuda_vllm_python, tp) as server:
         fleet = VLLMFleet([server.url], api_key=server.api_key)
-        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(_reference_log_probs(first), abs=ATOL)
+        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(reference_log_probs(first), abs=ATOL)
         fleet.pause()
         assert fleet.update_weights_from_disk(second, version=1) == 1
         fleet.resume()
         fleet.check_version(1)
-        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(_reference_log_probs(second), abs=ATOL)
+        assert fleet.prompt_log_probs(TOKENS)[0] == pytest.approx(reference_log_probs(second), abs=ATOL)
 
         result: dict = {}
         long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=1, ignore_eos=True)

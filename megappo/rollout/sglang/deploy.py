@@ -10,13 +10,11 @@ Light to import: the trainer's preflight calls `preflight` before torch is loade
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from megappo.rollout.serving.deployment import ServedDeployment
-from megappo.rollout.serving.probe import package_missing
+from megappo.rollout.serving.probe import package_missing, server_problems
 from megappo.rollout.settings import RolloutSettings
-from megappo.rollout.serving.http_client import read_api_key_file
 
 SGLANG_INSTALL = 'pip install "megappo[sglang]"'
 SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
@@ -29,29 +27,9 @@ def sglang_missing(python: str) -> Optional[str]:
 
 
 def preflight(cfg: Any) -> list[str]:
-    """The servers the trainer starts (no server_urls) run on server_python: it must have SGLang (servers given by
-    URL are someone else's); an API key file must hold a key."""
-    r = cfg.actor_rollout_ref.rollout
-    problems = [] if r.server_urls else _python_problems(r.server_python)
-    if r.api_key_file:
-        try:
-            read_api_key_file(r.api_key_file)
-        except ValueError as e:
-            problems.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
-    return problems
-
-
-def _python_problems(server_python: Optional[str]) -> list[str]:
-    key = "actor_rollout_ref.rollout.server_python"
-    python = server_python or sys.executable
-    problem = sglang_missing(python)
-    if not problem:
-        return []
-    which = key if server_python else f"{key} (unset: this python)"
-    return [f"actor_rollout_ref.rollout.name: sglang servers would run on {which}, but {problem}; "
-            f"install it there (`{python} -m {SGLANG_INSTALL}`), or set {key}=PYTHON to a python that has it "
-            f"(on CPU, `{SGLANG_CPU_VENV}` makes one and prints the line to use), or use "
-            "actor_rollout_ref.rollout.name=hf"]
+    """The servers the trainer starts run on server_python: it must have SGLang; an API key file must hold a key."""
+    return server_problems(cfg.actor_rollout_ref.rollout, "sglang", lambda python: sglang_missing(python),
+                           SGLANG_INSTALL, SGLANG_CPU_VENV)
 
 
 def server_kwargs(r: RolloutSettings, platform: Any) -> dict:

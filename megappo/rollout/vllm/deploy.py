@@ -11,7 +11,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from megappo.rollout.base import LocalDeployment, RolloutDeployment
-from megappo.rollout.serving.probe import package_missing
+from megappo.rollout.serving.probe import package_missing, server_problems
 from megappo.rollout.settings import RolloutSettings
 
 VLLM_INSTALL = 'pip install "megappo[vllm]"'
@@ -26,34 +26,16 @@ def vllm_missing(python: str) -> Optional[str]:
 
 def preflight(cfg: Any) -> list[str]:
     """vLLM must be importable where it runs: this python (mode sync), or server_python for the servers the trainer
-    starts (servers given by URL are someone else's); an API key file must hold a key."""
+    starts (mode async); an API key file must hold a key."""
     from megappo.rollout.registry import deployment_mode
 
-    r, key = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout.server_python"
-    problems = []
-    if deployment_mode(r.name, r.mode) == "sync":
-        problem = vllm_missing(sys.executable)
-        if problem:
-            problems.append(f"actor_rollout_ref.rollout.mode=sync runs vLLM in the trainer's ranks, but {problem}; "
-                            f"install it (`{sys.executable} -m {VLLM_INSTALL}`), or use mode=async with "
-                            f"{key}=PYTHON of an environment that has it (on CPU, `{VLLM_CPU_VENV}` makes one)")
-    elif not r.server_urls:
-        python = r.server_python or sys.executable
-        problem = vllm_missing(python)
-        if problem:
-            which = key if r.server_python else f"{key} (unset: this python)"
-            problems.append(f"actor_rollout_ref.rollout.name: vllm servers would run on {which}, but {problem}; "
-                            f"install it there (`{python} -m {VLLM_INSTALL}`), or set {key}=PYTHON to a python "
-                            f"that has it (on CPU, `{VLLM_CPU_VENV}` makes one and prints the line to use), or "
-                            "use actor_rollout_ref.rollout.name=hf")
-    if r.api_key_file:
-        from megappo.rollout.serving.http_client import read_api_key_file
-
-        try:
-            read_api_key_file(r.api_key_file)
-        except ValueError as e:
-            problems.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
-    return problems
+    r = cfg.actor_rollout_ref.rollout
+    if deployment_mode(r.name, r.mode) == "async":
+        return server_problems(r, "vllm", lambda python: vllm_missing(python), VLLM_INSTALL, VLLM_CPU_VENV)
+    problem = vllm_missing(sys.executable)
+    return [f"actor_rollout_ref.rollout.mode=sync runs vLLM in the trainer's ranks, but {problem}; install it "
+            f"(`{sys.executable} -m {VLLM_INSTALL}`), or use mode=async with actor_rollout_ref.rollout.server_python="
+            f"PYTHON of an environment that has it (on CPU, `{VLLM_CPU_VENV}` makes one)"] if problem else []
 
 
 def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> RolloutDeployment:
