@@ -18,7 +18,7 @@ ENGINES: dict[str, dict[str, Any]] = {
                "multi_modal": True, "routed_experts": True},
     # vLLM servers the trainer starts (or server_urls), or vLLM's engine in the trainer's ranks (mode=sync)
     "vllm": {"deploy": "megappo.rollout.vllm.deploy:deploy", "preflight": "megappo.rollout.vllm.deploy:preflight",
-             "modes": ("async", "sync"), "sync_modes": {"async": ("disk",), "sync": ("tensor",)},
+             "modes": ("async", "sync"), "sync_modes": {"async": ("distributed", "disk"), "sync": ("tensor",)},
              "partial_rollout": True, "multi_modal": True, "routed_experts": True},
 }
 # modes: the deployments (rollout.mode) it has, the first its default (absent: sync, the engine in the ranks). sync_modes: the values of rollout.weight_sync
