@@ -2,7 +2,7 @@
 with megappo's worker extension): after a streamed sync the server's prompt log-probs and greedy tokens are
 transformers' on the new weights, its version label is the new one, the group is kept across syncs, a partial sync
 keeps what it does not send, a name the model lacks (or part of a merged layer) is refused by name while the server
-goes on serving, and the extension's control paths stay behind the API key."""
+goes on serving, a disk sync refreshes a tied head, and the extension's control paths stay behind the API key."""
 from __future__ import annotations
 
 import urllib.error
@@ -118,6 +118,15 @@ def test_an_unknown_name_or_part_of_a_merged_layer_is_refused_by_name_and_the_se
         fleet.load_weights(iter(q_only), version=6, partial=True)
     _assert_serves(fleet, before)  # nothing of either was loaded
     fleet.check_version(5)
+
+
+def test_a_disk_sync_of_a_tied_head_model_serves_the_new_head(served):
+    # vLLM's bare reload_weights left the tied head's packed CPU copy the old embedding's (greedy tokens neither
+    # model's, log-probs 1.16 off); the extension's megappo_reload processes it again
+    server, fleet, a, b = served
+    assert fleet.update_weights_from_disk(b, version=8) == 8
+    _assert_serves(fleet, _reference(a, _weights(b)))
+    fleet.check_version(8)
 
 
 def test_the_extensions_server_keeps_its_key_on_every_path(served):

@@ -92,7 +92,6 @@ class WeightReceiver:
         model = self.model_runner.get_model()
         tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
         self._megappo_layers = _layer_names(model, tied)
-        self._megappo_sharing = _sharing_layers(model)
         return {"rank": rank}
 
     def megappo_leave_group(self) -> dict:
@@ -114,9 +113,20 @@ class WeightReceiver:
         finally:
             for _ in stream:  # a loader that stopped early or failed: the trainer's broadcasts still come
                 pass
-        for layer in self._megappo_sharing:
-            layer.quant_method.process_weights_after_loading(layer)
+        self._megappo_process_sharing()
         return report
+
+    def megappo_reload(self, weights_path: str) -> dict:
+        """rollout.weight_sync=disk: vLLM's in-place reload from a Hugging Face directory, then the layers that
+        share a reloaded weight processed again (`_sharing_layers`: a bare `reload_weights` leaves a tied head's
+        logits the old embedding's on CPU)."""
+        self.model_runner.reload_weights(weights_path=weights_path)
+        self._megappo_process_sharing()
+        return {"reloaded": weights_path}
+
+    def _megappo_process_sharing(self) -> None:
+        for layer in _sharing_layers(self.model_runner.get_model()):
+            layer.quant_method.process_weights_after_loading(layer)
 
     def _megappo_broadcast(self, t: torch.Tensor) -> torch.Tensor:
         self._megappo_pg.broadcast(t, 0).wait()
