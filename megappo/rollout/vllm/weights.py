@@ -9,7 +9,7 @@ gloo (CPU) or NCCL (GPU) alike.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -21,11 +21,14 @@ from megappo.rollout.serving.weight_staging import flat_bucket
 GROUP_NAME = "megappo_vllm_weight_sync"
 
 
-def _rpc(client: Any, method: str, *args: Any, timeout: float) -> tuple:
+def _rpc(client: Any, method: str, *args: Any, timeout: Optional[float]) -> tuple:
     """/collective_rpc `method` on `client`'s server in a background thread (its workers answer once the
-    collective on this side is done); vLLM passes string arguments only."""
-    body = {"method": method, "args": [str(a) for a in args], "timeout": timeout}
-    return post_in_background(client.url + "/collective_rpc", body, timeout + 10, client.api_key)
+    collective on this side is done); vLLM passes string arguments only. `timeout` None: no bound of its own."""
+    body: dict = {"method": method, "args": [str(a) for a in args]}
+    if timeout is not None:
+        body["timeout"] = timeout
+    return post_in_background(client.url + "/collective_rpc", body, None if timeout is None else timeout + 10,
+                              client.api_key)
 
 
 def _results(post: tuple, client: Any, method: str) -> list:
@@ -73,7 +76,8 @@ def stream(group: Any, clients: Sequence[Any], buckets: Iterable[Bucket], *, bac
     spec, data per bucket; then the end header). Returns (bytes sent, every worker's report). The end header goes
     even when the buckets fail to come (the export raised), so no server is left waiting; the error is re-raised."""
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    posts = [_rpc(c, "megappo_receive", timeout=timeout_s) for c in clients]
+    # the stream lasts as long as the export: `timeout_s` bounds each broadcast (on both sides), not the call
+    posts = [_rpc(c, "megappo_receive", timeout=None) for c in clients]
     sent = 0
 
     def bcast(t: torch.Tensor) -> None:
@@ -91,10 +95,10 @@ def stream(group: Any, clients: Sequence[Any], buckets: Iterable[Bucket], *, bac
     except BaseException:
         try:
             bcast(torch.zeros(2, dtype=torch.int64, device=device))
-        except Exception:  # noqa: BLE001 - the group itself failed: the servers' calls time out
+        except Exception:  # noqa: BLE001 - the group itself failed: the servers' broadcasts time out too
             pass
         for post in posts:
-            post[0].join()
+            post[0].join(timeout_s)
         raise
     bcast(torch.zeros(2, dtype=torch.int64, device=device))
     return sent, [r for c, post in zip(clients, posts) for r in _results(post, c, "megappo_receive")]
