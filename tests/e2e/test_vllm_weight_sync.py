@@ -94,6 +94,30 @@ def test_streamed_buckets_are_served_as_transformers_serves_them_and_the_group_i
     fleet.check_version(2)
 
 
+def test_a_megatron_actors_export_streams_in_as_the_trainer_sends_it(served):
+    """The trainer's buckets: `iter_hf_weights` of a megatron actor (views of its parameters, 64 KiB buckets)."""
+    from megappo.convert.export import iter_hf_weights
+    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.models.builder import build_model
+    from megappo.models.hf_config import load_hf_config_dict
+    from megappo.parallel import destroy_parallel, init_parallel
+    from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
+
+    server, fleet, a, b = served
+    plat = detect_platform()
+    ps = init_parallel(ParallelLayout(), plat, seed=0)
+    try:
+        actor = build_model(b, "actor", ps, plat)
+        load_hf_weights(actor, b, ps)
+        buckets = iter_hf_weights(actor, ps, load_hf_config_dict(b), bucket_bytes=64 << 10, copy=False)
+        assert fleet.load_weights(buckets, version=11) == 11
+    finally:
+        destroy_parallel()
+    _assert_serves(fleet, _reference(a, _weights(b)))
+    fleet.check_version(11)
+
+
 def test_new_servers_get_a_new_group_at_the_next_sync(served):
     server, fleet, a, b = served
     wa, wb = _weights(a), _weights(b)
