@@ -167,6 +167,16 @@ def test_a_disk_sync_of_a_tied_head_model_serves_the_new_head(served):
     fleet.check_version(8)
 
 
+def test_a_method_the_server_lacks_is_an_error_saying_how_to_start_it_and_the_server_serves_on(served):
+    from megappo.rollout.vllm.weights import _results, _rpc
+
+    server, fleet, a, b = served
+    with pytest.raises(RuntimeError, match=r"no attribute 'megappo_nowhere'.*--worker-extension-cls "
+                                           r"megappo_vllm_ext.WeightReceiver"):
+        _results(_rpc(fleet.engines[0], "megappo_nowhere", timeout=30), fleet.engines[0], "megappo_nowhere")
+    assert fleet.engines[0].is_healthy(timeout=30)
+
+
 def test_the_extensions_server_keeps_its_key_on_every_path(served):
     server, fleet, a, b = served
 

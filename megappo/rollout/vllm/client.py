@@ -134,8 +134,13 @@ class VLLMServerClient(RolloutEngine):
         """Reload the weights from a Hugging Face directory the server reads: vLLM's `reload_weights` through
         megappo's worker extension (`ext/megappo_vllm_ext.py`, which `VLLMServer` loads; a server of
         rollout.server_urls needs it too), which also refreshes a tied LM head."""
-        self._call("/collective_rpc", {"method": "megappo_reload", "args": [str(model_path)]},
-                   timeout=max(self.sync_timeout, 600))
+        from megappo.rollout.vllm.weights import without_extension
+
+        try:
+            self._call("/collective_rpc", {"method": "megappo_reload", "args": [str(model_path)]},
+                       timeout=max(self.sync_timeout, 600))
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}{without_extension(e)}") from None
         self._call("/reset_prefix_cache", {})  # cached prefixes hold the old weights' keys and values
         return self.set_version(version)
 

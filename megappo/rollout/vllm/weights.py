@@ -31,12 +31,24 @@ def _rpc(client: Any, method: str, *args: Any, timeout: Optional[float]) -> tupl
                               client.api_key)
 
 
+def without_extension(error: Exception) -> str:
+    """What to do when `error` says the server has none of megappo's worker-extension methods ("" otherwise)."""
+    # vLLM 0.32's worker: "'CPUWorker' object has no attribute 'megappo_receive'" (run_method: "... is not implemented")
+    if not any(s in str(error) for s in ("has no attribute 'megappo_", "is not implemented")):
+        return ""
+    from megappo.rollout.vllm.server import EXTENSION_CLS, EXTENSION_DIR
+
+    return (f"; the server runs without megappo's worker extension: start it with --worker-extension-cls "
+            f"{EXTENSION_CLS} and {EXTENSION_DIR} on its PYTHONPATH (VLLMServer does both)")
+
+
 def _results(post: tuple, client: Any, method: str) -> list:
     """The per-worker answers of a background `_rpc`, or RuntimeError naming the server."""
     thread, result = post
     thread.join()
     if "error" in result:
-        raise RuntimeError(f"vLLM server {client.url}: {method} failed: {result['error']}")
+        error = result["error"]
+        raise RuntimeError(f"vLLM server {client.url}: {method} failed: {error}{without_extension(error)}")
     answers = (result.get("answer") or {}).get("results")
     if not isinstance(answers, list) or not answers:
         raise RuntimeError(f"vLLM server {client.url}: {method} answered {result.get('answer')!r}")
