@@ -166,3 +166,18 @@ def test_the_launcher_puts_every_path_of_vllms_own_middleware_behind_the_key():
     assert out["before"]["/collective_rpc"] == [200, 200, 200]  # vLLM alone: any worker method for anyone
     assert out["before"]["/v1/models"] == [401, 401, 200]
     assert out["after"] == {p: [401, 401, 200] for p in out["after"]}
+
+
+def test_the_worker_extension_imports_nothing_of_megappo():
+    """It runs in vLLM's environment, where megappo is not installed (its directory is the server's PYTHONPATH)."""
+    import ast
+
+    from megappo.rollout.vllm.server import EXTENSION_CLS, EXTENSION_DIR
+
+    module, cls = EXTENSION_CLS.split(".")
+    tree = ast.parse(Path(EXTENSION_DIR, f"{module}.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not [m for m in imported if m.split(".")[0] == "megappo"]
+    assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert set(os.listdir(EXTENSION_DIR)) <= {f"{module}.py", "__pycache__"}  # nothing else on the server's path

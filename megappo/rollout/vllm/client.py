@@ -141,8 +141,12 @@ class VLLMServerClient(RolloutEngine):
                        timeout=max(self.sync_timeout, 600))
         except RuntimeError as e:
             raise RuntimeError(f"{e}{without_extension(e)}") from None
-        self._call("/reset_prefix_cache", {})  # cached prefixes hold the old weights' keys and values
+        self.reset_prefix_cache()
         return self.set_version(version)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the cached prefixes: they hold the old weights' keys and values."""
+        self._call("/reset_prefix_cache", {})
 
     def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed",
                      partial: bool = False) -> int:

@@ -67,10 +67,17 @@ class VLLMFleet(ServerFleet):
                                           master_address=self.master_address, backend=self.backend,
                                           timeout_s=self.sync_timeout)
         clients = [self.engines[k] for k in self._group_servers]
-        _, reports = weights.stream(self._group, clients, buckets, backend=self.backend, timeout_s=self.sync_timeout,
-                                    staging=self._flat_staging)
+        try:
+            _, reports = weights.stream(self._group, clients, buckets, backend=self.backend,
+                                        timeout_s=self.sync_timeout, staging=self._flat_staging)
+        except BaseException:
+            try:  # a failed broadcast leaves the group unusable: the next sync builds another
+                self.close_weight_group()
+            except Exception:  # noqa: BLE001 - the first error is the one to see
+                pass
+            raise
         for c in clients:
-            c._call("/reset_prefix_cache", {})  # cached prefixes hold the old weights' keys and values
+            c.reset_prefix_cache()
         problem = weights.refused(reports, partial)
         if problem:
             raise ValueError(f"vLLM weight sync to version {version}: {problem}")
