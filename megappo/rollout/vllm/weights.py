@@ -4,7 +4,8 @@
 One group holds the trainer (rank 0) and every server's TP workers (server j of the group at ranks 1 + j * tp ...),
 its store hosted by the trainer on `master_address` (`serving.weight_group`), so each bucket is broadcast once
 whatever the number of servers. vLLM's own weight transfer (NCCL, CUDA IPC) has no CPU backend; this one runs on
-gloo (CPU) or NCCL (GPU) alike.
+gloo (CPU) or NCCL (GPU) alike. The group's timeout (rollout.sync_timeout_s) bounds each broadcast on both sides, so
+it also bounds how long the trainer may take to export one bucket while the servers wait for it.
 """
 from __future__ import annotations
 
