@@ -18,12 +18,12 @@ ENGINES: dict[str, dict[str, Any]] = {
                "multi_modal": True, "routed_experts": True, "lora_adapters": ("cuda",)},
     # vLLM servers the trainer starts (or server_urls), or vLLM's engine in the trainer's ranks (mode=sync)
     "vllm": {"deploy": "megappo.rollout.vllm.deploy:deploy", "preflight": "megappo.rollout.vllm.deploy:preflight",
-             "modes": ("async", "sync"), "sync_modes": {"async": ("disk",), "sync": ("tensor",)},
+             "modes": ("async", "sync"), "sync_modes": {"async": ("distributed", "disk"), "sync": ("tensor",)},
              "partial_rollout": True, "multi_modal": True, "routed_experts": True, "lora_adapters": ("cuda", "cpu")},
 }
-# modes: the deployments (rollout.mode) it has, the first its default (absent: sync, the engine in the ranks). sync_modes: the values of rollout.weight_sync
-# the engine's `load_weights` takes ("disk": a Hugging Face directory it reloads), per mode where they differ;
-# "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
+# modes: the deployments (rollout.mode) it has, the first its default (absent: sync, the engine in the ranks).
+# sync_modes: the values of rollout.weight_sync the engine's `load_weights` takes ("disk": a Hugging Face directory it
+# reloads), per mode where they differ; "auto" is the first. partial_rollout: its `abort` makes `generate` answer with the tokens it has
 # (async_training.partial_rollout continues them); False when absent. multi_modal: its `generate` takes the prompts'
 # images (`multi_modal=`, vision-language models); routed_experts: its completions carry each token's MoE routes
 # when SamplingParams.return_routed_experts (router replay R3); lora_adapters: the devices (trainer.device) on which

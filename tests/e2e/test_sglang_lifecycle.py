@@ -315,7 +315,7 @@ def test_a_failed_start_keeps_the_log_and_shows_its_tail(sglang_python, hf_model
 # -- the weight group's rendezvous (torch only) ----------------------------------------------------------------------
 PEER = """
 import sys, time, torch, torch.distributed as dist
-from megappo.rollout.sglang.weight_group import init_weight_group
+from megappo.rollout.serving.weight_group import init_weight_group
 pg = init_weight_group("127.0.0.1", int(sys.argv[1]), rank=1, world_size=2, group_name="g", timeout=5)
 t = torch.zeros(3)
 dist.broadcast(t, src=0, group=pg)
@@ -330,7 +330,7 @@ def test_the_weight_group_listens_on_the_master_address_and_fails_fast():
     import torch
     import torch.distributed as dist
 
-    from megappo.rollout.sglang.weight_group import init_weight_group
+    from megappo.rollout.serving.weight_group import init_weight_group
 
     port = free_port()
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port)], stdout=subprocess.PIPE, text=True)

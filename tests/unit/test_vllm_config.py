@@ -19,7 +19,8 @@ def _errors(overrides: list[str]) -> str:
 def test_each_engine_has_its_modes_and_their_transports():
     assert registry.deployment_mode("vllm", None) == "async"  # verl's default: servers
     assert registry.deployment_mode("hf", None) == "sync" and registry.deployment_mode("sglang", None) == "async"
-    assert registry.sync_modes("vllm", "sync") == ("tensor",) and registry.sync_modes("vllm", "async") == ("disk",)
+    assert registry.sync_modes("vllm", "sync") == ("tensor",)
+    assert registry.sync_modes("vllm", "async") == ("distributed", "disk")
     assert registry.sync_modes("sglang") == ("distributed", "tensor", "disk")
     with pytest.raises(ValueError, match="the sglang engine runs as async"):
         registry.deployment_mode("sglang", "sync")

@@ -18,7 +18,7 @@ import pytest
 
 from megappo.rollout.serving.process import SHELTER, ManagedServer
 from megappo.rollout.vllm import launch
-from megappo.rollout.vllm.server import LAUNCHER, VLLMServer, is_healthy
+from megappo.rollout.vllm.server import EXTENSION_DIR, LAUNCHER, VLLMServer, is_healthy
 
 
 def _unstarted(server: ManagedServer) -> ManagedServer:
@@ -34,12 +34,13 @@ def test_the_command_and_environment_carry_the_settings_and_never_the_key(tmp_pa
     assert s.cmd == ["/venv/bin/python", LAUNCHER, "--model", str(tmp_path), "--dtype", "float16",
                      "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "megappo",
                      "--max-num-seqs", "8", "--gpu-memory-utilization", "0.3", "--tensor-parallel-size", "2",
-                     "--generation-config", "vllm", "--max-num-batched-tokens", "512", "--enforce-eager",
+                     "--generation-config", "vllm", "--worker-extension-cls", "megappo_vllm_ext.WeightReceiver",
+                     "--max-num-batched-tokens", "512", "--enforce-eager",
                      "--trust-remote-code", "--seed", "3"]
     assert s.key_delivery() == ([], {"VLLM_API_KEY": "k" * 48})  # the environment of the start, not the argv
     assert not any("k" * 48 in a for a in s.cmd) and "VLLM_API_KEY" not in s.env
     assert s.env["VLLM_SERVER_DEV_MODE"] == "1" and s.env["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert s.env["PYTHONPATH"] == "" and "RANK" not in s.env
+    assert s.env["PYTHONPATH"] == EXTENSION_DIR and "RANK" not in s.env  # the extension's directory alone
     assert s._sheltered(s.cmd)[:3] == ["/venv/bin/python", SHELTER, LAUNCHER]  # job signals cannot reach it
     assert (s.url, s.KEYED_PATH, s.ENGINE) == ("http://127.0.0.1:8123", "/v1/models", "vLLM")
 
@@ -154,3 +155,18 @@ def test_the_launcher_puts_every_path_of_vllms_own_middleware_behind_the_key(vll
     assert out["before"]["/collective_rpc"] == [200, 200, 200]  # vLLM alone: any worker method for anyone
     assert out["before"]["/v1/models"] == [401, 401, 200]
     assert out["after"] == {p: [401, 401, 200] for p in out["after"]}
+
+
+def test_the_worker_extension_imports_nothing_of_megappo():
+    """It runs in vLLM's environment, where megappo is not installed (its directory is the server's PYTHONPATH)."""
+    import ast
+
+    from megappo.rollout.vllm.server import EXTENSION_CLS, EXTENSION_DIR
+
+    module, cls = EXTENSION_CLS.split(".")
+    tree = ast.parse(Path(EXTENSION_DIR, f"{module}.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not [m for m in imported if m.split(".")[0] == "megappo"]
+    assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert set(os.listdir(EXTENSION_DIR)) <= {f"{module}.py", "__pycache__"}  # nothing else on the server's path

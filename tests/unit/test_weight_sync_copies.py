@@ -78,7 +78,7 @@ def _unpickle_and_sum(payload: bytes) -> dict:
 def test_shared_staging_reuses_buffers_and_receivers_read_the_bucket():
     import multiprocessing as mp
 
-    from megappo.rollout.sglang.weight_staging import SharedStaging
+    from megappo.rollout.serving.weight_staging import SharedStaging
 
     g = torch.Generator().manual_seed(0)
     bucket = [("a", torch.randn(5, 3, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
@@ -103,7 +103,7 @@ def test_shared_staging_reuses_buffers_and_receivers_read_the_bucket():
 
 
 def test_flat_bucket_is_sglangs_flattened_layout():
-    from megappo.rollout.sglang.weight_staging import flat_bucket
+    from megappo.rollout.serving.weight_staging import flat_bucket
 
     bucket = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.arange(4.0).view(2, 2).t()), ("c", torch.ones(3))]
     staging: list = []

@@ -320,7 +320,7 @@ class HFProcessEngine(RolloutEngine):
         """Load checkpoint-named tensors (buckets of (name, tensor) pairs, or pairs) into the child's model as
         `version` (every parameter, or the child's ValueError); returns it. Each bucket is copied once into a shared
         staging buffer here and once into the parameters there; the caller may reuse its tensors on return."""
-        from megappo.rollout.sglang.weight_staging import SharedStaging
+        from megappo.rollout.serving.weight_staging import SharedStaging
 
         channel = self._channel
         with self._update_lock:

@@ -204,3 +204,19 @@ def http_status(url: str, api_key: str, timeout: float = 5) -> int:
         return e.code
     except (urllib.error.URLError, OSError, ValueError):
         return 0
+
+
+def post_in_background(url: str, payload: Any, timeout: float,
+                       api_key: Optional[str] = None) -> tuple[threading.Thread, dict]:
+    """POST while this thread takes part in the collective the request waits for."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["answer"] = http_json(url, payload, timeout=timeout, api_key=api_key)
+        except Exception as e:  # noqa: BLE001 - re-raised by the caller after the collective
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result

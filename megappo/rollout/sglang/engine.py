@@ -26,6 +26,7 @@ from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.serving.http_client import _http, http_json, register_api_key
+from megappo.rollout.serving.http_client import post_in_background as _post_in_background
 from megappo.rollout.sglang.routing import RouteLayout, decode_routed_experts
 from megappo.rollout.serving.process import free_port
 from megappo.rollout.sglang.vlm import ImageData, add_image_data, row_images, sglang_prompts
@@ -34,22 +35,6 @@ if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
 
 Bucket = list[tuple[str, torch.Tensor]]
-
-
-def _post_in_background(url: str, payload: Any, timeout: float,
-                        api_key: Optional[str] = None) -> tuple[threading.Thread, dict]:
-    """POST while this thread takes part in the collective the request waits for."""
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["answer"] = http_json(url, payload, timeout=timeout, api_key=api_key)
-        except Exception as e:  # noqa: BLE001 - re-raised by the caller after the collective
-            result["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, result
 
 
 def _checked(answer: Any, what: str) -> Any:
@@ -71,7 +56,7 @@ def _distributed_body(bucket: Bucket, group_name: str, version: int,
     """The /update_weights_from_distributed request announcing `bucket`, and the tensors to broadcast after it in
     that order: one flat buffer (`flat_bucket`, kept in `staging` across calls) where the layout allows, else each
     tensor."""
-    from megappo.rollout.sglang.weight_staging import flat_bucket
+    from megappo.rollout.serving.weight_staging import flat_bucket
 
     body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": True,
@@ -312,7 +297,7 @@ class SGLangEngine(RolloutEngine):
     def connect_weight_group(self, *, backend: str = "gloo", master_address: str = "127.0.0.1",
                              master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         """Create the process group (trainer = rank 0, server TP ranks 1..tp) that `update_weights` streams over."""
-        from megappo.rollout.sglang.weight_group import init_weight_group
+        from megappo.rollout.serving.weight_group import init_weight_group
 
         port = master_port or free_port()
         body = {"master_address": master_address, "master_port": port, "rank_offset": 1,

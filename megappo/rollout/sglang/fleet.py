@@ -17,7 +17,7 @@ from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joi
                                            begin_update, broadcast_buckets, end_update)
 from megappo.rollout.sglang.health import is_healthy
 from megappo.rollout.sglang.vlm import row_images, sglang_prompts
-from megappo.rollout.sglang.weight_staging import SharedStaging
+from megappo.rollout.serving.weight_staging import SharedStaging
 
 
 def _auth(engine: SGLangEngine) -> dict:
@@ -74,7 +74,7 @@ class SGLangFleet(ServerFleet):
                              master_port: Optional[int] = None, timeout_s: Optional[float] = None) -> Any:
         """One group: the trainer (rank 0) and every live server's TP ranks. The rendezvous store listens on
         `master_address` only (default: set at construction, else 127.0.0.1)."""
-        from megappo.rollout.sglang.weight_group import init_weight_group
+        from megappo.rollout.serving.weight_group import init_weight_group
 
         backend = backend or self.backend
         master_address = master_address or self.master_address

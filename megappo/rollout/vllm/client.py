@@ -7,7 +7,7 @@ of this client's, so `abort` ends this client's requests only (other replicas sh
 the tokens they have. The control endpoints are vLLM's RL ones: `/pause?mode=keep` (in-flight requests freeze, none
 is lost) and `/resume`; `/update_weight_version` and `/weight_info` (the served version); `/collective_rpc`
 `reload_weights` (a Hugging Face directory, rollout.weight_sync=disk); `/v1/load_lora_adapter` (an adapter per
-version, named by requests). The NCCL weight transfer (rollout.weight_sync=distributed) is the fleet's
+version, named by requests). The streamed transfer (rollout.weight_sync=distributed, gloo or NCCL) is the fleet's
 (`megappo.rollout.vllm.weights`): one group for every server.
 """
 from __future__ import annotations
@@ -131,11 +131,22 @@ class VLLMServerClient(RolloutEngine):
                                "the last weight sync")
 
     def update_weights_from_disk(self, model_path: str, *, version: int) -> int:
-        """Reload the weights from a Hugging Face directory the server reads (vLLM's `reload_weights`)."""
-        self._call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}},
-                   timeout=max(self.sync_timeout, 600))
-        self._call("/reset_prefix_cache", {})  # cached prefixes hold the old weights' keys and values
+        """Reload the weights from a Hugging Face directory the server reads: vLLM's `reload_weights` through
+        megappo's worker extension (`ext/megappo_vllm_ext.py`, which `VLLMServer` loads; a server of
+        rollout.server_urls needs it too), which also refreshes a tied LM head."""
+        from megappo.rollout.vllm.weights import without_extension
+
+        try:
+            self._call("/collective_rpc", {"method": "megappo_reload", "args": [str(model_path)]},
+                       timeout=max(self.sync_timeout, 600))
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}{without_extension(e)}") from None
+        self.reset_prefix_cache()
         return self.set_version(version)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the cached prefixes: they hold the old weights' keys and values."""
+        self._call("/reset_prefix_cache", {})
 
     def load_weights(self, buckets: Iterable[Bucket], *, version: int, mode: str = "distributed",
                      partial: bool = False) -> int:

@@ -52,7 +52,8 @@ def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> RolloutDeployme
         return LocalDeployment(dist.get_rank(ps.mp_group) == 0, lambda: VLLMColocatedEngine(r, dtype, routes=routes))
     from megappo.rollout.serving.deployment import ServedDeployment
 
-    return ServedDeployment(vllm_server_set(r, platform, dtype), lambda servers: _fleet(r, servers, routes), ps)
+    return ServedDeployment(vllm_server_set(r, platform, dtype), lambda servers: _fleet(r, servers, routes, platform),
+                            ps)
 
 
 def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
@@ -86,10 +87,12 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
     return ServerSet(r, platform, server, healthy=is_healthy, engine="vLLM")
 
 
-def _fleet(r: RolloutSettings, servers: Any, routes: Any) -> Any:
+def _fleet(r: RolloutSettings, servers: Any, routes: Any, platform: Any) -> Any:
     from megappo.rollout.vllm.fleet import VLLMFleet
 
     return VLLMFleet(servers.urls, api_key=servers.api_key, timeout=r.request_timeout_s,
                      sync_timeout=r.sync_timeout_s, routes=routes,
                      health_check_interval_s=r.health_check_interval_s,
-                     health_check_timeout_s=r.health_check_timeout_s)
+                     health_check_timeout_s=r.health_check_timeout_s, tp_size=r.tensor_model_parallel_size,
+                     master_address=r.weight_sync_master_address or r.server_host,
+                     backend="nccl" if platform.is_cuda else "gloo")

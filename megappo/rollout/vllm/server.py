@@ -17,6 +17,9 @@ from megappo.rollout.serving.http_client import _http
 from megappo.rollout.serving.process import ManagedServer
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
+# megappo's worker extension (rollout.weight_sync=distributed): its directory is the server's only PYTHONPATH entry
+EXTENSION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ext")
+EXTENSION_CLS = "megappo_vllm_ext.WeightReceiver"
 SERVED_MODEL_NAME = "megappo"  # the name requests give as `model`
 
 
@@ -52,7 +55,8 @@ class VLLMServer(ManagedServer):
         # model's generation_config.json (a repetition penalty there would change every sample)
         self._args = ["--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
                       "--gpu-memory-utilization", str(gpu_memory_utilization),
-                      "--tensor-parallel-size", str(tensor_parallel_size), "--generation-config", "vllm"]
+                      "--tensor-parallel-size", str(tensor_parallel_size), "--generation-config", "vllm",
+                      "--worker-extension-cls", EXTENSION_CLS]
         if max_num_batched_tokens is not None:
             self._args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         if max_model_len is not None:
@@ -67,6 +71,7 @@ class VLLMServer(ManagedServer):
             self.env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         # /v1/load_lora_adapter while it serves (rollout.lora_sync=adapter; inert without --enable-lora)
         self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        self.env["PYTHONPATH"] = EXTENSION_DIR  # vLLM's workers import the extension by module name
         self._dtype = dtype
         if gpus is not None:
             self.env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
