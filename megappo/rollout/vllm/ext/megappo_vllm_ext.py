@@ -40,10 +40,11 @@ def _layer_names(model: Any, tied: bool) -> tuple[dict[str, str], dict[str, froz
     layer_of: dict[str, str] = {}
     names: dict[str, set] = {}
     for pname, _ in model.named_parameters():
-        module, _, leaf = pname.replace(".base_layer.", ".").rpartition(".")
+        name = pname.replace(".base_layer.", ".")  # a layer LoRA wraps (--enable-lora) keeps its checkpoint name
+        module, _, leaf = name.rpartition(".")
         parent, _, local = module.rpartition(".")
         parts = packed.get(local)
-        for hf in ([f"{parent}.{p}.{leaf}" for p in parts] if parts else [pname]):
+        for hf in ([f"{parent}.{p}.{leaf}" for p in parts] if parts else [name]):
             layer_of[hf] = module
             names.setdefault(module, set()).add(hf)
     if tied:
