@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from megappo.rollout.sampling import SamplingParams
@@ -45,10 +45,28 @@ def buckets_of(model_dir: str, n: int, keep=lambda name: True) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def engine_args_keys(model: str) -> list[str]:
+    """The keys `engine_args` gives in its widest uses, each set built into vLLM's own `EngineArgs` (a key it lacks
+    is a TypeError): deploy.py's colocated engine starts `vllm.LLM` with them."""
+    import vllm
+
+    from megappo.rollout.settings import AdapterServing
+    from megappo.rollout.vllm.colocated import engine_args
+
+    base = replace(settings(model, False), max_num_batched_tokens=512)
+    variants = [engine_args(base, "bfloat16", routes=False, lora_rank=None, sleep_mode=False),
+                engine_args(replace(base, lora_adapter=AdapterServing(8, ("linear_qkv",))), "float32", routes=True,
+                            lora_rank=8, sleep_mode=True)]
+    for kw in variants:
+        vllm.EngineArgs(**kw)
+    return sorted(set().union(*variants))
+
+
 def main(spec: dict) -> dict:
     from megappo.rollout.vllm.colocated import VLLMColocatedEngine
 
-    prompts, out, gpu = spec["prompts"], {}, bool(spec.get("gpu"))
+    prompts, gpu = spec["prompts"], bool(spec.get("gpu"))
+    out: dict[str, Any] = {"engine_args_keys": engine_args_keys(spec["model"])}
     greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     engine = VLLMColocatedEngine(settings(spec["model"], gpu), "float32")

@@ -66,6 +66,24 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
+def repack_tied_linears(model: Any) -> int:
+    """Re-derive the CPU platform's packed copy (`cpu_linear`) of each layer whose weight is another layer's (a tied
+    lm_head): `reload_weights` loads and repacks the layer that owns the tensor, but the tied one receives no tensor
+    of its own, so it would go on computing with the old weights' packed copy. Returns how many were repacked
+    (0 off CPU: GPU layers read their weight tensor, which the owner's reload updated in place)."""
+    sharers: dict[int, list[Any]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            sharers.setdefault(id(param), []).append(module)
+    repacked = 0
+    for modules in sharers.values():
+        for module in modules if len(modules) > 1 else ():
+            if hasattr(module, "cpu_linear"):
+                module.quant_method.process_weights_after_loading(module)
+                repacked += 1
+    return repacked
+
+
 class VLLMColocatedEngine(RolloutEngine):
     """A `vllm.LLM` in this process. settings: `RolloutSettings`; routes: the model's `RouteLayout` (router replay
     R3) or None."""
@@ -159,6 +177,7 @@ class VLLMColocatedEngine(RolloutEngine):
         return self.weight_version
 
     def _after_load(self, version: int) -> None:
+        self.llm.apply_model(repack_tied_linears)
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         self._wake(["kv_cache"])
         self._label(version)
