@@ -65,16 +65,21 @@ def peft_adapter(base: str, out: Path, merged: Path) -> tuple[str, str]:
     return str(out), str(merged)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def make_models(root: Path) -> dict[str, str]:
+    """The engine's model, another one (its tensors are synced in), their mix (after a partial sync of MIXED_LAYER),
+    a LoRA adapter of the first and the first with it merged (tests/gpu/test_gpu_vllm.py uses them too)."""
     from megappo.testing.hf_models import make_hf_model
 
-    root = tmp_path_factory.mktemp("vllm_colocated")
     old = make_hf_model("qwen2_tied", str(root / "old"), seed=0, **HEAD_DIM_32)
     new = make_hf_model("qwen2_tied", str(root / "new"), seed=1, **HEAD_DIM_32)
     adapter, merged = peft_adapter(old, root / "adapter", root / "merged")
     return {"model": old, "new": new, "mixed": mixed_model(new, old, root / "mixed", MIXED_LAYER),
             "adapter": adapter, "merged": merged}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("vllm_colocated"))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ environment that has vLLM and the repository on PYTHONPATH (megappo's own enviro
 
 SPEC: {"model": HF dir the engine starts on, "new": HF dir whose tensors arrive in buckets, "mixed_layer": a layer
 index whose tensors are then loaded back from "model" alone (partial=True), "prompts", "sequences", "gpu": bool,
-"lora_rank" and "adapter": a PEFT adapter dir of "model" served last (optional; the engine starts with LoRA on)}.
+"lora_rank" and "adapter": a PEFT adapter dir of "model" served last (optional; the engine starts with LoRA on)};
+or {"model": a vision-language model, "prompts", "images": per prompt its image files or null} (`images_main`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ def engine_args_keys(model: str) -> list[str]:
     return sorted(set().union(*variants))
 
 
+def failure(call) -> Optional[str]:
+    try:
+        call()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def sleep_checks(engine: Any, spec: dict, out: dict, prompts: list, greedy: SamplingParams) -> None:
+    """Where vLLM has sleep mode (GPU): released weights refuse what needs them (level 2) or come back on their own
+    (level 1, a LoRA engine's), and a full sync after a release serves the synced weights."""
+    import torch
+
+    layer = f"model.layers.{int(spec['mixed_layer'])}."
+    out["sleep_level"] = engine.sleep_level
+    free_before = torch.cuda.mem_get_info()[0]
+    out["released_again"] = engine.release_weights()
+    out["freed_bytes"] = torch.cuda.mem_get_info()[0] - free_before  # sleep mode's pool is outside torch's counters
+    out["generate_asleep"] = failure(lambda: engine.generate(prompts, greedy))
+    out["partial_asleep"] = failure(lambda: engine.load_weights(
+        iter(buckets_of(spec["model"], 1, lambda k: k.startswith(layer))), version=8, partial=True))
+    out["version_after_sleep"] = engine.load_weights(iter(buckets_of(spec["model"], 3)), version=9)
+    saved, engine.lora = engine.lora, None
+    out["greedy_after_sleep"] = rows(engine.generate(prompts, greedy))
+    engine.lora = saved
+
+
 def main(spec: dict) -> dict:
     from megappo.rollout.vllm.colocated import VLLMColocatedEngine
 
@@ -112,6 +140,8 @@ def main(spec: dict) -> dict:
             out["version_lora"] = engine.load_lora_adapter(spec["adapter"], version=6)
             out["greedy_lora"] = rows(engine.generate(prompts, greedy))
             out["sequence_log_probs_lora"] = engine.sequence_log_probs(spec["sequences"])
+        if engine.sleep_mode:
+            sleep_checks(engine, spec, out, prompts, greedy)
         try:
             engine.load_weights(iter([]), version=7)
         except ValueError as e:
@@ -121,7 +151,32 @@ def main(spec: dict) -> dict:
     return out
 
 
+def images_main(spec: dict) -> dict:
+    """A vision-language model's image prompts ("images": per prompt a list of image files, or null): the prompts'
+    ids already hold the image tokens, the images go beside them as `multi_modal_data`."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from megappo.rollout.vllm.colocated import VLLMColocatedEngine
+
+    prompts = spec["prompts"]
+    multi_modal = [None if files is None else SimpleNamespace(images=[Image.open(f).convert("RGB") for f in files])
+                   for files in spec["images"]]
+    # the model's own context length (colour_square's is 128)
+    engine = VLLMColocatedEngine(replace(settings(spec["model"], bool(spec.get("gpu"))), max_model_len=None),
+                                 spec.get("dtype", "float32"))
+    try:
+        greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+        sampled = SamplingParams(max_new_tokens=3, temperature=1.0, n=2, seed=3, ignore_eos=True)
+        return {"greedy": rows(engine.generate(prompts, greedy, multi_modal=multi_modal)),
+                "sampled": rows(engine.generate(prompts, sampled, multi_modal=multi_modal))}
+    finally:
+        engine.close()
+
+
 if __name__ == "__main__":  # vLLM may spawn processes that import this file
     with open(sys.argv[1]) as f:
-        result = main(json.load(f))
+        spec = json.load(f)
+    result = images_main(spec) if spec.get("images") else main(spec)
     print("MEGAPPO_RESULT " + json.dumps(result), flush=True)

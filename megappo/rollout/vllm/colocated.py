@@ -89,8 +89,9 @@ class VLLMColocatedEngine(RolloutEngine):
     R3) or None."""
 
     def __init__(self, settings: Any, dtype: str, *, routes: Any = None):
-        # the engine core and worker in this process: buckets reach the worker by reference
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # the engine core and worker in this process, whatever the environment says: load_weights hands the worker
+        # a generator of the trainer's tensors, which no other process could take
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
         lora_rank = settings.lora_adapter.rank if settings.lora_adapter is not None else None
@@ -178,8 +179,8 @@ class VLLMColocatedEngine(RolloutEngine):
 
     def _after_load(self, version: int) -> None:
         self.llm.apply_model(repack_tied_linears)
-        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         self._wake(["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         self._label(version)
 
     def update_weights_from_disk(self, model_path: str, *, version: int) -> int:
