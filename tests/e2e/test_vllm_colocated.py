@@ -15,7 +15,7 @@ import pytest
 
 from megappo.rollout import HFEngine, SamplingParams
 from megappo.rollout.sampling import Completion
-from megappo.testing.completions import assert_same_completions, tokens
+from megappo.testing.completions import assert_same_completions, assert_scored_alike, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parents[2]
@@ -106,8 +106,9 @@ def test_greedy_tokens_and_log_probs_equal_transformers(answers, models):
     assert all(c.finish_reason == "length" and c.weight_version == 0 for g in got for c in g)
 
 
-def test_sampled_rows_follow_megappos_per_sample_seeds(answers):
+def test_sampled_rows_follow_megappos_per_sample_seeds(answers, models):
     whole, again = completions(answers["sampled"]), completions(answers["sampled_again"])
+    assert_scored_alike(whole, models["model"], PROMPTS, 1e-4)  # temperature 1: the plain softmax's log-probs
     assert [[c.prompt_index for c in g] for g in whole] == [[0, 0], [1, 1], [2, 2]]  # n=2, grouped by prompt
     assert all(len(c.output_ids) == len(c.log_probs) == 6 for g in whole for c in g)
     assert tokens(again) == tokens(whole)  # the same seed twice

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megappo.rollout import HFEngine
+from megappo.testing.completions import assert_scored_alike
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from test_vllm_colocated import MIXED_LAYER, PROMPTS, SEQUENCES, make_models  # noqa: E402
@@ -53,13 +53,7 @@ def run_check(python: str, spec: dict, tmp_path: Path) -> dict:
 
 
 def assert_scored_like(groups: list, model_dir: str, prompts: list, multi_modal=None) -> None:
-    """Each completion's log-probs equal transformers' log-probs of the same tokens after the same prompt."""
-    engine = HFEngine(model_dir)
-    for k, (prompt, group) in enumerate(zip(prompts, groups)):
-        for c in group:
-            kwargs = {"multi_modal": multi_modal[k]} if multi_modal is not None else {}
-            want = engine.prompt_log_probs(list(prompt) + c["output_ids"], **kwargs)[0][len(prompt) - 1:]
-            assert max(abs(a - b) for a, b in zip(c["log_probs"], want)) < ATOL
+    assert_scored_alike(groups, model_dir, prompts, ATOL, multi_modal)
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,11 @@ class VLLMColocatedEngine(RolloutEngine):
         grouped: list[list[Completion]] = [[] for _ in prompts]
         routes = self.routes if params.return_routed_experts else None
         for i, out in zip(rows, outputs):
+            if len(out.prompt_token_ids) != len(prompts[i]):
+                # vLLM's processor expands image placeholders it finds unexpanded; megappo's prompts hold them
+                # expanded, so another length means the two processors sized an image differently
+                raise RuntimeError(f"vLLM ran prompt {i} as {len(out.prompt_token_ids)} tokens, not its "
+                                   f"{len(prompts[i])}: its image processor sized the images unlike megappo's")
             grouped[i].append(parse_output(out.outputs[0], i, weight_version=self.weight_version, partial=False,
                                            routes=routes))
         return grouped
