@@ -150,4 +150,5 @@ def vllm_python() -> str:
     torch and transformers versions than megappo's environment, so it never shares it."""
     if os.environ.get("MEGAPPO_VLLM_PYTHON"):
         return os.environ["MEGAPPO_VLLM_PYTHON"]
-    return _cached_venv("vllm", VLLM_TOOLS, ("install_cpu.sh", "requirements-cpu.txt"))
+    return _cached_venv("vllm", VLLM_TOOLS,
+                        ("install_cpu.sh", "requirements-cpu.txt", "../sglang/patch_torchvision.py"))

@@ -161,8 +161,9 @@ def images_main(spec: dict) -> dict:
     from megappo.rollout.vllm.colocated import VLLMColocatedEngine
 
     prompts = spec["prompts"]
-    multi_modal = [None if files is None else SimpleNamespace(images=[Image.open(f).convert("RGB") for f in files])
-                   for files in spec["images"]]
+    # what the engine reads of a MultiModalInputs: the decoded images (vLLM processes them itself)
+    multi_modal = [None if files is None else SimpleNamespace(images=[Image.open(f).convert("RGB") for f in files],
+                                                              num_images=len(files)) for files in spec["images"]]
     # the model's own context length (colour_square's is 128)
     engine = VLLMColocatedEngine(replace(settings(spec["model"], bool(spec.get("gpu"))), max_model_len=None),
                                  spec.get("dtype", "float32"))

@@ -15,7 +15,8 @@ holds a `vllm.LLM` on its GPU beside the actor, asleep between rollouts.
   vLLM's sleep mode exists only where `current_platform.is_sleep_mode_available()` (CUDA, ROCm, XPU): elsewhere
   (CPU) the engine is built without it and `release_weights` frees nothing.
 - Per-sample seeds: one `vllm.SamplingParams` per row (`LLM.generate` takes a list), each with its sample's seed.
-- Images: the row's decoded images as `multi_modal_data` beside its token ids (which hold the image tokens).
+- Images: the row's decoded images as `multi_modal_data` beside its token ids, each image's tokens collapsed to one
+  placeholder that vLLM's processor expands again (its answer's prompt must come back as long as megappo's).
 - LoRA (lora_sync=adapter): a `LoRARequest` per adapter version names every generation's adapter.
 An `LLM.generate` call cannot be cut short from another thread with its tokens kept: partial rollouts need
 mode=async (servers). Tensor parallelism across trainer ranks (vLLM's external launcher) is not wired: rollout
@@ -102,6 +103,8 @@ class VLLMColocatedEngine(RolloutEngine):
         self.asleep: Optional[int] = None  # the sleep level, None awake
         self.lora: Any = None  # the served adapter's LoRARequest
         self.loaded_tensors = 0  # tensors the last load_weights streamed into the model
+        # a vision-language model's <|image_pad|> id (see _input); None for a text model
+        self.image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
         self._label(self.weight_version)
 
     def _label(self, version: int) -> None:
@@ -124,28 +127,35 @@ class VLLMColocatedEngine(RolloutEngine):
         self._wake()
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = request_seeds(params, len(prompts), prompt_offset)
-        inputs = []
-        for i in rows:
-            if not prompts[i]:
-                raise ValueError("every prompt needs at least one token")
-            item: dict[str, Any] = {"prompt_token_ids": [int(t) for t in prompts[i]]}
-            images = multi_modal[i].images if multi_modal is not None and multi_modal[i] is not None else None
-            if images:
-                item["multi_modal_data"] = {"image": list(images)}
-            inputs.append(item)
+        inputs = [self._input(prompts, multi_modal, i) for i in rows]
         sampling = [VLLMSamplingParams(**sampling_fields(params, seed)) for seed in seeds]
         outputs = self.llm.generate(inputs, sampling, use_tqdm=False, lora_request=self.lora)
         grouped: list[list[Completion]] = [[] for _ in prompts]
         routes = self.routes if params.return_routed_experts else None
         for i, out in zip(rows, outputs):
             if len(out.prompt_token_ids) != len(prompts[i]):
-                # vLLM's processor expands image placeholders it finds unexpanded; megappo's prompts hold them
-                # expanded, so another length means the two processors sized an image differently
+                # vLLM expanded the collapsed image tokens from its own processing of the image: another count
+                # than the data loader's means the two sized the image differently
                 raise RuntimeError(f"vLLM ran prompt {i} as {len(out.prompt_token_ids)} tokens, not its "
                                    f"{len(prompts[i])}: its image processor sized the images unlike megappo's")
             grouped[i].append(parse_output(out.outputs[0], i, weight_version=self.weight_version, partial=False,
                                            routes=routes))
         return grouped
+
+    def _input(self, prompts: Sequence[Sequence[int]], multi_modal: Optional[Sequence[Any]], i: int
+               ) -> dict[str, Any]:
+        """Prompt i as `LLM.generate` takes it: token ids, and a prompt with images has each image's run of image
+        tokens collapsed to one, which vLLM's processor expands again from the image (vLLM 0.32 expands every
+        placeholder of a token prompt, whether or not it already is)."""
+        if not prompts[i]:
+            raise ValueError("every prompt needs at least one token")
+        m = multi_modal[i] if multi_modal is not None else None
+        if m is None:
+            return {"prompt_token_ids": [int(t) for t in prompts[i]]}
+        from megappo.data.multimodal import collapse_image_runs
+
+        ids = collapse_image_runs([prompts[i]], [m], self.image_token_id, "vLLM")[0]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(m.images)}}
 
     def release_weights(self) -> bool:
         """Sleep until the next sync: level 2 (weights and KV cache freed) or 1 (a LoRA actor's partial syncs need
