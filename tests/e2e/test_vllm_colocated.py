@@ -157,6 +157,12 @@ def test_a_partial_sync_keeps_the_layers_it_does_not_send(answers, models):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
+def test_a_sync_that_splits_a_fused_layer_is_refused(answers):
+    """q_proj without k_proj and v_proj: vLLM loads them into one qkv_proj, which would be left part undefined."""
+    assert answers["split_load"].startswith("RuntimeError: the sync sent only some of the tensors vLLM fuses into")
+    assert f"model.layers.{MIXED_LAYER}.self_attn.qkv_proj.weight" in answers["split_load"]
+
+
 def test_weights_from_disk_and_an_empty_sync(answers):
     assert answers["version_disk"] == 5
     assert tokens(completions(answers["greedy_disk"])) == tokens(completions(answers["greedy"]))

@@ -134,6 +134,9 @@ def main(spec: dict) -> dict:
         out["greedy_mixed"] = rows(engine.generate(prompts, greedy))
         out["sequence_log_probs_mixed"] = engine.sequence_log_probs(spec["sequences"])
 
+        q_only = f"model.layers.{int(spec['mixed_layer'])}.self_attn.q_proj."  # vLLM fuses it with k and v
+        out["split_load"] = failure(lambda: engine.load_weights(
+            iter(buckets_of(spec["model"], 1, lambda k: k.startswith(q_only))), version=5, partial=True))
         out["version_disk"] = engine.update_weights_from_disk(spec["model"], version=5)
         out["greedy_disk"] = rows(engine.generate(prompts, greedy))
         if spec.get("adapter"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from megappo.rollout.base import Bucket, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -85,6 +85,19 @@ def repack_tied_linears(model: Any) -> int:
     return repacked
 
 
+def split_layers(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """The fused vLLM parameters (`packed`: the model's packed_modules_mapping, e.g. qkv_proj <- q/k/v_proj) of
+    which the HF tensor `names` hold some parts but not all."""
+    fused_of = {part: fused for fused, parts in packed.items() for part in parts}
+    seen: dict[str, set[str]] = {}
+    for name in names:
+        module, _, param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in fused_of:
+            seen.setdefault(f"{parent}.{fused_of[leaf]}.{param}", set()).add(leaf)
+    return sorted(k for k, got in seen.items() if len(got) < len(packed[k.rsplit(".", 2)[-2]]))
+
+
 class VLLMColocatedEngine(RolloutEngine):
     """A `vllm.LLM` in this process. settings: `RolloutSettings`; routes: the model's `RouteLayout` (router replay
     R3) or None."""
@@ -103,6 +116,8 @@ class VLLMColocatedEngine(RolloutEngine):
         self.asleep: Optional[int] = None  # the sleep level, None awake
         self.lora: Any = None  # the served adapter's LoRARequest
         self.loaded_tensors = 0  # tensors the last load_weights streamed into the model
+        self.packed: dict[str, list[str]] = self.llm.apply_model(
+            lambda model: {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()})[0]
         # a vision-language model's <|image_pad|> id (see _input); None for a text model
         self.image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
         self._label(self.weight_version)
@@ -175,12 +190,13 @@ class VLLMColocatedEngine(RolloutEngine):
             raise ValueError(f"the colocated vLLM engine takes the weights in process (tensor), not {mode!r}")
         if partial and self.asleep == 2:
             raise RuntimeError("a partial weight sync after a level-2 sleep would leave the other weights unset")
-        self.loaded_tensors = 0
+        self.loaded_tensors, names = 0, []
 
         def tensors() -> Iterator[tuple[str, Any]]:
             for bucket in buckets:
                 for name, tensor in bucket:
                     self.loaded_tensors += 1
+                    names.append(name)
                     yield name, tensor
 
         stream = tensors()
@@ -189,6 +205,10 @@ class VLLMColocatedEngine(RolloutEngine):
             raise ValueError("load_weights got no tensors")
         self._wake(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": itertools.chain([first], stream)})
+        split = split_layers(names, self.packed)
+        if split:  # known only once streamed: vLLM processed those layers with their missing parts uninitialised
+            raise RuntimeError(f"the sync sent only some of the tensors vLLM fuses into {split[:4]} "
+                               f"({len(split)} in all), whose other parts are now undefined: send whole layers")
         self._after_load(version)
         return self.weight_version
 
