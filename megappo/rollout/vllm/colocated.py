@@ -85,17 +85,17 @@ def repack_tied_linears(model: Any) -> int:
     return repacked
 
 
-def split_layers(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> list[str]:
-    """The fused vLLM parameters (`packed`: the model's packed_modules_mapping, e.g. qkv_proj <- q/k/v_proj) of
+def split_layers(names: Iterable[str], fused_parts: Mapping[str, Sequence[str]]) -> list[str]:
+    """The fused vLLM parameters (`fused_parts`: the model's packed_modules_mapping, e.g. qkv_proj <- q/k/v_proj) of
     which the HF tensor `names` hold some parts but not all."""
-    fused_of = {part: fused for fused, parts in packed.items() for part in parts}
+    fused_of = {part: fused for fused, parts in fused_parts.items() for part in parts}
     seen: dict[str, set[str]] = {}
     for name in names:
         module, _, param = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
         if leaf in fused_of:
             seen.setdefault(f"{parent}.{fused_of[leaf]}.{param}", set()).add(leaf)
-    return sorted(k for k, got in seen.items() if len(got) < len(packed[k.rsplit(".", 2)[-2]]))
+    return sorted(k for k, got in seen.items() if len(got) < len(fused_parts[k.rsplit(".", 2)[-2]]))
 
 
 class VLLMColocatedEngine(RolloutEngine):
@@ -116,7 +116,7 @@ class VLLMColocatedEngine(RolloutEngine):
         self.asleep: Optional[int] = None  # the sleep level, None awake
         self.lora: Any = None  # the served adapter's LoRARequest
         self.loaded_tensors = 0  # tensors the last load_weights streamed into the model
-        self.packed: dict[str, list[str]] = self.llm.apply_model(
+        self.fused_parts: dict[str, list[str]] = self.llm.apply_model(
             lambda model: {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()})[0]
         # a vision-language model's <|image_pad|> id (see _input); None for a text model
         self.image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
@@ -205,7 +205,7 @@ class VLLMColocatedEngine(RolloutEngine):
             raise ValueError("load_weights got no tensors")
         self._wake(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": itertools.chain([first], stream)})
-        split = split_layers(names, self.packed)
+        split = split_layers(names, self.fused_parts)
         if split:  # known only once streamed: vLLM processed those layers with their missing parts uninitialised
             raise RuntimeError(f"the sync sent only some of the tensors vLLM fuses into {split[:4]} "
                                f"({len(split)} in all), whose other parts are now undefined: send whole layers")
