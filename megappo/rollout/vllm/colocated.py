@@ -8,7 +8,8 @@ holds a `vllm.LLM` on its GPU beside the actor, asleep between rollouts.
   weights after loading (on CPU it repacks linear weights and empties the originals, so a second `load_weights`
   fails), and `reload_weights` restores the checkpoint layout, loads and processes again, layer by layer. A layer
   is processed once all its tensors arrived, so all buckets stream through one call (a bucket boundary may split
-  q/k/v); a layer none of whose tensors arrive keeps its weights (partial syncs).
+  q/k/v); a layer none of whose tensors arrive keeps its weights (partial syncs), and a sync that sends only part
+  of a fused layer (q_proj alone) is refused (`split_layers`).
 - Sleep and wake (`free_cache_engine`): after a step's rollout `release_weights` puts the engine to sleep (level 2:
   weights and KV cache freed, as the next sync reloads every weight; level 1, weights kept in host memory, for a
   LoRA actor whose syncs send only the adapted layers); a sync wakes the weights, loads, then wakes the KV cache.
