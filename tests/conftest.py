@@ -150,7 +150,8 @@ def vllm_python() -> str:
     torch and transformers versions than megappo's environment, so it never shares it."""
     if os.environ.get("MEGAPPO_VLLM_PYTHON"):
         return os.environ["MEGAPPO_VLLM_PYTHON"]
-    return _cached_venv("vllm", VLLM_TOOLS, ("install_cpu.sh", "requirements-cpu.txt"))
+    return _cached_venv("vllm", VLLM_TOOLS,
+                        ("install_cpu.sh", "requirements-cpu.txt", "../sglang/patch_torchvision.py"))
 
 
 VLLM_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # hidden 64: heads of 32 (vLLM's CPU attention has

@@ -31,6 +31,32 @@ class MultiModalInputs:
         return int(self.image_grid_thw.shape[0])
 
 
+def collapse_image_runs(prompts: Sequence[Sequence[int]], multi_modal: Sequence[Optional[MultiModalInputs]],
+                        image_token_id: Optional[int], engine: str) -> list[list[int]]:
+    """The prompts as an engine that runs the model's image processor itself takes them (SGLang, vLLM): each run of
+    image tokens collapsed to the one `<|image_pad|>` the engine expands again from the image it processes. Each
+    prompt with images must hold one run per decoded image (`MultiModalInputs.images`), a text prompt none."""
+    if len(multi_modal) != len(prompts):
+        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+    if image_token_id is None:
+        raise ValueError(f"prompts with images need the {engine} engine's image_token_id (the model config's)")
+    out = []
+    for k, (p, m) in enumerate(zip(prompts, multi_modal)):
+        ids = [int(t) for j, t in enumerate(p) if t != image_token_id or j == 0 or p[j - 1] != image_token_id]
+        runs = sum(1 for t in ids if t == image_token_id)
+        if m is None:
+            if runs:
+                raise ValueError(f"prompt {k} holds image tokens but has no images")
+            out.append([int(t) for t in p])
+            continue
+        if m.images is None or len(m.images) != m.num_images or runs != m.num_images:
+            raise ValueError(f"prompt {k}: {runs} runs of image tokens, {m.num_images} images, "
+                             f"{'no' if m.images is None else len(m.images)} decoded images; {engine} needs the "
+                             "data loader's decoded images (MultiModalInputs.images), one per run of image tokens")
+        out.append(ids)
+    return out
+
+
 def check_images_column(schema: Any, image_key: str, wrong: Callable[[str, str], Exception]) -> None:
     """Raise `wrong(column, expected)` when a Parquet schema's images column (if it has one) is no list."""
     import pyarrow as pa

@@ -37,3 +37,18 @@ def assert_continued_on_new_weights(prompts, partial, groups, old: str, new: str
                 assert tail == HFEngine(new).generate([start], greedy)[0][0].output_ids  # the new weights'
                 checked += tail != HFEngine(old).generate([start], greedy)[0][0].output_ids
     assert checked  # the old weights would have gone on otherwise: the check above tells them apart
+
+
+def assert_scored_alike(groups, model_dir: str, prompts, tol: float, multi_modal=None) -> None:
+    """Each completion's log-probs (softmax at T = 1: greedy, or sampled at temperature 1) within `tol` of
+    transformers' log-probs of the same tokens after the same prompt (teacher forcing: robust where two engines'
+    greedy tokens part at a near-tie). groups: `generate`'s answer, as Completions or their dicts."""
+    from megappo.rollout.hf.engine import HFEngine
+
+    engine = HFEngine(model_dir)
+    for k, (prompt, group) in enumerate(zip(prompts, groups)):
+        kwargs = {"multi_modal": multi_modal[k]} if multi_modal is not None else {}
+        for c in group:
+            ids, logprobs = (c["output_ids"], c["log_probs"]) if isinstance(c, dict) else (c.output_ids, c.log_probs)
+            want = engine.prompt_log_probs(list(prompt) + list(ids), **kwargs)[0][len(prompt) - 1:]
+            assert len(want) == len(logprobs) and max(abs(a - b) for a, b in zip(logprobs, want)) < tol

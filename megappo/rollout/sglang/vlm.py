@@ -36,30 +36,13 @@ def sglang_prompts(prompts: Sequence[Sequence[int]], multi_modal: Optional[Seque
                    image_token_id: Optional[int]) -> tuple[list[list[int]], Optional[list[ImageData]]]:
     """The prompts as SGLang takes them: each run of image tokens collapsed to one (SGLang expands it again from
     the image it processes), and each prompt's images as base64 PNG data URIs (None when no prompt has images)."""
+    from megappo.data.multimodal import collapse_image_runs
+
     prompts = [list(p) for p in prompts]
     if multi_modal is None or all(m is None for m in multi_modal):
         return prompts, None
-    if len(multi_modal) != len(prompts):
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
-    if image_token_id is None:
-        raise ValueError("prompts with images need the SGLang engine's image_token_id (the model config's)")
-    out, images = [], []
-    for k, (p, m) in enumerate(zip(prompts, multi_modal)):
-        ids = [t for j, t in enumerate(p) if t != image_token_id or j == 0 or p[j - 1] != image_token_id]
-        runs = sum(1 for t in ids if t == image_token_id)
-        if m is None:
-            if runs:
-                raise ValueError(f"prompt {k} holds image tokens but has no images")
-            out.append(p)
-            images.append(None)
-            continue
-        if m.images is None or len(m.images) != m.num_images or runs != m.num_images:
-            raise ValueError(f"prompt {k}: {runs} runs of image tokens, {m.num_images} images, "
-                             f"{'no' if m.images is None else len(m.images)} decoded images; SGLang needs the data "
-                             "loader's decoded images (MultiModalInputs.images), one per run of image tokens")
-        out.append(ids)
-        images.append([_data_uri(img) for img in m.images])
-    return out, images
+    ids = collapse_image_runs(prompts, multi_modal, image_token_id, "SGLang")
+    return ids, [None if m is None else [_data_uri(img) for img in m.images] for m in multi_modal]
 
 
 def row_images(images: Optional[list[ImageData]], prompt_of_row: Sequence[int]) -> Optional[list[ImageData]]:
