@@ -160,12 +160,13 @@ VLLM_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # hidden 64: he
 
 @pytest.fixture(scope="session")
 def vllm_models(tmp_path_factory) -> tuple[str, str]:
-    """Two tiny Qwen2 directories (seeds 0 and 1) that vLLM's CPU build serves."""
+    """Two tiny Qwen2 directories (seeds 0 and 1) that vLLM's CPU build serves, with tied embeddings (the head vLLM's
+    CPU reload has to repack: tests/e2e/test_vllm_weight_sync.py)."""
     from megappo.testing.hf_models import make_hf_model
 
     root = tmp_path_factory.mktemp("vllm_models")
-    return (make_hf_model("qwen2", str(root / "a"), seed=0, **VLLM_HEADS),
-            make_hf_model("qwen2", str(root / "b"), seed=1, **VLLM_HEADS))
+    return (make_hf_model("qwen2_tied", str(root / "a"), seed=0, **VLLM_HEADS),
+            make_hf_model("qwen2_tied", str(root / "b"), seed=1, **VLLM_HEADS))
 
 
 @pytest.fixture(scope="session")

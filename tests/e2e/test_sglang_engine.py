@@ -43,6 +43,9 @@ def test_sglang_engine_generates_what_the_in_process_engine_does(sglang_python, 
         assert_same_completions(got, HFEngine(new).generate(PROMPTS, GREEDY))
 
 
+# long (~40 s): a megatron actor's export streamed into a server is tests/e2e/test_vllm_weight_sync.py's (the export
+# and the weight group are engine-neutral); SGLang's streamed sync is tests/e2e/test_sglang_fleet.py's
+@pytest.mark.long
 def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_model_dir, tmp_path):
     """The trainer's sync: a megatron actor's `iter_hf_weights` buckets, broadcast over a gloo group that the
     server's ranks joined, replace the server's (other) weights; it then generates what HFEngine does on the actor's

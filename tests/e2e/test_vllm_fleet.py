@@ -66,9 +66,10 @@ def test_greedy_completions_equal_the_in_process_engine(fleet, models):
     assert_same_completions(got, HFEngine(models[0]).generate(PROMPTS, GREEDY))
     assert all(c.finish_reason == "length" and c.weight_version == 0 for g in got for c in g)
     [[first]] = fleet.generate(PROMPTS[:1], GREEDY)
-    stop = first.output_ids[3]
-    [[cut]] = fleet.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop,)))
-    assert cut.finish_reason == "stop" and cut.output_ids == first.output_ids[:4]
+    until_stop = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(first.output_ids[3],))
+    cut = fleet.generate(PROMPTS[:1], until_stop)
+    assert cut[0][0].finish_reason == "stop" and cut[0][0].output_ids[-1] == first.output_ids[3]
+    assert_same_completions(cut, HFEngine(models[0]).generate(PROMPTS[:1], until_stop))
 
 
 def test_samples_follow_their_seeds_whatever_share_asks(fleet):

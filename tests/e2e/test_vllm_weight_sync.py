@@ -14,7 +14,6 @@ import torch
 
 from megappo.rollout.sampling import SamplingParams
 from megappo.rollout.vllm.fleet import VLLMFleet
-from megappo.rollout.vllm.server import VLLMServer
 from megappo.testing.hf_models import make_hf_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -67,17 +66,15 @@ def _assert_serves(fleet: VLLMFleet, expected: tuple[list[float], list[int]]) ->
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, vllm_python):
-    root = tmp_path_factory.mktemp("vsync")
-    a, b = _model(root / "a", seed=0), _model(root / "b", seed=1)
-    server = VLLMServer(a, python=vllm_python, dtype="float32", cuda=False, max_model_len=128, max_num_seqs=4,
-                        extra_args=["--seed", "0"])
-    with server:  # started here, stopped (with its engine) on the way out
-        fleet = VLLMFleet([server.url], api_key=server.api_key, sync_timeout=60)
-        try:
-            yield server, fleet, a, b
-        finally:
-            fleet.close()
+def served(vllm_server, vllm_models):
+    """The session's server (tests/conftest.py) and a fleet of this module's; the first model served again after."""
+    a, b = vllm_models
+    fleet = VLLMFleet([vllm_server.url], api_key=vllm_server.api_key, sync_timeout=60)
+    try:
+        yield vllm_server, fleet, a, b
+    finally:
+        fleet.update_weights_from_disk(a, version=0)
+        fleet.close()
 
 
 def test_streamed_buckets_are_served_as_transformers_serves_them_and_the_group_is_kept(served):
