@@ -1,10 +1,12 @@
-"""`megappo rollout-server`: one SGLang server for a trainer on other nodes (Slurm/Ray layouts with server nodes).
+"""`megappo rollout-server`: one SGLang or vLLM server for a trainer on other nodes (Slurm/Ray layouts with server
+nodes).
 
-Runs one SGLang server (`--python -m sglang.launch_server`) for a trainer on other nodes, under megappo's
+Runs one server (`--engine sglang`: `--python -m sglang.launch_server`; `vllm`: vLLM's server through megappo's
+launcher and worker extension, as the trainer starts them) for a trainer on other nodes, under megappo's
 watchdog (the server dies with this command, whatever kills it). Once the server answers as ours, it writes
 `{"url": ..., "api_key": ...}` to `--url-file` (mode 0600, atomically) and waits. SIGTERM or SIGINT stops the
 server, removes the URL file and exits 0; a server that dies on its own exits 1 with its log's tail; a --python
-without SGLang exits 2 before anything starts. The trainer takes the URLs with
+without the engine exits 2 before anything starts. The trainer takes the URLs with
 `actor_rollout_ref.rollout.server_urls=[...]` and the key with `actor_rollout_ref.rollout.api_key_file=F` (a file
 holding it: `--api-key-file F` here, so the key is on no command line; launch/slurm/train_sglang.sbatch does all
 three).
@@ -23,15 +25,17 @@ import time
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "rollout-server", help="run one SGLang server for a trainer elsewhere and publish its URL and key",
+        "rollout-server", help="run one SGLang or vLLM server for a trainer elsewhere and publish its URL and key",
         description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face directory of the actor's initial weights")
+    p.add_argument("--engine", choices=("sglang", "vllm"), default="sglang",
+                   help="the engine (the trainer's actor_rollout_ref.rollout.name; default sglang)")
     p.add_argument("--url-file", required=True, help="where to write {url, api_key} once the server is up")
     p.add_argument("--host", default="0.0.0.0",
                    help="address to bind (default all interfaces: trainers on other nodes connect; every request "
                    "needs the API key). The published URL names this host")
     p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
-    p.add_argument("--python", default=sys.executable, help="the Python that has SGLang (default: this one)")
+    p.add_argument("--python", default=sys.executable, help="the Python that has the engine (default: this one)")
     p.add_argument("--tp", type=int, default=1, help="the server's tensor parallel size (GPUs)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
     key = p.add_mutually_exclusive_group()
@@ -39,9 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "file); visible in `ps` to every user: prefer --api-key-file")
     key.add_argument("--api-key-file", default=None, help="a file whose first line is the key")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a cold start")
-    p.add_argument("--trust-remote-code", action="store_true", help="let SGLang run code shipped with the model")
-    p.add_argument("extra", nargs="*", metavar="-- SGLANG_FLAG",
-                   help="further sglang.launch_server flags, after --")
+    p.add_argument("--trust-remote-code", action="store_true", help="let the engine run code shipped with the model")
+    p.add_argument("extra", nargs="*", metavar="-- ENGINE_FLAG",
+                   help="further sglang.launch_server or vllm serve flags, after --")
     p.set_defaults(func=run)
 
 
@@ -54,7 +58,6 @@ def _publish(path: str, record: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megappo.rollout.serving.http_client import read_api_key_file
-    from megappo.rollout.sglang.server import SGLangServer
 
     if args.tp < 1:
         print(f"megappo rollout-server: --tp must be >= 1 (got {args.tp})", file=sys.stderr)
@@ -65,20 +68,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"megappo rollout-server: --api-key-file: {e}", file=sys.stderr)
             return 2
-    from megappo.rollout.sglang.deploy import SGLANG_CPU_VENV, SGLANG_INSTALL, sglang_missing
-
-    problem = sglang_missing(args.python)
+    problem = _missing(args)
     if problem:
-        which = "--python" if args.python != sys.executable else "--python (unset: this python)"
-        print(f"megappo rollout-server: the server would run on {which}, but {problem}; install it there "
-              f"(`{args.python} -m {SGLANG_INSTALL}`), or pass --python PYTHON, a python that has it (on CPU, "
-              f"`{SGLANG_CPU_VENV}` makes one and prints the line to use)", file=sys.stderr)
+        print(f"megappo rollout-server: {problem}", file=sys.stderr)
         return 2
-    cuda = _has_cuda()
-    extra = list(args.extra) + (["--tp", str(args.tp)] if args.tp > 1 else [])
-    server = SGLangServer(args.model, python=args.python, port=args.port, cuda=cuda,
-                          dtype=args.dtype or ("bfloat16" if cuda else "float32"), extra_args=extra,
-                          trust_remote_code=args.trust_remote_code, host=args.host, api_key=args.api_key)
+    server = _server(args, _has_cuda())
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -109,6 +103,37 @@ def run(args: argparse.Namespace) -> int:
             os.unlink(args.url_file)
         except FileNotFoundError:
             pass
+
+
+def _missing(args: argparse.Namespace) -> str:
+    """Why --python cannot run the engine ("" when it can), with what to do."""
+    from megappo.rollout.serving.probe import package_missing
+    from megappo.rollout.sglang.deploy import SGLANG_CPU_VENV, SGLANG_INSTALL
+    from megappo.rollout.vllm.deploy import VLLM_CPU_VENV, VLLM_INSTALL
+
+    install, cpu_venv = (SGLANG_INSTALL, SGLANG_CPU_VENV) if args.engine == "sglang" else (VLLM_INSTALL, VLLM_CPU_VENV)
+    problem = package_missing(args.python, args.engine)
+    if not problem:
+        return ""
+    which = "--python" if args.python != sys.executable else "--python (unset: this python)"
+    return (f"the server would run on {which}, but {problem}; install it there (`{args.python} -m {install}`), or "
+            f"pass --python PYTHON, a python that has it (on CPU, `{cpu_venv}` makes one and prints the line to use)")
+
+
+def _server(args: argparse.Namespace, cuda: bool):
+    """The engine's managed server, as the trainer would start it."""
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.engine == "vllm":
+        from megappo.rollout.vllm.server import VLLMServer
+
+        return VLLMServer(args.model, python=args.python, port=args.port, dtype=dtype, tensor_parallel_size=args.tp,
+                          trust_remote_code=args.trust_remote_code, cuda=cuda, host=args.host, api_key=args.api_key,
+                          extra_args=["--logprobs-mode", "processed_logprobs", *args.extra])
+    from megappo.rollout.sglang.server import SGLangServer
+
+    extra = list(args.extra) + (["--tp", str(args.tp)] if args.tp > 1 else [])
+    return SGLangServer(args.model, python=args.python, port=args.port, cuda=cuda, dtype=dtype, extra_args=extra,
+                        trust_remote_code=args.trust_remote_code, host=args.host, api_key=args.api_key)
 
 
 def _has_cuda() -> bool:

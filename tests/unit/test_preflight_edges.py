@@ -131,6 +131,18 @@ def test_rollout_server_without_sglang_exits_2_naming_python_and_the_cpu_venv(mo
     assert "tools/sglang/install_cpu.sh VENV" in err and 'pip install "megappo[sglang]"' in err
 
 
+def test_rollout_server_for_vllm_without_vllm_exits_2_naming_python_and_the_cpu_venv(monkeypatch, tmp_path, capsys):
+    import megappo.rollout.vllm.server as server_mod
+
+    monkeypatch.setattr(server_mod, "VLLMServer", lambda *a, **k: pytest.fail("a server was made"))
+    url_file = tmp_path / "url.json"
+    rc = main(["rollout-server", "--engine", "vllm", "--model", str(tmp_path), "--url-file", str(url_file)])
+    err = capsys.readouterr().err
+    assert rc == 2 and not url_file.exists()
+    assert "--python (unset: this python)" in err and "has no vllm package" in err
+    assert "tools/vllm/install_cpu.sh VENV" in err and 'pip install "megappo[vllm]"' in err
+
+
 def test_install_cpu_sh_prints_the_line_to_use():
     script = (ROOT / "tools" / "sglang" / "install_cpu.sh").read_text()
     echoes = [line for line in script.splitlines() if line.lstrip().startswith("echo")]
@@ -269,7 +281,7 @@ def test_rollout_server_help_opens_with_what_it_is(capsys):
         main(["rollout-server", "--help"])
     out = capsys.readouterr().out
     description = out.split("\n\n")[1]
-    assert description.startswith("Runs one SGLang server")
+    assert description.startswith("Runs one server (`--engine sglang`")
 
 
 def test_quickstart_no_longer_waits_for_the_trainer():
