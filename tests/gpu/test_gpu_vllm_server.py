@@ -58,18 +58,24 @@ def test_a_cuda_server_scores_reloads_and_aborts(cuda_vllm_python, hf_model_dir,
         assert any(c.finish_reason == "abort" for g in result["out"] for c in g)
 
 
-@pytest.mark.parametrize("sync", ["disk", "distributed"])
-def test_trainer_with_a_cuda_vllm_rollout(cuda_vllm_python, hf_model_dir, tmp_path, sync):
-    """Two PPO steps on CUDA in bf16 whose rollout is a vLLM server the trainer starts on the same GPU; after each
-    sync the server's log-probs match the trainer's (verify_sync)."""
+@pytest.mark.parametrize("mode, sync", [("async", "disk"), ("async", "distributed"), ("sync", "tensor")])
+def test_trainer_with_a_cuda_vllm_rollout(cuda_vllm_python, hf_model_dir, tmp_path, mode, sync):
+    """Two PPO steps on CUDA in bf16 whose rollout is vLLM on the trainer's GPU: a server the trainer starts (async),
+    or vLLM's engine in the trainer's process, asleep while it trains (sync); after each sync the engine's log-probs
+    match the trainer's (verify_sync)."""
+    import importlib.util
+    import sys
     from megappo.config import load_config
     from megappo.testing.prompts import read_metrics, tiny_run_overrides, write_prompt_parquet
     from megappo.trainer import fit
 
+    if mode == "sync" and importlib.util.find_spec("vllm") is None:
+        pytest.skip(f"mode=sync runs vLLM in the trainer's python ({sys.executable}), which has no vllm")
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
     cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
         str(tmp_path / "run"), hf_model_dir("qwen2"), train, steps=2,
         extra=["trainer.device=cuda", "actor_rollout_ref.model.dtype=bfloat16", "actor_rollout_ref.rollout.name=vllm",
+               f"actor_rollout_ref.rollout.mode={mode}",
                f"actor_rollout_ref.rollout.server_python={cuda_vllm_python}",
                "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
                f"actor_rollout_ref.rollout.weight_sync={sync}", "actor_rollout_ref.rollout.verify_sync=true"]))
