@@ -52,3 +52,34 @@ def assert_scored_alike(groups, model_dir: str, prompts, tol: float, multi_modal
             ids, logprobs = (c["output_ids"], c["log_probs"]) if isinstance(c, dict) else (c.output_ids, c.log_probs)
             want = engine.prompt_log_probs(list(prompt) + list(ids), **kwargs)[0][len(prompt) - 1:]
             assert len(want) == len(logprobs) and max(abs(a - b) for a, b in zip(logprobs, want)) < tol
+
+
+def partial_rollout_across_sync(engine, prompts, budget: int, wait_s: float, sync) -> tuple[list, list]:
+    """A greedy generation of `budget` tokens, 2 samples a prompt, through the async producer as the trainer has it,
+    cut by a weight sync after `wait_s` seconds (some tokens in, far from the end): the producer's pause aborts it
+    and the engine answers with each sample's tokens; `sync()` changes the weights; after the resume every sample
+    continues. Returns (the aborted answer, the finished one)."""
+    import time
+
+    from megappo.rollout import SamplingParams
+    from megappo.trainer.async_rollout import Producer, _Job
+
+    producer = Producer(engine, partial=True)
+    try:
+        job = _Job(prompts, SamplingParams(max_new_tokens=budget, temperature=0, ignore_eos=True, n=2), 0)
+        future = producer.put(job)
+        while not job.started:
+            time.sleep(0.01)
+        time.sleep(wait_s)
+        producer.pause()  # the sync: aborts, returns once the engine is idle
+        partial = job.done
+        assert partial is not None and not future.done()
+        assert all(c.finish_reason == "abort" and len(c.output_ids) < budget for g in partial for c in g)
+        assert any(c.output_ids for g in partial for c in g)
+        sync()
+        producer.resume()
+        groups = future.result(timeout=300)
+    finally:
+        producer.close()
+    assert [len(g) for g in groups] == [2] * len(prompts)
+    return partial, groups

@@ -52,38 +52,20 @@ def test_partial_rollout_on_sglang_continues_with_the_new_weights(sglang_python,
     generation in progress, the server answers with the tokens each sample has; after the weights change (version
     1) every sample continues from its tokens on the new weights, keeps its first token's version (0) and is marked
     partial. Greedy, so the continuation is checked against the new model's own."""
-    import time
-
-    from megappo.rollout import SamplingParams
     from megappo.rollout.sglang.fleet import SGLangFleet
-    from megappo.testing.completions import assert_continued_on_new_weights
     from megappo.rollout.sglang.server import SGLangServer
+    from megappo.testing.completions import assert_continued_on_new_weights, partial_rollout_across_sync
     from megappo.testing.hf_models import make_hf_model
-    from megappo.trainer.async_rollout import Producer, _Job
 
     old, new = hf_model_dir("qwen2"), make_hf_model("qwen2", str(tmp_path / "new"), seed=1)
     prompts, budget = [[5, 6, 7], [9, 10, 11, 12]], 400  # the tiny model's context is 512
     with SGLangServer(old, python=sglang_python) as server:
         fleet = SGLangFleet([server.url])
-        producer = Producer(fleet, partial=True)
-        try:
-            job = _Job(prompts, SamplingParams(max_new_tokens=budget, temperature=0, ignore_eos=True, n=2), 0)
-            future = producer.put(job)
-            while not job.started:
-                time.sleep(0.01)
-            time.sleep(0.3)  # some tokens in (a few hundred per second here), far from the end
-            producer.pause()  # the sync: aborts, returns once the engine is idle
-            partial = job.done
-            assert partial is not None and not future.done()
-            assert all(c.finish_reason == "abort" and len(c.output_ids) < budget for g in partial for c in g)
-            assert any(c.output_ids for g in partial for c in g)
-            fleet.update_weights_from_disk(new, version=1)
-            producer.resume()
-            groups = future.result(timeout=300)
+        try:  # a few hundred tokens a second here: 0.3 s is some tokens in, far from the end
+            partial, groups = partial_rollout_across_sync(
+                fleet, prompts, budget, 0.3, lambda: fleet.update_weights_from_disk(new, version=1))
         finally:
-            producer.close()
             fleet.close()
-    assert [len(g) for g in groups] == [2, 2]
     assert_continued_on_new_weights(prompts, partial, groups, old, new, budget, (0, 1))
 
 

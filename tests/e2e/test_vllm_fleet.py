@@ -18,7 +18,8 @@ import pytest
 from megappo.rollout import HFEngine, SamplingParams
 from megappo.rollout.vllm.fleet import VLLMFleet
 from megappo.rollout.vllm.server import VLLMServer
-from megappo.testing.completions import assert_continued_on_new_weights, assert_same_completions, tokens
+from megappo.testing.completions import (assert_continued_on_new_weights, assert_same_completions,
+                                        partial_rollout_across_sync, tokens)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
@@ -155,31 +156,15 @@ def test_a_partial_rollout_continues_with_the_new_weights(fleet, models):
     progress, the server answers with each sample's tokens; after the weights change (version 5) every sample
     continues from its tokens on the new weights and keeps its first token's version. Greedy, so the continuation is
     checked against the new model's own."""
-    from megappo.trainer.async_rollout import Producer, _Job
-
     old, new = models
     prompts, budget = [[5, 6, 7], [9, 10, 11, 12]], 400
     fleet.generate(PROMPTS[:1], GREEDY)  # warm
-    producer = Producer(fleet, partial=True)
-    try:
-        job = _Job(prompts, SamplingParams(max_new_tokens=budget, temperature=0, ignore_eos=True, n=2), 0)
-        future = producer.put(job)
-        while not job.started:
-            time.sleep(0.01)
-        time.sleep(0.5)  # some tokens in (~200 a second a sample here), far from the end
-        producer.pause()  # the sync: aborts, returns once the engine is idle
-        partial = job.done
-        assert partial is not None and not future.done()
-        assert all(c.finish_reason == "abort" and len(c.output_ids) < budget for g in partial for c in g)
-        assert any(c.output_ids for g in partial for c in g)
-        version = fleet.weight_version
-        fleet.update_weights_from_disk(new, version=version + 1)
-        producer.resume()
-        groups = future.result(timeout=300)
+    version = fleet.weight_version
+    try:  # ~200 tokens a second a sample here: 0.5 s is some tokens in, far from the end
+        partial, groups = partial_rollout_across_sync(
+            fleet, prompts, budget, 0.5, lambda: fleet.update_weights_from_disk(new, version=version + 1))
     finally:
-        producer.close()
-        fleet.update_weights_from_disk(old, version=fleet.weight_version + 1)
-    assert [len(g) for g in groups] == [2, 2]
+        fleet.update_weights_from_disk(old, version=version + 2)
     assert_continued_on_new_weights(prompts, partial, groups, old, new, budget, (version, version + 1))
 
 
