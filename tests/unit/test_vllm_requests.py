@@ -13,8 +13,9 @@ import torch
 from megappo.rollout.routes import RouteLayout
 from megappo.rollout.sampling import SamplingParams
 from megappo.rollout.seeds import request_seeds, sample_seed
-from megappo.rollout.vllm.requests import (completion_request, max_lora_rank, parse_choice, parse_prompt_logprobs,
-                                           prompt_logprobs_request, sampling_fields, versions_of)
+from megappo.rollout.vllm.requests import (completion_request, max_lora_rank, model_eos_ids, parse_choice,
+                                           parse_prompt_logprobs, prompt_logprobs_request, sampling_fields,
+                                           versions_of)
 
 
 def test_a_request_is_one_sample_with_its_own_seed():
@@ -122,3 +123,18 @@ def test_lora_ranks_round_up_to_what_vllm_takes():
     assert [max_lora_rank(r) for r in (1, 2, 4, 8, 9, 300, 512)] == [1, 8, 8, 8, 16, 320, 512]
     with pytest.raises(ValueError, match="largest --max-lora-rank"):
         max_lora_rank(513)
+
+
+def test_the_models_eos_ids_are_stop_tokens_and_ignore_eos_ignores_every_stop(tmp_path):
+    """Servers run with --generation-config vllm (only the tokenizer's EOS): every EOS the in-process engine stops on
+    (generation_config.json's and config.json's) goes with each request."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    eos = model_eos_ids(str(tmp_path))
+    assert eos == (7, 9) and model_eos_ids(str(tmp_path / "nowhere")) == ()
+    body = completion_request([1], SamplingParams(max_new_tokens=2, stop_token_ids=(3,)), 1, request_id="r", eos_ids=eos)
+    assert body["stop_token_ids"] == [3, 7, 9]
+    ignoring = SamplingParams(max_new_tokens=2, stop_token_ids=(3,), ignore_eos=True)
+    assert completion_request([1], ignoring, 1, request_id="r", eos_ids=eos)["stop_token_ids"] == []  # nothing stops

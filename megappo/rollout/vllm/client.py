@@ -30,12 +30,13 @@ _IDS = itertools.count()
 
 class VLLMServerClient(RolloutEngine):
     """A client of the vLLM server at `url` (the per-server client of `megappo.rollout.serving.fleet.ServerFleet`).
-    routes: the served model's `RouteLayout` when completions carry routed experts (router replay R3)."""
+    routes: the served model's `RouteLayout` when completions carry routed experts (router replay R3). eos_ids: the
+    served model's EOS ids (`requests.model_eos_ids`), sent as stop tokens."""
 
     def __init__(self, url: str, *, timeout: float = 600, api_key: Optional[str] = None, routes: Any = None,
-                 sync_timeout: float = 60, max_concurrency: int = 256, **_: Any):
+                 sync_timeout: float = 60, max_concurrency: int = 256, eos_ids: Sequence[int] = (), **_: Any):
         self.url, self.timeout, self.api_key, self.routes = url.rstrip("/"), timeout, api_key, routes
-        self.sync_timeout, self.max_concurrency = sync_timeout, max_concurrency
+        self.sync_timeout, self.max_concurrency, self.eos_ids = sync_timeout, max_concurrency, tuple(eos_ids)
         self.weight_version = 0
         self.model = SERVED_MODEL  # or the served LoRA adapter's name
         self._in_flight: set[str] = set()
@@ -76,7 +77,7 @@ class VLLMServerClient(RolloutEngine):
     def _one(self, ids: Sequence[int], prompt_index: int, seed: Optional[int], params: SamplingParams,
              partial: bool) -> Completion:
         request_id = f"{self._prefix}{next(_IDS)}"
-        body = completion_request(ids, params, seed, request_id=request_id, model=self.model)
+        body = completion_request(ids, params, seed, request_id=request_id, model=self.model, eos_ids=self.eos_ids)
         version = self.weight_version
         with self._lock:
             self._in_flight.add(request_id)

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 from megappo.rollout.base import Bucket, RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import request_seeds
-from megappo.rollout.vllm.requests import LOGPROBS_MODE, lora_serving, parse_output, sampling_fields
+from megappo.rollout.vllm.requests import LOGPROBS_MODE, lora_serving, model_eos_ids, parse_output, sampling_fields
 
 
 def engine_args(settings: Any, dtype: str, *, routes: bool, sleep_mode: bool) -> dict[str, Any]:
@@ -115,6 +115,7 @@ class VLLMColocatedEngine(RolloutEngine):
         self.sleep_mode = bool(settings.free_cache_engine) and sleep_mode_available()
         self.llm = LLM(**engine_args(settings, dtype, routes=routes is not None,
                                      sleep_mode=self.sleep_mode))
+        self.eos_ids = model_eos_ids(settings.model_path)  # stop tokens: generation_config.json is not vLLM's here
         self.asleep: Optional[int] = None  # the sleep level, None awake
         self.lora: Any = None  # the served adapter's LoRARequest
         self.loaded_tensors = 0  # tensors the last load_weights streamed into the model
@@ -145,7 +146,7 @@ class VLLMColocatedEngine(RolloutEngine):
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = request_seeds(params, len(prompts), prompt_offset)
         inputs = [self._input(prompts, multi_modal, i) for i in rows]
-        sampling = [VLLMSamplingParams(**sampling_fields(params, seed)) for seed in seeds]
+        sampling = [VLLMSamplingParams(**sampling_fields(params, seed, self.eos_ids)) for seed in seeds]
         outputs = self.llm.generate(inputs, sampling, use_tqdm=False, lora_request=self.lora)
         grouped: list[list[Completion]] = [[] for _ in prompts]
         routes = self.routes if params.return_routed_experts else None

@@ -89,10 +89,11 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
 
 def _fleet(r: RolloutSettings, servers: Any, routes: Any, platform: Any) -> Any:
     from megappo.rollout.vllm.fleet import VLLMFleet
+    from megappo.rollout.vllm.requests import model_eos_ids
 
     return VLLMFleet(servers.urls, api_key=servers.api_key, timeout=r.request_timeout_s,
                      sync_timeout=r.sync_timeout_s, routes=routes,
                      health_check_interval_s=r.health_check_interval_s,
                      health_check_timeout_s=r.health_check_timeout_s, tp_size=r.tensor_model_parallel_size,
                      master_address=r.weight_sync_master_address or r.server_host,
-                     backend="nccl" if platform.is_cuda else "gloo")
+                     backend="nccl" if platform.is_cuda else "gloo", eos_ids=model_eos_ids(r.model_path))

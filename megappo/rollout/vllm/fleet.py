@@ -23,10 +23,10 @@ class VLLMFleet(ServerFleet):
                  sync_timeout: float = 60, routes: Any = None, max_attempts: int = 3,
                  revive: Optional[Callable[[int], bool]] = None, health_check_interval_s: float = 30.0,
                  health_check_timeout_s: float = 5.0, max_concurrency: int = 256, tp_size: int = 1,
-                 master_address: str = "127.0.0.1", backend: str = "gloo"):
+                 master_address: str = "127.0.0.1", backend: str = "gloo", eos_ids: Sequence[int] = ()):
         def client(url: str) -> VLLMServerClient:
             return VLLMServerClient(url, timeout=timeout, api_key=api_key, routes=routes, sync_timeout=sync_timeout,
-                                    max_concurrency=max_concurrency)
+                                    max_concurrency=max_concurrency, eos_ids=eos_ids)
 
         super().__init__(urls, client, healthy=is_healthy, max_attempts=max_attempts, revive=revive,
                          health_check_interval_s=health_check_interval_s,

@@ -59,8 +59,27 @@ def cli_flags(engine_args: Mapping[str, Any]) -> list[str]:
     return flags
 
 
-def sampling_fields(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
-    """The sampling fields both vLLM request kinds share (a completion request's, `vllm.SamplingParams`'s)."""
+def model_eos_ids(model_path: str) -> tuple[int, ...]:
+    """The end-of-sequence ids of a Hugging Face directory, as megappo's in-process engine stops on them: its
+    generation_config.json's and config.json's `eos_token_id` (an id or a list). megappo starts vLLM with
+    `--generation-config vllm`, whose only EOS is the tokenizer's, so requests name the others as stop tokens."""
+    import json
+    import os
+
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_path, name), encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    return tuple(sorted(set(ids)))
+
+
+def sampling_fields(params: SamplingParams, seed: Optional[int], eos_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """The sampling fields both vLLM request kinds share (a completion request's, `vllm.SamplingParams`'s). eos_ids:
+    the model's EOS ids (`model_eos_ids`), stop tokens unless `params.ignore_eos`."""
     fields: dict[str, Any] = {
         "max_tokens": int(params.max_new_tokens),
         "temperature": 0.0 if params.is_greedy else float(params.temperature),
@@ -68,7 +87,9 @@ def sampling_fields(params: SamplingParams, seed: Optional[int]) -> dict[str, An
         "top_k": int(params.top_k) if params.top_k > 0 else -1,
         "n": 1,
         "ignore_eos": bool(params.ignore_eos),
-        "stop_token_ids": list(params.stop_token_ids),
+        # ignore_eos: max_new_tokens whatever is sampled, stop tokens too (megappo's meaning, SGLang's; vLLM's own
+        # ignore_eos would still stop on them)
+        "stop_token_ids": [] if params.ignore_eos else sorted(set(params.stop_token_ids) | set(eos_ids)),
         "skip_special_tokens": False,
         "logprobs": 0,
     }
@@ -78,14 +99,14 @@ def sampling_fields(params: SamplingParams, seed: Optional[int]) -> dict[str, An
 
 
 def completion_request(prompt_ids: Sequence[int], params: SamplingParams, seed: Optional[int], *,
-                       request_id: str, model: str = SERVED_MODEL) -> dict[str, Any]:
+                       request_id: str, model: str = SERVED_MODEL, eos_ids: Sequence[int] = ()) -> dict[str, Any]:
     """The JSON body of one `/v1/completions` request: one sample of `prompt_ids` drawn with `seed`. `model`: the
     served model's name, or a LoRA adapter's (`lora_name`); `request_id`: the id `/abort_requests` names it by."""
     if not prompt_ids:
         raise ValueError("every prompt needs at least one token")
     body = {"model": model, "prompt": [int(t) for t in prompt_ids], "request_id": request_id,
             "return_token_ids": True, "stream": False,
-            **sampling_fields(params, seed)}
+            **sampling_fields(params, seed, eos_ids)}
     return body
 
 
