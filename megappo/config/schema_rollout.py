@@ -75,7 +75,8 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     # The engine (megappo/rollout/registry.py): hf, megappo's in-process engine (works on CPU); sglang, SGLang
-    # servers the trainer starts (or server_urls), shared by every data-parallel replica.
+    # servers the trainer starts (or server_urls), shared by every data-parallel replica; vllm, vLLM servers or
+    # vLLM's engine in the trainer's ranks (mode).
     name: str = "hf"
     # How the engine is deployed (verl's key): async, servers the trainer starts or reaches (sglang, vllm); sync,
     # inside the trainer's ranks (hf; vllm: its engine colocated, asleep between rollouts). None: the engine's own
@@ -103,7 +104,8 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: Optional[bool] = None  # resolved: actor.use_dynamic_bsz
     log_prob_max_token_len_per_gpu: Optional[int] = None  # resolved: actor.ppo_max_token_len_per_gpu
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as-is (e.g. SGLang args)
-    # sglang: URLs of running servers (http://host:port); empty: the trainer starts servers_per_node per node
+    # servers (sglang, vllm mode async): URLs of running ones (http://host:port); empty: the trainer starts
+    # servers_per_node per node
     server_urls: list[str] = field(default_factory=list)
     # sglang, started servers: how many each node's first rank starts (server i on GPUs i*tp .. i*tp+tp-1);
     # None: one per tensor_model_parallel_size GPUs of the node, one on a CPU node
@@ -121,10 +123,10 @@ class RolloutConfig:
     router: Literal["none", "sglang"] = "none"
     router_policy: Literal["round_robin", "cache_aware", "power_of_two", "random"] = "round_robin"
     router_python: Optional[str] = None
-    server_python: Optional[str] = None  # sglang: the python that has SGLang installed; None: this one
+    server_python: Optional[str] = None  # servers: the python that has the engine (SGLang, vLLM); None: this one
     # sglang: the address a started server binds and is reached at; multi-node: this node's cluster address
     server_host: str = "127.0.0.1"
-    api_key: Optional[str] = None  # sglang: the servers' API key; None: a random one per started server
+    api_key: Optional[str] = None  # servers: their API key; None: a random one per started server
     # sglang: a file whose first line is that key, read at start (keeps it off command lines and out of
     # --print-config); for servers started elsewhere (megappo rollout-server --api-key-file)
     api_key_file: Optional[str] = None
