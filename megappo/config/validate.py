@@ -358,7 +358,7 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, r.max_model_len is None or r.max_model_len >= total, f"{p}.max_model_len",
           f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
     _need(errors, served(r) or not r.server_urls, f"{p}.server_urls",
-          f"names running servers but {p}.name={r.name} (mode {r.mode}) runs none",
+          f"names running servers but {p}.name={r.name} runs in the trainer's ranks (no servers)",
           f"set {p}.name=sglang or vllm (mode async), or drop the URLs")
     _need(errors, r.name == "sglang" or r.router == "none", f"{p}.router",
           f"is {r.router} but {p}.name={r.name} (a router fronts SGLang servers)",

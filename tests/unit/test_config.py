@@ -338,7 +338,7 @@ def test_algorithm_and_backend_combinations():
 
     assert "set actor_rollout_ref.rollout.n to 2 or more" in msg("algorithm.adv_estimator=grpo")
     assert "algorithm.adv_estimator=gae needs a value function" in msg("critic.enable=false")
-    assert "names running SGLang servers but actor_rollout_ref.rollout.name=hf" in msg(
+    assert "names running servers but actor_rollout_ref.rollout.name=hf runs in the trainer's ranks" in msg(
         "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:30000]")
     assert "reward_model.path: is required" in msg("reward_model.enable=true")
     assert "data.max_response_length=64 instead" in msg("actor_rollout_ref.rollout.response_length=64")
