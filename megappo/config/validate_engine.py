@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from megappo.config.schema import MegappoConfig
-from megappo.rollout.registry import deployment_mode, unknown_engine
 
 P = "actor_rollout_ref.rollout"
 # measured: `--enable-return-routed-experts` needs VLLM_USE_V2_MODEL_RUNNER=1, whose model runner needs Triton, which
@@ -17,6 +16,8 @@ VLLM_CPU_ROUTES = ("vLLM 0.32 returns routed experts only from its Model Runner 
 
 def served(r: Any) -> bool:
     """Whether rollout `r`'s engine runs as servers (rollout.mode async), so server keys apply."""
+    from megappo.rollout.registry import deployment_mode, unknown_engine  # loaded when a config is checked
+
     if unknown_engine(r.name):
         return r.name == "sglang"
     try:
@@ -26,6 +27,8 @@ def served(r: Any) -> bool:
 
 
 def engine_errors(cfg: MegappoConfig) -> list[str]:
+    from megappo.rollout.registry import deployment_mode, unknown_engine
+
     r = cfg.actor_rollout_ref.rollout
     if unknown_engine(r.name):
         return []  # named by the engine-name check
