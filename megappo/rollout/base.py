@@ -10,10 +10,12 @@ every replica shares, whose weights global rank 0 alone streams. A deployment sa
 with (`engine`: the first rank of each model-parallel group, the "holder") and which one it loads weights into
 (`sync_target`), and runs the collective steps around a sync (restarting dead servers).
 
-Adding an engine (vLLM, say) is one file and one line: `megappo/rollout/vllm_engine.py` defines the engine class and
+Adding an engine is a folder and one registry line, as vLLM's shows (`megappo/rollout/vllm/`): the engine class,
 `deploy(settings, ps, platform) -> RolloutDeployment` (settings: the plain `megappo.rollout.settings.RolloutSettings`;
-`LocalDeployment` for an engine each holder runs itself), and `ENGINES` in `megappo/rollout/registry.py` maps "vllm" to `"megappo.rollout.vllm_engine"`. Its config knobs go in
-`rollout.engine_kwargs`; `preflight(cfg) -> list[str]` in the same file may refuse a run before anything starts.
+`LocalDeployment` for an engine each holder runs itself, `serving.deployment.ServedDeployment` for servers shared by
+every replica) and, optionally, `preflight(cfg) -> list[str]` that refuses a run before anything starts; `ENGINES` in
+`megappo/rollout/registry.py` maps the name to them and says what the engine supports. Its own knobs go in
+`rollout.engine_kwargs`.
 """
 from __future__ import annotations
 

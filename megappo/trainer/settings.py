@@ -178,7 +178,7 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
     adapter = served_adapter(model.lora, r.lora_sync)
     return RolloutSettings(
         name=r.name, model_path=model.path, trust_remote_code=model.trust_remote_code, seed=cfg.data.seed,
-        hybrid_engine=arr.hybrid_engine, max_num_seqs=r.max_num_seqs, engine_kwargs=dict(r.engine_kwargs or {}),
+        hybrid_engine=arr.hybrid_engine, max_num_seqs=r.max_num_seqs, engine_kwargs=engine_kwargs(r),
         dtype=r.dtype, tensor_model_parallel_size=r.tensor_model_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization, server_urls=tuple(r.server_urls),
         servers_per_node=r.servers_per_node, server_python=r.server_python, server_host=r.server_host,
@@ -191,6 +191,15 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
         mode=registry.deployment_mode(r.name, r.mode), enforce_eager=r.enforce_eager,
         max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len or _total_length(r),
         free_cache_engine=r.free_cache_engine)
+
+
+def engine_kwargs(r: Any) -> dict:
+    """rollout.engine_kwargs for engine `r.name`: flat, or verl's layout, a section per engine ({vllm: {...},
+    sglang: {...}}), of which the engine's own."""
+    kw = dict(r.engine_kwargs or {})
+    if kw and set(kw) <= set(registry.engine_names()) and all(isinstance(v, dict) or v is None for v in kw.values()):
+        return dict(kw.get(r.name) or {})
+    return kw
 
 
 def _total_length(r: Any) -> Optional[int]:

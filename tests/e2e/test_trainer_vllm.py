@@ -67,3 +67,62 @@ def test_a_lora_actor_served_as_an_adapter_by_a_server_the_trainer_starts(vllm_p
         assert r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3
     assert rows[0]["rollout/weight_sync_bytes"] < 1e6 > rows[1]["rollout/weight_sync_bytes"]  # adapters, not layers
     assert _servers(model_dir) == before  # the trainer stopped the server it started
+
+
+# long (~2 minutes: three server starts): the fleet's retry and the set's restart are engine-neutral
+# (megappo/rollout/serving), tested on SGLang's servers in tests/e2e/test_sglang_fleet.py
+@pytest.mark.long
+def test_two_started_servers_survive_a_killed_one(vllm_python, model_dir, tmp_path):
+    """rollout.servers_per_node=2. One vLLM server is SIGKILLed after step 1: step 2 still gets every sample (the
+    fleet sends the dead server's share to the other), the sync of step 2 restarts it on its port and gives it the
+    current weights (verify_sync reads every server's log-probs), and step 3 uses both again."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
+    out = tmp_path / "run"
+    cfg = load_config("gsm8k/tiny_cpu", tiny_run_overrides(
+        str(out), model_dir, train, steps=3,
+        extra=[f"{R}.name=vllm", f"{R}.server_python={vllm_python}", f"{R}.servers_per_node=2",
+               f"{R}.health_check_interval_s=2", f"{R}.verify_sync=true"]))
+    before = _servers(model_dir)
+    killed: dict = {}
+
+    def kill_a_server_after_step_1() -> None:
+        deadline = time.time() + 600
+        while time.time() < deadline and not killed.get("stop"):
+            try:
+                with open(out / "metrics.jsonl") as f:
+                    if any(json.loads(line)["step"] == 1 for line in f if line.strip()):
+                        break
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.2)
+        else:
+            return
+        servers = [p for p in psutil.Process().children(recursive=True) if "vllm/launch.py" in " ".join(p.cmdline())
+                   and "reaper.py" not in " ".join(p.cmdline())]
+        victim = servers[-1]
+        killed["port"] = victim.cmdline()[victim.cmdline().index("--port") + 1]
+        os.killpg(victim.pid, signal.SIGKILL)  # the server and its engine core, as a crash or the OOM killer would
+
+    killer = threading.Thread(target=kill_a_server_after_step_1, daemon=True)
+    killer.start()
+    try:
+        assert fit(cfg) == 0
+    finally:
+        killed["stop"] = True
+        killer.join(10)
+    assert "port" in killed, "no server was killed"
+    rows = read_metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/server_restarts"] for r in rows] == [0, 1, 1]
+    assert all(r["rollout/servers_live"] == 2 for r in rows)
+    for r in rows:  # every server, the restarted one included, holds exactly the actor's weights after each sync
+        assert r["rollout/verify_sync_max_diff"] <= 1e-3 and r["rollout/logprob_diff_mean"] <= 1e-3
+    assert _servers(model_dir) == before

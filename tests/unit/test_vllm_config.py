@@ -58,3 +58,14 @@ def test_weight_sync_outside_the_modes_transports_is_named():
     cfg = load_config("cpu/tiny_ppo", [f"{P}.name=vllm", f"{P}.mode=sync", f"{P}.weight_sync=disk"])
     with pytest.raises(ConfigError, match=r"mode=sync\) takes the weights by tensor"):
         preflight(cfg, world_size=1, check_files=False)
+
+
+def test_engine_kwargs_take_verls_per_engine_sections():
+    """verl's rollout.engine_kwargs has a section per engine; megappo takes the named engine's, or a flat map."""
+    from megappo.trainer.settings import rollout_settings
+
+    verl = load_config("cpu/tiny_ppo", [f"{P}.name=vllm", f"+{P}.engine_kwargs.vllm.max_num_seqs=4",
+                                        f"+{P}.engine_kwargs.sglang.max_total_tokens=64"])
+    assert dict(rollout_settings(verl).engine_kwargs) == {"max_num_seqs": 4}
+    flat = load_config("cpu/tiny_ppo", [f"{P}.name=sglang", f"+{P}.engine_kwargs.max_total_tokens=64"])
+    assert dict(rollout_settings(flat).engine_kwargs) == {"max_total_tokens": 64}
