@@ -237,10 +237,12 @@ def _check_placement(cfg: MegappoConfig, errors: list[str], launching: bool) -> 
         _need(errors, not a.partial_rollout or partial_rollout(r.name), "async_training.partial_rollout",
               f"needs an engine that returns aborted generations' tokens; {r.name} does not yet",
               "set async_training.partial_rollout=false (a sync then waits for the generation in progress)")
-    shares_gpus = r.name == "sglang" and not r.server_urls and cfg.trainer.device == "cuda"
+    from megappo.config.validate_engine import served
+
+    shares_gpus = served(r) and not r.server_urls and cfg.trainer.device == "cuda"
     if launching and not arr.hybrid_engine and shares_gpus:
-        errors.append("actor_rollout_ref.hybrid_engine=false with SGLang on GPU: the servers the trainer starts "
-                      "would share its GPUs; start them on their own GPUs or nodes and name them in "
+        errors.append(f"actor_rollout_ref.hybrid_engine=false with {r.name} servers on GPU: the servers the trainer "
+                      "starts would share its GPUs; start them on their own GPUs or nodes and name them in "
                       "actor_rollout_ref.rollout.server_urls (launch/slurm/train_sglang.sbatch does), or set "
                       "actor_rollout_ref.hybrid_engine=true with async_training.mode=sync")
 
