@@ -92,13 +92,9 @@ def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_py
     """rollout.servers_per_node=2 behind a real sglang-router. One server is SIGKILLed after step 1: step 2 still
     gets every sample (the router sends the dead server's requests to the other), the sync of step 2 restarts it
     and gives it the current weights (verify_sync reads every server's log-probs), and step 3 uses both again."""
-    import json
-    import os
-    import signal
     import threading
-    import time
 
-    import psutil
+    from megappo.testing.procs import kill_a_server_after_step_1
 
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
     out = tmp_path / "run"
@@ -109,26 +105,8 @@ def test_two_started_servers_behind_the_router_survive_a_killed_server(sglang_py
                "actor_rollout_ref.rollout.health_check_interval_s=2", "actor_rollout_ref.rollout.verify_sync=true"]))
     before = _rollout_processes(hf_model_dir("qwen2"))
     killed: dict = {}
-
-    def kill_a_server_after_step_1() -> None:
-        deadline = time.time() + 400
-        while time.time() < deadline and not killed.get("stop"):
-            try:
-                with open(out / "metrics.jsonl") as f:
-                    if any(json.loads(line)["step"] == 1 for line in f if line.strip()):
-                        break
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.2)
-        else:
-            return
-        servers = [p for p in psutil.Process().children(recursive=True)
-                   if "sglang.launch_server" in " ".join(p.cmdline())]
-        victim = servers[-1]
-        killed["port"] = victim.cmdline()[victim.cmdline().index("--port") + 1]
-        os.killpg(victim.pid, signal.SIGKILL)  # the server and its scheduler, as a crash or the OOM killer would
-
-    killer = threading.Thread(target=kill_a_server_after_step_1, daemon=True)
+    killer = threading.Thread(target=kill_a_server_after_step_1, args=(str(out), "sglang.launch_server", killed),
+                              daemon=True)
     killer.start()
     try:
         assert fit(cfg) == 0

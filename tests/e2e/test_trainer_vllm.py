@@ -76,13 +76,9 @@ def test_two_started_servers_survive_a_killed_one(vllm_python, model_dir, tmp_pa
     """rollout.servers_per_node=2. One vLLM server is SIGKILLed after step 1: step 2 still gets every sample (the
     fleet sends the dead server's share to the other), the sync of step 2 restarts it on its port and gives it the
     current weights (verify_sync reads every server's log-probs), and step 3 uses both again."""
-    import json
-    import os
-    import signal
     import threading
-    import time
 
-    import psutil
+    from megappo.testing.procs import kill_a_server_after_step_1
 
     train = write_prompt_parquet(str(tmp_path / "train.parquet"), 16)
     out = tmp_path / "run"
@@ -92,26 +88,8 @@ def test_two_started_servers_survive_a_killed_one(vllm_python, model_dir, tmp_pa
                f"{R}.health_check_interval_s=2", f"{R}.verify_sync=true"]))
     before = _servers(model_dir)
     killed: dict = {}
-
-    def kill_a_server_after_step_1() -> None:
-        deadline = time.time() + 600
-        while time.time() < deadline and not killed.get("stop"):
-            try:
-                with open(out / "metrics.jsonl") as f:
-                    if any(json.loads(line)["step"] == 1 for line in f if line.strip()):
-                        break
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.2)
-        else:
-            return
-        servers = [p for p in psutil.Process().children(recursive=True) if "vllm/launch.py" in " ".join(p.cmdline())
-                   and "reaper.py" not in " ".join(p.cmdline())]
-        victim = servers[-1]
-        killed["port"] = victim.cmdline()[victim.cmdline().index("--port") + 1]
-        os.killpg(victim.pid, signal.SIGKILL)  # the server and its engine core, as a crash or the OOM killer would
-
-    killer = threading.Thread(target=kill_a_server_after_step_1, daemon=True)
+    killer = threading.Thread(target=kill_a_server_after_step_1, args=(str(out), "vllm/launch.py", killed),
+                              daemon=True)
     killer.start()
     try:
         assert fit(cfg) == 0
