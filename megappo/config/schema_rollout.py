@@ -38,6 +38,18 @@ class AgentConfig:
     backend: Literal["thread", "process"] = "thread"
     endpoint_host: str = "127.0.0.1"
     endpoint_port: int = 0
+    # a failed episode (its agent program raised, passed deadline_s, returned something other than a reward or never
+    # called; its environment's start or step raised or passed step_timeout_s) is the user's code failing, not
+    # evidence about the policy. drop: left out of the loss, its group's statistics made without it (counted in
+    # episodes/failed_fraction); zero_reward: trained on with reward 0 (the old behaviour); keep: trained on as it is
+    on_failure: Literal["drop", "zero_reward", "keep"] = "drop"
+    # stop the run when more than this fraction of a step's episodes fail for max_failure_steps steps in a row: a
+    # broken agent or environment (null: never stop)
+    max_failure_fraction: Optional[float] = 0.5
+    max_failure_steps: int = 3
+    # whose reward an episode gets when its agent program returned one and its data source also has a rule reward:
+    # agent (the program's; the rule reward only where the program returned None) or rule (the rule reward always)
+    reward_source: Literal["agent", "rule"] = "agent"
 
 
 @dataclass
