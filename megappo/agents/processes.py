@@ -15,12 +15,15 @@ from megappo.envs.base import EpisodeRow
 
 
 def _child(spec: str, kwargs: dict, base_url: str, api_key: str, row: EpisodeRow, conn: Any) -> None:
-    from megappo.agents.runner import resolve_agent
+    import functools
+    import traceback
+
+    from megappo.agents.runner import call_agent, resolve_agent
 
     try:
-        conn.send((True, resolve_agent(spec)(base_url, api_key, row, **kwargs)))
+        conn.send((True, call_agent(functools.partial(resolve_agent(spec, kwargs), **kwargs), base_url, api_key, row)))
     except BaseException as e:  # noqa: BLE001 - the agent's failure is its sample's flag
-        conn.send((False, f"{type(e).__name__}: {e}"))
+        conn.send((False, f"{type(e).__name__}: {e}\n(in the agent's process:)\n{traceback.format_exc()[-6000:]}"))
     finally:
         conn.close()
 

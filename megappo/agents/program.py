@@ -28,8 +28,9 @@ class ProgramAgent:
                  kwargs: Optional[dict] = None, deadline_s: Optional[float] = None):
         """fn: the agent function; spec: its "path.py:function" name (absolute), which a process backend imports."""
         from megappo.agents.records import EndpointSettings
-        from megappo.agents.runner import AgentRunner
+        from megappo.agents.runner import AgentRunner, check_agent_signature
 
+        check_agent_signature(fn, f"{name} ({spec or fn!r})", kwargs)
         self.name = name
         self.delta = ChatDelta(tokenizer, [])
         deadline = float(deadline_s or settings.agent_deadline_s)
@@ -55,7 +56,10 @@ class ProgramAgent:
                  "turn_limit_hit": 0.0, "template_mismatch": 0.0,
                  "env_reward": 0.0 if reward is None else float(reward),
                  "env_error": agent["error"], "env_timeout": agent["timeout"],
-                 "env_metrics": dict(c.extra.get("agent_metrics") or {}), "agent": dict(agent)}
+                 "env_metrics": dict(c.extra.get("agent_metrics") or {}), "agent": dict(agent),
+                 # what the program returned as its reward (None: nothing; the rule reward scores the episode)
+                 "agent_reward": reward, "agent_name": self.name, "error_text": c.extra.get("agent_error"),
+                 "traceback": c.extra.get("agent_traceback")}
         if c.finish_reason == "abort":  # an episode without a call: done, with an empty response (agent/no_call_fraction)
             c.finish_reason = "stop"
         versions = c.extra.pop("token_versions", None)

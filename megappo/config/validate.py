@@ -17,6 +17,7 @@ from megappo.config.fields import ConfigError, check_type, iter_leaves, need as 
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
 from megappo.config.validate_engine import engine_errors, served
+from megappo.config.validate_episodes import episode_errors
 from megappo.config.validate_judge import judge_errors
 from megappo.config.validate_losses import token_choice_errors
 from megappo.config.validate_replay import replay_errors
@@ -70,8 +71,7 @@ def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
     errors += judge_errors(cfg, check_files)
-    _check_multi_turn(cfg, errors, check_files)
-    _check_agent(cfg, errors, check_files)
+    errors += episode_errors(cfg, check_files)
     _check_dapo(cfg, errors)
     errors += replay_errors(cfg) + engine_errors(cfg)
     from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
@@ -382,42 +382,6 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
         value = _lookup(cfg, key)
         _need(errors, value is None or value >= 1, key, f"must be >= 1 or null, got {value}",
               "use null for the whole local batch")
-
-
-def _check_multi_turn(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
-    mt, p = cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
-    if not mt.enable:
-        return
-    for key in ("max_assistant_turns", "max_user_turns"):
-        value = getattr(mt, key)
-        _need(errors, value is None or value >= 1, f"{p}.{key}", f"must be >= 1 or null, got {value}",
-              "use null for no limit but response_length")
-    _need(errors, mt.max_parallel_calls >= 1, f"{p}.max_parallel_calls", f"must be >= 1, got {mt.max_parallel_calls}",
-          "use 1")
-    _need(errors, mt.max_tool_response_length >= 1, f"{p}.max_tool_response_length",
-          f"must be >= 1, got {mt.max_tool_response_length}", "use e.g. 256")
-    frac = mt.max_tool_failure_fraction
-    _need(errors, frac is None or 0 <= frac < 1, f"{p}.max_tool_failure_fraction",
-          f"must be in [0, 1) or null, got {frac}", "use e.g. 0.5 (null: never stop for failing tools)")
-    _need(errors, mt.max_tool_failure_steps >= 1, f"{p}.max_tool_failure_steps",
-          f"must be >= 1, got {mt.max_tool_failure_steps}", "use e.g. 3")
-    _need(errors, bool(mt.tool_config_path), f"{p}.tool_config_path", "is not set but multi_turn.enable is",
-          "name a tool config YAML (verl's shape, see megappo/multi_turn/tools.py)")
-    if check_files and mt.tool_config_path:
-        _need(errors, os.path.isfile(os.path.expanduser(mt.tool_config_path)), f"{p}.tool_config_path",
-              f"{mt.tool_config_path} does not exist", "give the path of the tool config YAML")
-
-
-def _check_agent(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
-    agent, p = cfg.actor_rollout_ref.rollout.agent, "actor_rollout_ref.rollout.agent"
-    _need(errors, agent.num_workers >= 1, f"{p}.num_workers", f"must be >= 1, got {agent.num_workers}", "use e.g. 64")
-    _need(errors, agent.step_timeout_s is None or agent.step_timeout_s > 0, f"{p}.step_timeout_s",
-          f"must be > 0 or null, got {agent.step_timeout_s}", "use e.g. 60")
-    _need(errors, agent.deadline_s > 0, f"{p}.deadline_s", f"must be > 0, got {agent.deadline_s}", "use e.g. 300")
-    path = agent.agent_loop_config_path
-    if check_files and path:
-        _need(errors, os.path.isfile(os.path.expanduser(path)), f"{p}.agent_loop_config_path", f"{path} does not exist",
-              "give the path of the agent config YAML (a list of {name, environment | agent, kwargs})")
 
 
 def _check_rewards(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import traceback
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
@@ -90,6 +91,8 @@ class Episode:
     budget_hit: bool = False
     turn_limit_hit: bool = False
     failed: str = ""  # "error" or "timeout": its environment's start or step failed
+    error: str = ""  # what failed (one line) and its traceback, for the run's failure watch
+    traceback: str = ""
     paused: bool = False  # its round was aborted (a weight sync): it continues in `resume`
     done: bool = False  # its environment said so
     info: dict = field(default_factory=dict)  # what its environment left for the sample (`info()`, at close)
@@ -112,6 +115,12 @@ class _Request:
     params: SamplingParams
     live: list[Episode]
     rounds: int = 0
+
+
+def _fail(e: Episode, kind: str, what: str, exc: Optional[BaseException] = None) -> None:
+    """The episode ends failed (its sample is flagged; `rollout.agent.on_failure` decides what is trained)."""
+    e.failed, e.error = kind, f"environment {e.agent.name}: {what}"[:2000]
+    e.traceback = "".join(traceback.format_exception(exc))[-8000:] if exc is not None else ""
 
 
 class EpisodeRollout:
@@ -237,8 +246,7 @@ class EpisodeRollout:
             if first is not row.prompt and first != row.prompt:
                 e.prompt = e.agent.delta.prompt_ids(first)
         except Exception as exc:  # noqa: BLE001 - a broken environment ends its episode, not the step
-            logger.warning("environment %s: start failed: %s: %s", e.agent.name, type(exc).__name__, exc)
-            e.failed = "error"
+            _fail(e, "error", f"start raised {type(exc).__name__}: {exc}", exc)
 
     def _take_turn(self, e: Episode, c: Completion) -> bool:
         """Append a generated turn (or the part an abort left); True when the episode ends with it."""
@@ -263,14 +271,16 @@ class EpisodeRollout:
             try:
                 answer = future.result(timeout=e.agent.step_timeout_s)
             except cf.TimeoutError:
-                logger.warning("environment %s: a step passed its %ss deadline", e.agent.name, e.agent.step_timeout_s)
-                e.failed = "timeout"
+                _fail(e, "timeout", f"a step passed its {e.agent.step_timeout_s}s deadline (step_timeout_s)")
                 continue
-            except Exception as exc:  # noqa: BLE001
-                logger.warning("environment %s: step failed: %s: %s", e.agent.name, type(exc).__name__, exc)
-                e.failed = "error"
+            except Exception as exc:  # noqa: BLE001 - said once by the run's failure watch, with a count
+                _fail(e, "error", f"step raised {type(exc).__name__}: {exc}", exc)
                 continue
-            self._apply(e, answer if isinstance(answer, EnvStep) else EnvStep(done=True))
+            if not isinstance(answer, EnvStep):  # e.g. gym's (obs, reward, done, info): not a silent end
+                _fail(e, "error", f"step returned {type(answer).__name__} {answer!r:.80}, not an EnvStep: return "
+                      "megappo.envs.base.EnvStep(messages=[...], reward=..., done=...)")
+                continue
+            self._apply(e, answer)
 
     def _apply(self, e: Episode, step: EnvStep) -> None:
         e.reward += float(step.reward)
@@ -305,7 +315,7 @@ class EpisodeRollout:
         try:
             e.env.close()
         except Exception as exc:  # noqa: BLE001 - a close failure must not lose the step
-            logger.warning("environment %s: close failed: %s", e.agent.name, exc)
+            logger.warning("environment %s: close failed: %s", e.agent.name, exc)  # its episode is not lost
         e.info = getattr(e.env, "info", dict)()
         e.env = None
 
@@ -334,7 +344,8 @@ class EpisodeRollout:
                  "budget_hit": float(e.budget_hit), "turn_limit_hit": float(e.turn_limit_hit),
                  "template_mismatch": mismatch, "env_reward": e.reward,
                  "env_error": float(e.failed == "error"), "env_timeout": float(e.failed == "timeout"),
-                 "env_metrics": dict(e.metrics)}
+                 "env_metrics": dict(e.metrics), "agent_name": e.agent.name, "error_text": e.error or None,
+                 "traceback": e.traceback or None}
         paused = paused_key is not None and e.paused
         finish = "abort" if paused else "length" if e.budget_hit else "stop"
         extra = {"loss_mask": list(e.mask), "multi_turn": stats, "messages": list(e.messages),

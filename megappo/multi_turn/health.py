@@ -12,6 +12,7 @@ import time
 from typing import Callable, Optional, Sequence, TextIO
 
 from megappo.multi_turn.env import TOOL_FAILURES
+from megappo.platform.watch import OncePerInterval, Streak
 
 
 
@@ -20,12 +21,17 @@ class ToolWatch:
 
     def __init__(self, max_failure_fraction: Optional[float], max_failure_steps: int, *, speak: bool = True,
                  interval_s: float = 60.0, out: Optional[TextIO] = None, clock: Callable[[], float] = time.monotonic):
-        self.max_failure_fraction, self.max_failure_steps = max_failure_fraction, max_failure_steps
-        self.speak, self.interval_s, self.clock = speak, interval_s, clock
-        self.out = out
-        self.failing_steps = 0
-        self._said: dict[tuple[str, str], float] = {}  # (tool, kind) -> when it was last said
-        self._unsaid: dict[tuple[str, str], int] = {}  # failures since then
+        self.streak = Streak(max_failure_fraction, max_failure_steps)
+        self.speak, self.out = speak, out
+        self.warnings = OncePerInterval(interval_s, clock)
+
+    @property
+    def max_failure_fraction(self) -> Optional[float]:
+        return self.streak.max_fraction
+
+    @property
+    def failing_steps(self) -> int:
+        return self.streak.steps
 
     def warn(self, tool_results: Sequence[Optional[Sequence[dict]]]) -> None:
         """Say each new (tool, kind of failure) with its error text; the same again at most once per interval_s,
@@ -35,14 +41,8 @@ class ToolWatch:
                 kind = r.get("failure")
                 if kind not in TOOL_FAILURES:
                     continue
-                key = ("(unknown)" if kind == "unknown_tool" else r["name"], kind)
-                now, last = self.clock(), self._said.get(key)
-                if last is not None and now - last < self.interval_s:
-                    self._unsaid[key] = self._unsaid.get(key, 0) + 1
-                    continue
-                self._said[key] = now
-                more = self._unsaid.pop(key, 0)
-                if self.speak:
+                more = self.warnings.due(("(unknown)" if kind == "unknown_tool" else r["name"], kind))
+                if more is not None and self.speak:
                     self._say(r, kind, more)
 
     def _say(self, record: dict, kind: str, more: int) -> None:
@@ -56,10 +56,7 @@ class ToolWatch:
         """After a step with tool calls' `failure_fraction` (tool/failure_fraction): why the run must stop, once
         the tool itself failed on more than max_failure_fraction of the calls for max_failure_steps steps in a row
         (None: go on)."""
-        if self.max_failure_fraction is None or failure_fraction is None:
-            return None
-        self.failing_steps = self.failing_steps + 1 if failure_fraction > self.max_failure_fraction else 0
-        if self.failing_steps < self.max_failure_steps:
+        if not self.streak.add(failure_fraction):
             return None
         p = "actor_rollout_ref.rollout.multi_turn"
         said = "; ".join(dict.fromkeys(examples)) or "(none recorded)"

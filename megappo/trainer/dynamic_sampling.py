@@ -50,6 +50,7 @@ def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) 
         scores, reward_metrics, scored = _score(run, samples)
     if scored is not None and scored.skipped:
         samples = without_training(samples, scored.skipped)
+    samples, scores = failed_episodes(run, samples, scores)
     return Scored(samples, scores, metrics, reward_metrics, scored.extras if scored else None)
 
 
@@ -63,21 +64,51 @@ def without_training(samples: Samples, skipped: list[bool]) -> Samples:
 
 
 def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
-    """multi_turn/* and tool/* of multi-turn samples ({} for single-turn ones); broken tools are warned of on the
-    console and stop the run when they keep failing (RunStopped, on every rank: every rank has the samples)."""
+    """multi_turn/*, tool/* and episodes/* of multi-turn samples ({} for single-turn ones); broken tools and
+    failing agents or environments are warned of on the console and stop the run when they keep failing
+    (RunStopped, on every rank: every rank has the samples)."""
     if not samples.multi_turn:
         return {}
     import torch.distributed as dist
 
-    from megappo.multi_turn.health import ToolWatch, watch_tools
+    from megappo.envs.failures import FailureWatch, episode_failure, failure_metrics
     from megappo.envs.metrics import multi_turn_metrics
+    from megappo.multi_turn.health import ToolWatch, watch_tools
 
     metrics = multi_turn_metrics(samples.turn_stats, samples.tool_results)
     if run.tool_watch is None:
         mt = run.cfg.actor_rollout_ref.rollout.multi_turn
         run.tool_watch = ToolWatch(mt.max_tool_failure_fraction, mt.max_tool_failure_steps, speak=dist.get_rank() == 0)
     watch_tools(run.tool_watch, metrics, samples.tool_results)
+    failures = [episode_failure(s) for s in samples.turn_stats]
+    metrics.update(failure_metrics(failures))
+    if run.failure_watch is None:
+        agent = run.cfg.actor_rollout_ref.rollout.agent
+        run.failure_watch = FailureWatch(agent.max_failure_fraction, agent.max_failure_steps, agent.on_failure,
+                                         log_dir=run.cfg.trainer.default_local_dir, speak=dist.get_rank() == 0)
+    reason = run.failure_watch.step(samples.turn_stats, failures)
+    if reason:
+        raise RunStopped(reason)
     return metrics
+
+
+def failed_episodes(run: Run, samples: Samples, scores: Optional[list[float]]
+                    ) -> tuple[Samples, Optional[list[float]]]:
+    """rollout.agent.on_failure on the step's failed episodes (`megappo.envs.failures`). drop: nothing of them is
+    trained on (`without_training`), each is a group of its own (so its prompt's other samples are normalised
+    without it) and reward/* leaves it out; zero_reward: its score is 0; keep: as it is."""
+    from megappo.envs.failures import episode_failure
+
+    failed = [episode_failure(s) is not None for s in samples.turn_stats]
+    policy = run.cfg.actor_rollout_ref.rollout.agent.on_failure
+    if not any(failed) or policy == "keep":
+        return samples, scores
+    if policy == "zero_reward":
+        return samples, None if scores is None else [0.0 if f else x for x, f in zip(scores, failed)]
+    fresh = iter(range(max(samples.uids, default=0) + 1, 1 << 62))
+    samples = replace(without_training(samples, failed), dropped=list(failed),
+                      uids=[next(fresh) if f else uid for uid, f in zip(samples.uids, failed)])
+    return samples, scores
 
 
 def overlong_penalties(lengths: list[int], max_response_length: int, buffer_len: int, factor: float) -> list[float]:
@@ -91,6 +122,10 @@ def _score(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str,
     if run.cfg.reward_model.enable:
         return None, {}, None
     scored = phases.score_samples(run, samples)
+    if samples.multi_turn and run.cfg.actor_rollout_ref.rollout.agent.reward_source == "agent":
+        # an agent program's returned reward is its episode's; the rule reward scores only those that returned none
+        scored = replace(scored, scores=[s if not t or t.get("agent_reward") is None else float(t["agent_reward"])
+                                         for s, t in zip(scored.scores, samples.turn_stats)])
     if samples.multi_turn:  # the tools' own rewards add to the step reward
         scored = replace(scored, scores=[s + (t["tool_reward"] if t else 0.0)
                                          for s, t in zip(scored.scores, samples.turn_stats)])
@@ -177,4 +212,5 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     metrics.update(_turn_metrics(run, merged))
     metrics.update({"train/num_gen_batches": float(gen), "filter_groups/num_dropped_groups": float(dropped),
                     "filter_groups/reward_mean_all": sum(all_scores) / max(len(all_scores), 1)})
+    merged, part_scores = failed_episodes(run, merged, part_scores)
     return Scored(merged, part_scores, metrics, reward_metrics, part_extras)

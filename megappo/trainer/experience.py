@@ -48,11 +48,14 @@ class Samples:
     questions: list[Optional[str]] = field(default_factory=list)
     # N, MoE router replay R3: the engine's routes [P + R - 1, L, k] uint8/int16 (`Completion.routed_experts`)
     routed_experts: list[Optional[torch.Tensor]] = field(default_factory=list)
+    # N, left out of training: a failed episode with rollout.agent.on_failure=drop (None: not dropped). Its loss
+    # mask is all 0 and its reward is left out of reward/*
+    dropped: list[Optional[bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # the optional per-sample fields, when not given (or absent from a checkpoint's samples): None per sample
         for name in ("loss_masks", "turn_stats", "tool_results", "multi_modal", "token_versions", "questions",
-                     "routed_experts"):
+                     "routed_experts", "dropped"):
             if len(getattr(self, name)) != len(self.response_ids):
                 setattr(self, name, [None] * len(self.response_ids))
         # a checkpoint's samples (trainer_state.json) hold their images and routes in JSON form
@@ -115,6 +118,7 @@ class Samples:
                 out.token_versions.append(versions if len(set(versions)) > 1 else None)
                 out.questions.append(_question(prompts.raw_prompts[b] if prompts.raw_prompts else None))
                 out.routed_experts.append(c.routed_experts)
+                out.dropped.append(None)
         return out
 
     def token_staleness(self, version: int) -> list[int]:
@@ -147,6 +151,7 @@ class Experience:
     uids: torch.Tensor  # [B] long, the prompt's index in the step (GRPO group)
     data_sources: list[str]  # [B]
     truncated: torch.Tensor  # [B] bool, the response hit the length limit
+    dropped: torch.Tensor  # [B] bool, left out of training (Samples.dropped)
     rollout_log_probs: torch.Tensor  # [B, R] the engine's log-probs (0 on padding)
     scores: Optional[torch.Tensor] = None  # [B] the sequence score (rule reward or reward model)
     token_rewards: Optional[torch.Tensor] = None  # [B, R] score at the last token, minus the KL penalty if any
@@ -194,6 +199,7 @@ def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int
         batch=batch, indices=idx, uids=torch.as_tensor([samples.uids[i] for i in idx], dtype=torch.long),
         data_sources=[samples.data_sources[i] for i in idx],
         truncated=torch.as_tensor([samples.truncated[i] for i in idx], dtype=torch.bool),
+        dropped=torch.as_tensor([bool(samples.dropped[i]) for i in idx], dtype=torch.bool),
         rollout_log_probs=logp,
     )
 

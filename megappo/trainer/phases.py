@@ -453,8 +453,11 @@ def verify_sync(run: Run, length: int = 16) -> dict[str, float]:
 # metrics and validation
 # ------------------------------------------------------------------------------------------------------------------
 def step_metrics(run: Run, exp: Experience) -> dict[str, float]:
-    """reward/*, response/*, advantage and return summaries of the whole step."""
-    scores = dp_gather(exp.scores, run.ps)
+    """reward/*, response/*, advantage and return summaries of the whole step; reward/* over the samples trained on
+    (a dropped failed episode's reward says nothing of the policy)."""
+    scores, dropped = dp_gather(exp.scores, run.ps), dp_gather(exp.dropped.float(), run.ps) > 0
+    if dropped.any() and not dropped.all():
+        scores = scores[~dropped]
     lengths = dp_gather(exp.response_lengths().float(), run.ps)
     truncated = dp_gather(exp.truncated.float(), run.ps)
     mask = exp.mask

@@ -124,6 +124,7 @@ class Run:
     correction: RolloutCorrection  # algorithm.rollout_correction, checked
     reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
     tool_watch: Optional["ToolWatch"] = None  # multi-turn tool warnings and failing streak, made at the first step
+    failure_watch: Optional[Any] = None  # failed episodes' warnings and streak (`megappo.envs.failures.FailureWatch`)
     teachers: Optional["Teachers"] = None  # distillation's teachers (`megappo.distill.teachers`), when enabled
     judge: Optional[Any] = None  # reward_model.judge's deployment (every rank; rank 0's engine judges)
     # MoE router replay (actor.megatron.router_replay, chosen at setup; disabled until then)

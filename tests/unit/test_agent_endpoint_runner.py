@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megappo.agents.endpoint import AgentEndpoint
-from megappo.agents.runner import AgentRunner, resolve_agent
+from megappo.agents.runner import AgentRunner, AgentSignatureError, resolve_agent
 from megappo.envs.metrics import agent_metrics
 from megappo.envs.base import EpisodeRow
 from megappo.rollout.base import RolloutEngine
@@ -132,7 +132,8 @@ def test_an_agent_is_named_by_file_and_function(model, tmp_path):
         assert c.extra["env_reward"] == 2.0 and len(c.output_ids) == 6
     finally:
         runner.close()
-    assert resolve_agent("json:dumps") is json.dumps
+    with pytest.raises(AgentSignatureError, match=r"agent\(base_url, api_key, row\)"):
+        resolve_agent("json:dumps")  # a module's function, found and then refused: it takes (obj, ...)
     with pytest.raises(ValueError):
         resolve_agent("no_function_here")
 
@@ -293,3 +294,65 @@ def test_process_backend_kills_a_hung_agent_at_its_deadline(model, tmp_path, mon
         time.sleep(0.1)
     else:
         raise AssertionError(f"the hung agent's process {pid} outlived its deadline")
+
+
+async def async_agent(base_url, api_key, row):
+    """Written as many agents are: on AsyncOpenAI, awaiting its calls."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    try:
+        reply = await client.chat.completions.create(model="any", messages=list(row.prompt))
+        return {"reward": 3.0, "metrics": {"chars": len(reply.choices[0].message.content)}}
+    finally:
+        await client.close()
+
+
+def test_an_async_agent_runs_to_its_end(model):
+    tok, engine = model
+    runner = AgentRunner(async_agent, tok, max_workers=2, deadline_s=30)
+    try:
+        out = runner.run(engine, [row(0, "ok"), row(1, "ok")], PARAMS)
+        for c in out:
+            assert c.extra["agent_error"] is None and c.extra["env_reward"] == 3.0
+            assert len(c.output_ids) == 6 and c.extra["agent"]["calls"] == 1
+            assert c.extra["agent_metrics"]["chars"] > 0
+    finally:
+        runner.close()
+
+
+def wrong_signature(base_url, row):
+    return 1.0
+
+
+def test_an_agent_that_cannot_take_the_call_is_refused_when_it_loads(model):
+    tok, _ = model
+    with pytest.raises(AgentSignatureError, match=r"\(base_url, row\).*agent\(base_url, api_key, row\)"):
+        AgentRunner(wrong_signature, tok)
+    from megappo.agents.program import ProgramAgent
+    from megappo.envs.loop import EpisodeSettings
+
+    s = EpisodeSettings(None, False, 8, None, None, "disable", num_workers=2)
+    with pytest.raises(AgentSignatureError, match=r"agent\(base_url, api_key, row, level=\.\.\.\)"):
+        ProgramAgent("mine", agent, tok, s, spec="my.py:agent", kwargs={"level": 3})
+
+
+def returns(value):
+    def fn(base_url, api_key, row):
+        openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+            model="any", messages=list(row.prompt))
+        return value
+    return fn
+
+
+@pytest.mark.parametrize("value, said", [
+    (float("nan"), "returned float nan as its reward"), ("1.0", "returned str '1.0' as its reward"),
+    ([1.0], "returned list as its reward"), ({"reward": "high"}, "returned str 'high' as its reward"),
+    ({"reward": 1.0, "metrics": {"ok": "yes"}}, "not numbers: ['ok']"), (True, "returned bool as its reward")])
+def test_an_agent_that_returns_no_number_fails_its_episode_with_what_it_returned(model, value, said):
+    tok, engine = model
+    runner = AgentRunner(returns(value), tok, max_workers=1, deadline_s=30)
+    try:
+        (c,) = runner.run(engine, [row(0, "ok")], PARAMS)
+        assert said in c.extra["agent_error"] and c.extra["agent"]["error"] == 1.0
+        assert c.extra["env_reward"] is None and len(c.output_ids) == 6
+    finally:
+        runner.close()

@@ -13,6 +13,7 @@ from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.envs.agents import AgentConfigError, AgentTable, EnvironmentAgent
 from megappo.envs.base import EnvStep, Environment, EpisodeRow
 from megappo.envs.engine import EpisodeEngine
+from megappo.envs.failures import episode_failure
 from megappo.envs.loop import EpisodeRollout
 from megappo.envs.metrics import multi_turn_metrics
 from megappo.rollout.base import RolloutEngine
@@ -42,6 +43,8 @@ class Countdown(Environment):
             raise RuntimeError("step broke")
         if self.fail == "hang":
             time.sleep(3)
+        if self.fail == "gym":  # gym's (observation, reward, terminated, truncated, info)
+            return ("again", 1.0, False, False, {})
         self.seen += 1
         if self.seen >= self.target:
             return EnvStep(reward=10.0, done=True, metrics={"steps": float(self.seen)})
@@ -142,13 +145,22 @@ def test_episode_tokens_masks_rewards_and_close(tok):
     loop.close()
 
 
-@pytest.mark.parametrize("fail", ["start", "step", "hang"])
-def test_a_broken_environment_ends_its_episode_and_keeps_the_sample(tok, fail):
+@pytest.mark.parametrize("fail", ["start", "step", "hang", "gym"])
+def test_a_broken_environment_ends_its_episode_and_keeps_the_sample(tok, fail, caplog):
     CLOSED.clear()
     loop = rollout(tok, agents={"countdown": {"fail": fail}}, step_timeout_s=0.5)
     [[c]] = loop.generate(Scripted(tok), [prompt(tok)], SamplingParams(max_new_tokens=60), rows=rows())
     stats = c.extra["multi_turn"]
     assert stats["env_timeout" if fail == "hang" else "env_error"] == 1.0
+    assert episode_failure(stats) == ("env_timeout" if fail == "hang" else "env_error")
+    said = {"start": "environment countdown: start raised RuntimeError: start broke",
+            "step": "environment countdown: step raised RuntimeError: step broke",
+            "hang": "environment countdown: a step passed its 0.5s deadline (step_timeout_s)",
+            "gym": "environment countdown: step returned tuple ('again', 1.0, False, False, {}), not an EnvStep"}
+    assert stats["error_text"].startswith(said[fail]) and stats["agent_name"] == "countdown"
+    assert ("in step" in stats["traceback"] or "in start" in stats["traceback"]) if fail in ("start", "step") \
+        else stats["traceback"] is None
+    assert not caplog.records  # said once by the run's failure watch, with a count: not once per episode here
     assert c.output_ids == ([] if fail == "start" else tok.encode("go<|im_end|>", add_special_tokens=False))
     assert CLOSED == (["0/0"] if fail != "start" else ["0/0"])  # closed even when start raised
     loop.close()

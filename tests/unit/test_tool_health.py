@@ -134,7 +134,7 @@ def test_the_trainer_warns_and_stops(calls, capsys, monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
     results, stats = calls
     cfg = load_config("cpu/tiny_tool_ppo", ["actor_rollout_ref.rollout.multi_turn.max_tool_failure_steps=2"])
-    run = SimpleNamespace(cfg=cfg, tool_watch=None)
+    run = SimpleNamespace(cfg=cfg, tool_watch=None, failure_watch=None)
     samples = SimpleNamespace(multi_turn=True, turn_stats=stats, tool_results=results)
     assert dynamic_sampling._turn_metrics(run, samples)["tool/error_fraction"] == 1.0
     assert "WARNING: tool 'calculator' raised an exception" in capsys.readouterr().err
