@@ -106,14 +106,16 @@ def test_an_agent_program_whose_openai_is_missing_names_the_extra(tmp_path, monk
 def test_an_environment_whose_import_or_name_is_wrong_is_named(tmp_path):
     path = _agents(tmp_path, "- name: count\n  environment: env.py:CountEnvs\n"
                              "- name: other\n  environment: other.py:Other\n"
-                             "- name: value\n  environment: env.py:LIMIT\n",
+                             "- name: value\n  environment: env.py:LIMIT\n"
+                             "- name: gone\n  environment: envs/gone.py:Gone\n",
                    **{"env.py": ENV_CODE + "LIMIT = 3\n", "other.py": "import megappo_absent_pkg\nOther = 1\n"})
     err = _errors(_env_run(tmp_path, f"{AGENTS}={path}"))
     assert f"{path}, agent count: environment: 'env.py:CountEnvs': no CountEnvs there; did you mean " \
            "'CountEnv'?" in err
     assert f"{path}, agent other: environment: importing {tmp_path / 'other.py'} failed: ModuleNotFoundError" in err
-    assert f"-m pip install megappo_absent_pkg" in err
+    assert "-m pip install megappo_absent_pkg" in err
     assert f"{path}, agent value: environment: 'env.py:LIMIT' is a int, not a class" in err
+    assert f"{path}, agent gone: environment: 'envs/gone.py:Gone': no file {tmp_path / 'envs/gone.py'}" in err
 
 
 def test_an_agent_program_that_raises_at_import_is_named_not_raised(tmp_path):
