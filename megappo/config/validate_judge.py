@@ -31,8 +31,10 @@ def judge_errors(cfg: MegappoConfig, check_files: bool) -> list[str]:
     need(j.builtin is None or j.builtin in BUILTIN_JUDGES, "builtin", f"unknown built-in judge {j.builtin!r}",
          f"use one of {', '.join(BUILTIN_JUDGES)} or null")
     if check_files and j.path and not j.builtin:
-        need(Path(os.path.expanduser(j.path)).is_dir(), "path", f"'{j.path}' is not a directory",
-             "point it at the judge's Hugging Face directory")
+        folder = Path(os.path.expanduser(j.path))
+        need((folder / "config.json").is_file(), "path", f"'{j.path}' " + ("has no config.json (not a Hugging Face "
+             "model folder)" if folder.is_dir() else "is not a directory"),
+             "point it at the judge's Hugging Face directory (config.json, weights and tokenizer)")
     user_parser = ":" in j.parser
     need(j.parser in BUILTIN_PARSERS or user_parser, "parser", f"unknown parser {j.parser!r}",
          f"use one of {', '.join(BUILTIN_PARSERS)} or your function as path/to/file.py:name")

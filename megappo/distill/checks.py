@@ -76,6 +76,12 @@ def check_distillation(cfg, errors: list[str], check_files: bool) -> None:
     if not teachers:
         errors.append(f"{KEY}.teacher_model.model_path: distillation is enabled but no teacher is named; set it to "
                       f"the teacher's Hugging Face directory (or add {KEY}.teacher_models)")
+    syn = cfg.data.synthetic
+    if "teacher" in teachers and not teachers["teacher"].model_path and not syn.name:
+        errors.append(f"{KEY}.teacher_model.model_path: is not set, and data.synthetic.teacher_smoothing="
+                      f"{syn.teacher_smoothing} makes a teacher only for a built-in task (data.synthetic.name is null: "
+                      f"this run reads data.train_files); set {KEY}.teacher_model.model_path=DIR to the teacher's "
+                      "Hugging Face directory (the student's tokenizer), or drop data.synthetic.teacher_smoothing")
     _check_routes(teachers, errors)
     _check_loss(cfg, teachers, errors)
     for name, t in teachers.items():

@@ -55,30 +55,65 @@ class EnvironmentAgent:
         pass
 
 
+# an entry's keys; environment and agent name the code (one of them), the others tune it
+ENTRY_KEYS = ("name", "environment", "agent", "kwargs", "step_timeout_s", "deadline_s")
+_KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+
+
 def read_agent_config(path: str) -> list[dict]:
-    """The entries of an agent config YAML (checked: each has a name and one of environment / agent)."""
+    """The entries of an agent config YAML, checked: the file reads as a list, each entry has a unique string name,
+    exactly one of environment / agent (a "file.py:Name" or "module:Name" string), only known keys (a misspelt
+    one named with the nearest), and kwargs a mapping. Raises AgentConfigError naming the entry and the fix."""
     import yaml
 
-    with open(path, encoding="utf-8") as f:
-        entries = yaml.safe_load(f) or []
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            entries = yaml.safe_load(f) or []
+    except OSError as e:
+        raise AgentConfigError(f"{_KEY}: cannot read {path} ({e.strerror}); give the path of the agent config YAML "
+                               "(a list of {name, environment | agent, kwargs})") from None
+    except yaml.YAMLError as e:
+        raise AgentConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); write a list of agents "
+                               "(- name: ..., environment: path/to/env.py:MyEnv)") from None
     if not isinstance(entries, list):
         raise AgentConfigError(f"{path}: expected a list of agents (- name: ..., environment: ...)")
     seen = set()
     for k, entry in enumerate(entries):
-        where = f"{path} entry {k}"
-        if not isinstance(entry, dict) or not entry.get("name"):
-            raise AgentConfigError(f"{where}: each agent needs a name")
-        kinds = [key for key in ("environment", "agent") if entry.get(key)]
-        if len(kinds) != 1:
-            raise AgentConfigError(f"{where} ({entry['name']}): give exactly one of environment: (an Environment "
-                                   "class) or agent: (an agent program's function)")
-        unknown = set(entry) - {"name", "environment", "agent", "kwargs", "step_timeout_s", "deadline_s"}
-        if unknown:
-            raise AgentConfigError(f"{where} ({entry['name']}): unknown keys {sorted(unknown)}")
+        _check_entry(entry, f"{path} entry {k}")
         if entry["name"] in seen:
-            raise AgentConfigError(f"{where}: the name {entry['name']!r} is used twice")
+            raise AgentConfigError(f"{path} entry {k}: the name {entry['name']!r} is used twice; give each agent "
+                                   "its own")
         seen.add(entry["name"])
     return entries
+
+
+def _check_entry(entry: Any, where: str) -> None:
+    if not isinstance(entry, dict) or not entry.get("name"):
+        raise AgentConfigError(f"{where}: each agent needs a name (- name: my_env)")
+    if not isinstance(entry["name"], str):
+        raise AgentConfigError(f"{where}: the name {entry['name']!r} is not a string; quote it (name: "
+                               f"\"{entry['name']}\")")
+    where = f"{where} ({entry['name']})"
+    unknown = sorted(map(str, set(entry) - set(ENTRY_KEYS)))
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], ENTRY_KEYS, n=1)
+        raise AgentConfigError(f"{where}: unknown key {unknown[0]!r}; " + (f"did you mean {near[0]!r}?" if near
+                               else f"the keys are {', '.join(ENTRY_KEYS)}"))
+    kinds = [key for key in ("environment", "agent") if entry.get(key)]
+    if len(kinds) != 1:
+        raise AgentConfigError(f"{where}: give exactly one of environment: (an Environment class) or agent: "
+                               "(an agent program's function)")
+    if not isinstance(entry[kinds[0]], str):
+        raise AgentConfigError(f"{where}: {kinds[0]}: {entry[kinds[0]]!r} is not a string; write it as "
+                               "path/to/file.py:Name or package.module:Name")
+    if not isinstance(entry.get("kwargs") or {}, dict):
+        raise AgentConfigError(f"{where}: kwargs: {entry['kwargs']!r} is not a mapping; write it as "
+                               "{key: value, ...} (given to the class or function as keyword arguments)")
+    for key in ("step_timeout_s", "deadline_s"):
+        value = entry.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise AgentConfigError(f"{where}: {key}: {value!r} is not a number of seconds > 0; use e.g. 60, or "
+                                   "leave it out for rollout.agent's")
 
 
 class AgentTable:

@@ -44,6 +44,25 @@ class MissingUserFile(UserCodeError, FileNotFoundError):
     """The named file does not exist."""
 
 
+# packages megappo's extras install (setup.py), by the module user code imports
+EXTRA_OF_MODULE = {"openai": "agents"}
+
+
+def install_hint(error: BaseException, named: str = "") -> str:
+    """The fix of an import that failed on a missing module (`error` a ModuleNotFoundError naming it), as a
+    '; ...' tail for the message; '' for any other failure. `named`: the module the config names, whose own absence
+    is a wrong name or path rather than a package to install."""
+    if not isinstance(error, ModuleNotFoundError) or not error.name:
+        return ""
+    top = error.name.split(".")[0]
+    if named and (named == error.name or named.startswith(error.name + ".")):
+        return (f"; check the name, or put the folder that holds {top} on PYTHONPATH (or name the file: "
+                "path/to/file.py:Name)")
+    if top in EXTRA_OF_MODULE:
+        return f"; install it with `pip install -e \".[{EXTRA_OF_MODULE[top]}]\"` (from megappo's folder)"
+    return f"; install the package that provides {top!r} into this python (`{sys.executable} -m pip install {top}`)"
+
+
 def load_named(target: str, base_dir: Optional[str] = None, where: str = "") -> Any:
     """What `package.module:Name` or `path/to/file.py:Name` names (a relative path from `base_dir`, else the current
     folder); `where`: the config entry that named it, for the messages."""
@@ -59,12 +78,13 @@ def load_named(target: str, base_dir: Optional[str] = None, where: str = "") -> 
         try:
             module = import_file(path, "megappo_user_agent")
         except Exception as e:
-            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
+            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}{install_hint(e)}") from e
     else:
         try:
             module = importlib.import_module(module_part)
         except Exception as e:
-            raise UserCodeError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e})") from e
+            hint = install_hint(e, module_part)
+            raise UserCodeError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e}){hint}") from e
     if not hasattr(module, name):
         near = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1)
         raise UserCodeError(f"{where}: {target!r}: no {name} there" + (f"; did you mean {near[0]!r}?" if near else ""))

@@ -26,6 +26,7 @@ from typing import Optional
 from megappo.config import ConfigError, MegappoConfig
 from megappo.config.validate import plan, rule_errors, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
+from megappo.trainer.preflight_agents import check_agents
 from megappo.trainer.preflight_tools import check_multi_turn_tools
 from megappo.trainer.preflight_kind import check_model_kind
 
@@ -60,6 +61,8 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     _check_rollout_correction(cfg, errors)
     check_model_kind(cfg, errors)
     check_multi_turn_tools(cfg, errors, check_files, uses_synthetic_task(cfg))
+    check_agents(cfg, errors, check_files)
+    _check_router_replay(cfg, errors)
     if check_files:
         errors += _output_dir_errors(cfg)
         if known_engine:
@@ -143,6 +146,30 @@ def _check_sequence_length(cfg: MegappoConfig, errors: list[str]) -> None:
             f"data.max_prompt_length + data.max_response_length: {data.max_prompt_length} + "
             f"{data.max_response_length} = {total} tokens exceed max_position_embeddings={limit} of {where}; "
             f"lower data.max_prompt_length and/or data.max_response_length to a total of at most {limit}")
+
+
+def _check_router_replay(cfg: MegappoConfig, errors: list[str]) -> None:
+    """Router replay needs a MoE actor: a dense one has no routes, which setup would find only after the model (and a
+    synthetic task's warm start) is built. The model is the synthetic task's, else `<model.path>/config.json`'s
+    when it is there to read."""
+    mode = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
+    if mode == "disabled":
+        return
+    if uses_synthetic_task(cfg):
+        from megappo.tasks import TASKS, digit_max_moe
+
+        name = cfg.data.synthetic.name
+        dense, which = name in TASKS and name not in digit_max_moe.TASKS, f"the synthetic task {name}'s"
+        alternative = f" (or data.synthetic.name={', '.join(sorted(digit_max_moe.TASKS))}, a task on a MoE policy)"
+    else:
+        try:
+            dims = read_model_dims(cfg.actor_rollout_ref.model.path)
+        except ConfigError:
+            return  # an unreadable config.json is named by the layout check
+        dense, which, alternative = dims is not None and dims.num_experts == 0, "the actor's", ""
+    key = "actor_rollout_ref.actor.megatron.router_replay.mode"
+    _need(errors, not dense, key, f"is {mode} but {which} model is dense (no MoE experts), so it has no routes to "
+          "replay", f"set {key}=disabled{alternative}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -194,9 +194,9 @@ def http_json(url: str, payload: Any = None, timeout: float = 600, api_key: Opti
     return json.loads(_http(url, payload, timeout, api_key) or b"null")
 
 
-def http_status(url: str, api_key: str, timeout: float = 5) -> int:
-    """The HTTP status of GET `url` with `api_key` (0: no answer)."""
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"})
+def http_status(url: str, api_key: Optional[str], timeout: float = 5) -> int:
+    """The HTTP status of GET `url` with `api_key` (None: no key sent; 0: no answer)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key is not None else {})
     try:
         with _opener(url).open(req, timeout=timeout) as resp:
             return resp.status

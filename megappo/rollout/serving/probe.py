@@ -29,10 +29,11 @@ def package_missing(python: str, package: str) -> Optional[str]:
 
 
 def server_problems(rollout: Any, engine: str, missing: Callable[[str], Optional[str]], install: str,
-                    cpu_venv: str) -> list[str]:
+                    cpu_venv: str, keyed_path: Optional[str] = None) -> list[str]:
     """Why a run whose `engine` servers megappo starts cannot start them (none: it may): the server python
     (`rollout.server_python`, else this one) must have the engine (`missing(python)` says why not; servers given by
-    URL are someone else's), and an API key file must hold a key."""
+    URL are someone else's), an API key file must hold a key, and each server given by URL must take the key the run
+    will send (`key_problems`, asked at `keyed_path`)."""
     from megappo.rollout.serving.http_client import read_api_key_file
 
     key, problems = "actor_rollout_ref.rollout.server_python", []
@@ -49,4 +50,37 @@ def server_problems(rollout: Any, engine: str, missing: Callable[[str], Optional
             read_api_key_file(rollout.api_key_file)
         except ValueError as e:
             problems.append(f"actor_rollout_ref.rollout.api_key_file: {e}")
+            return problems  # no key to ask the servers with
+    if rollout.server_urls and keyed_path:
+        problems += key_problems(rollout, keyed_path)
+    return problems
+
+
+def key_problems(rollout: Any, keyed_path: str, timeout: float = 5.0) -> list[str]:
+    """Each server of `rollout.server_urls` asked GET `keyed_path` (a path the engine's servers guard with their
+    key) with the key the run will send: `rollout.api_key_file`'s, else `rollout.api_key`, else none. A 401 is a
+    wrong or missing key, named with the key's config. A server that does not answer (yet) is not a problem here:
+    the run waits `server_start_timeout_s` for it. The servers are asked at once, each within `timeout` seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megappo.rollout.serving.http_client import http_status, read_api_key_file
+
+    key = read_api_key_file(rollout.api_key_file) if rollout.api_key_file else rollout.api_key
+    source = ("actor_rollout_ref.rollout.api_key_file" if rollout.api_key_file
+              else "actor_rollout_ref.rollout.api_key" if rollout.api_key else None)
+    urls = list(rollout.server_urls)
+    with ThreadPoolExecutor(max_workers=min(len(urls), 16)) as pool:
+        statuses = list(pool.map(lambda url: http_status(url.rstrip("/") + keyed_path, key, timeout), urls))
+    problems = []
+    for url, status in zip(urls, statuses):
+        if status != 401:
+            continue
+        if source:
+            problems.append(f"{source}: the server {url} refuses the key the run would send it ({source}'s: "
+                            f"HTTP 401 on {keyed_path}); set {source} to that server's key (`megappo rollout-server` "
+                            "writes it in its --url-file)")
+        else:
+            problems.append(f"actor_rollout_ref.rollout.server_urls: the server {url} wants an API key and the run "
+                            f"has none (HTTP 401 on {keyed_path}); set actor_rollout_ref.rollout.api_key_file=FILE (its "
+                            "first line the server's key) or actor_rollout_ref.rollout.api_key")
     return problems

@@ -27,9 +27,12 @@ def sglang_missing(python: str) -> Optional[str]:
 
 
 def preflight(cfg: Any) -> list[str]:
-    """The servers the trainer starts run on server_python: it must have SGLang; an API key file must hold a key."""
+    """The servers the trainer starts run on server_python: it must have SGLang; an API key file must hold a key;
+    servers given by URL must take the run's key."""
+    from megappo.rollout.sglang.server import SGLangServer
+
     return server_problems(cfg.actor_rollout_ref.rollout, "sglang", lambda python: sglang_missing(python),
-                           SGLANG_INSTALL, SGLANG_CPU_VENV)
+                           SGLANG_INSTALL, SGLANG_CPU_VENV, SGLangServer.KEYED_PATH)
 
 
 def server_kwargs(r: RolloutSettings, platform: Any) -> dict:

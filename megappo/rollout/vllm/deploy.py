@@ -26,12 +26,15 @@ def vllm_missing(python: str) -> Optional[str]:
 
 def preflight(cfg: Any) -> list[str]:
     """vLLM must be importable where it runs: this python (mode sync), or server_python for the servers the trainer
-    starts (mode async); an API key file must hold a key."""
+    starts (mode async); an API key file must hold a key; servers given by URL must take the run's key."""
     from megappo.rollout.registry import deployment_mode
 
     r = cfg.actor_rollout_ref.rollout
     if deployment_mode(r.name, r.mode) == "async":
-        return server_problems(r, "vllm", lambda python: vllm_missing(python), VLLM_INSTALL, VLLM_CPU_VENV)
+        from megappo.rollout.vllm.server import VLLMServer
+
+        return server_problems(r, "vllm", lambda python: vllm_missing(python), VLLM_INSTALL, VLLM_CPU_VENV,
+                               VLLMServer.KEYED_PATH)
     problem = vllm_missing(sys.executable)
     return [f"actor_rollout_ref.rollout.mode=sync runs vLLM in the trainer's ranks, but {problem}; install it "
             f"(`{sys.executable} -m {VLLM_INSTALL}`), or use mode=async with actor_rollout_ref.rollout.server_python="
