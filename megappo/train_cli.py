@@ -25,8 +25,8 @@ Every key and default: megappo/config/schema.py documents each one; --print-conf
 exit status (also in <default_local_dir>/run_status.json, which outlives torchrun's own status):
   0   finished
   1   error (configuration, data, a failed checkpoint save: the message names the fix)
-  3   stopped on purpose: the KL guard ran out of retries, the reward function keeps failing, or a step of
-      dynamic sampling reached algorithm.filter_groups.max_num_gen_batches
+  3   stopped on purpose: the KL guard ran out of retries, the reward function, a tool, the agents or the
+      environments keep failing, or a step of dynamic sampling reached algorithm.filter_groups.max_num_gen_batches
   75  preempted by SIGTERM/SIGUSR1 or trainer.save_before_deadline: a checkpoint was saved; run the same
       command again (resume_mode=auto) to continue. Batch scripts requeue on it.
 """

@@ -122,10 +122,9 @@ def _score(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str,
     if run.cfg.reward_model.enable:
         return None, {}, None
     scored = phases.score_samples(run, samples)
-    if samples.multi_turn and run.cfg.actor_rollout_ref.rollout.agent.reward_source == "agent":
-        # an agent program's returned reward is its episode's; the rule reward scores only those that returned none
-        scored = replace(scored, scores=[s if not t or t.get("agent_reward") is None else float(t["agent_reward"])
-                                         for s, t in zip(scored.scores, samples.turn_stats)])
+    if samples.multi_turn:
+        scored = replace(scored, scores=episode_rewards(scored.scores, samples.turn_stats,
+                                                        run.cfg.actor_rollout_ref.rollout.agent.reward_source))
     if samples.multi_turn:  # the tools' own rewards add to the step reward
         scored = replace(scored, scores=[s + (t["tool_reward"] if t else 0.0)
                                          for s, t in zip(scored.scores, samples.turn_stats)])
@@ -138,6 +137,14 @@ def _score(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str,
     metrics["reward/overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     metrics["reward/overlong_fraction"] = sum(p < 0 for p in penalties) / max(len(penalties), 1)
     return [s + p for s, p in zip(scored.scores, penalties)], metrics, scored
+
+
+def episode_rewards(rule: list[float], stats: list[Optional[dict]], source: str) -> list[float]:
+    """Each sample's reward: with rollout.agent.reward_source=agent, an agent program's returned reward (its
+    stats' agent_reward) where it returned one, else the rule reward."""
+    if source != "agent":
+        return rule
+    return [r if not t or t.get("agent_reward") is None else float(t["agent_reward"]) for r, t in zip(rule, stats)]
 
 
 def metric_values(name: str, scores: list[float], scored: phases.RuleScores) -> list[float]:

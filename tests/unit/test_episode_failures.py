@@ -131,3 +131,13 @@ def test_zero_reward_with_a_reward_model_is_refused_by_name():
                              "reward_model.path=/m"])
     with pytest.raises(ConfigError, match="on_failure.*zero_reward scores failed episodes 0"):
         validate(cfg, check_files=False)
+
+
+def test_an_agent_programs_reward_is_its_episodes_unless_the_rule_reward_is_asked_for():
+    from megappo.trainer.dynamic_sampling import episode_rewards
+
+    stats = [{**program(), "agent_reward": 0.25}, {**program(), "agent_reward": None}, env(), None]
+    rule = [1.0, 1.0, 0.5, 0.0]
+    assert episode_rewards(rule, stats, "agent") == [0.25, 1.0, 0.5, 0.0]
+    assert episode_rewards(rule, stats, "rule") == rule
+    assert load_config(None, []).actor_rollout_ref.rollout.agent.reward_source == "agent"
