@@ -9,7 +9,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
-from megappo.rewards.judge import JudgeScorer, JudgeSettings, JudgeUnparsed, LoopSettings, get_parser
+from megappo.rewards.judge import (
+    JudgeParserFailing, JudgeScorer, JudgeSettings, JudgeUnparsed, LoopSettings, get_parser,
+)
 from megappo.rewards.judge.templates import template_text
 from megappo.trainer.guard import RunStopped
 
@@ -48,7 +50,8 @@ def settings(cfg: MegappoConfig) -> JudgeSettings:
     return JudgeSettings(
         template=template_text(j.template), pairwise=j.parser == "pairwise", use_chat_template=j.use_chat_template,
         data_sources=tuple(j.data_sources), on_unparsed=j.on_unparsed, failure_score=cfg.reward_model.failure_score,
-        log_rule_score=j.log_rule_score,
+        log_rule_score=j.log_rule_score, max_failure_fraction=cfg.reward_model.max_failure_fraction,
+        max_failure_steps=cfg.reward_model.max_failure_steps,
         loop=LoopSettings(batch_size=j.batch_size, call_timeout_s=j.call_timeout_s, max_retries=j.max_retries,
                           max_new_tokens=j.max_new_tokens, temperature=j.temperature, top_p=j.top_p, seed=j.seed))
 
@@ -63,7 +66,10 @@ def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
                            "each data-parallel replica one")
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         os.path.expanduser(j.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    parse = get_parser(j.parser, (j.number_min, j.number_max))
+    # a user's parser is checked here, at setup (a JudgeParserError, exit 1, before any step); its first failures'
+    # tracebacks go to the run's folder
+    parse = get_parser(j.parser, (j.number_min, j.number_max),
+                       log_dir=os.path.expanduser(cfg.trainer.default_local_dir))
     return JudgeScorer(deployment.engine, tokenizer, parse, settings(cfg), rule)
 
 
@@ -77,11 +83,14 @@ def questions(tokenizer: Any, samples: Any) -> list[str]:
     return [first[uid] for uid in samples.uids]
 
 
-def score(scorer: Any, items: list) -> Any:
+def score(scorer: Any, items: list, watch: bool = True) -> Any:
     """`scorer.score(items)`, or the RunStopped that ends the run when a judge's verdict does not parse under
-    on_unparsed=fail (rank 0 judges; the caller sends it to every rank, which all stop with its message)."""
+    on_unparsed=fail, or (`watch`: a training step's scoring) a user's parser keeps failing (rank 0 judges; the
+    caller sends it to every rank, which all stop with its message)."""
     try:
-        return scorer.score(items)
+        return scorer.score(items, watch=watch) if isinstance(scorer, JudgeScorer) else scorer.score(items)
     except JudgeUnparsed as e:
         return RunStopped(f"{e}; the run stopped (reward_model.judge.on_unparsed=fail) and resumes from its last "
                           "checkpoint when started again")
+    except JudgeParserFailing as e:
+        return RunStopped(f"{e}; the run resumes from its last checkpoint when started again")
