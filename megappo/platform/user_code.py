@@ -37,7 +37,9 @@ def import_file(path: str, prefix: str = "megappo_user") -> ModuleType:
 
 
 class UserCodeError(ValueError):
-    """A name of user code that cannot be loaded (says which and the fix)."""
+    """User code (an agent, an environment, a judge's parser, a reward function, a tool) that cannot be loaded or
+    called as megappo calls it; the message says which and the fix. The base of every such error: `megappo train`
+    reports them all as input errors (megappo/trainer/user_errors.py), one message and exit 1."""
 
 
 class MissingUserFile(UserCodeError, FileNotFoundError):
@@ -59,12 +61,13 @@ def load_named(target: str, base_dir: Optional[str] = None, where: str = "") -> 
         try:
             module = import_file(path, "megappo_user_agent")
         except Exception as e:
-            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
+            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}; fix that file") from e
     else:
         try:
             module = importlib.import_module(module_part)
         except Exception as e:
-            raise UserCodeError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e})") from e
+            raise UserCodeError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e}); install it, or "
+                                "name a file as path/to/file.py:Name") from e
     if not hasattr(module, name):
         near = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1)
         raise UserCodeError(f"{where}: {target!r}: no {name} there" + (f"; did you mean {near[0]!r}?" if near else ""))
