@@ -56,8 +56,18 @@ def settings(cfg: MegappoConfig) -> JudgeSettings:
                           max_new_tokens=j.max_new_tokens, temperature=j.temperature, top_p=j.top_p, seed=j.seed))
 
 
-def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
-    """Rank 0's scorer: the judge on its holder engine, `rule` (a RewardScorer) for the rest."""
+def load_parser(cfg: MegappoConfig) -> Any:
+    """reward_model.judge.parser, loaded and (a user's) checked: a JudgeParserError (exit 1) names the signature the
+    judge calls it with. Every rank loads it before the judge is deployed, so a broken parser stops every rank
+    alike, before anything is started; the first failures' tracebacks go to the run's folder."""
+    j = cfg.reward_model.judge
+    return get_parser(j.parser, (j.number_min, j.number_max),
+                      log_dir=os.path.expanduser(cfg.trainer.default_local_dir))
+
+
+def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any, parse: Any) -> JudgeScorer:
+    """Rank 0's scorer: the judge on its holder engine, reading verdicts with `parse` (`load_parser`), `rule` (a
+    RewardScorer) for the rest."""
     import transformers
 
     j = cfg.reward_model.judge
@@ -66,10 +76,6 @@ def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
                            "each data-parallel replica one")
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         os.path.expanduser(j.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    # a user's parser is checked here, at setup (a JudgeParserError, exit 1, before any step); its first failures'
-    # tracebacks go to the run's folder
-    parse = get_parser(j.parser, (j.number_min, j.number_max),
-                       log_dir=os.path.expanduser(cfg.trainer.default_local_dir))
     return JudgeScorer(deployment.engine, tokenizer, parse, settings(cfg), rule)
 
 

@@ -74,6 +74,21 @@ def test_an_agent_file_that_does_not_import_is_one_message_naming_it(tmp_path):
     assert f'File "{tmp_path / "agent.py"}", line 1' in log.read_text()
 
 
+def test_a_judge_parser_with_the_wrong_signature_stops_the_run_before_any_warm_start(tmp_path):
+    """Checked on every rank before the judge's warm start or deployment: one line naming the signature, exit 1."""
+    (tmp_path / "grade.py").write_text("def grade(verdict, question):\n    return 1.0\n")
+    out = tmp_path / "out"
+    proc = _run([sys.executable, "-m", "megappo.cli", "train", "--config", "cpu/tiny_judge_ppo",
+                 f"reward_model.judge.parser={tmp_path / 'grade.py'}:grade", f"trainer.default_local_dir={out}"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"megappo train: reward_model.judge.parser={tmp_path / 'grade.py'}:grade: it takes (verdict, question), but "
+        "the judge calls it with one argument, the verdict's text (missing a required argument: 'question'); define "
+        "it as def grade(verdict: str) -> float | None, returning a score in [0, 1] or None where it cannot read the "
+        f"verdict (traceback: {out / 'error.log'}; --debug prints it)")
+    assert not (out / "synthetic").exists()  # no task or judge was made
+
+
 def test_every_input_error_class_is_reported_in_one_place():
     from megappo.config import ConfigError
     from megappo.data.errors import DataError
