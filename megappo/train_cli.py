@@ -24,7 +24,8 @@ Every key and default: megappo/config/schema.py documents each one; --print-conf
 
 exit status (also in <default_local_dir>/run_status.json, which outlives torchrun's own status):
   0   finished
-  1   error (configuration, data, a failed checkpoint save: the message names the fix)
+  1   error (configuration, data, your own code that does not load or has the wrong signature: an agent,
+      environment, judge parser, reward function or tool; a failed checkpoint save: the message names the fix)
   3   stopped on purpose: the KL guard ran out of retries, the reward function, a tool, the agents or the
       environments keep failing, or a step of dynamic sampling reached algorithm.filter_groups.max_num_gen_batches
   75  preempted by SIGTERM/SIGUSR1 or trainer.save_before_deadline: a checkpoint was saved; run the same
@@ -49,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="check everything (model, data schema, reward function included), then exit without "
                         "training")
     parser.add_argument("--debug", action="store_true",
-                        help="print the traceback of an input error (config, data, tool class, checkpoint) too; "
+                        help="print the traceback of an input error (config, data, your agent, environment, judge parser, "
+                        "reward function or tool, checkpoint) too; "
                         "without it the message alone is printed and the traceback goes to "
                         "<default_local_dir>/error.log")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",

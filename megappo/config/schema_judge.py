@@ -36,7 +36,8 @@ class JudgeConfig:
     use_chat_template: bool = True  # wrap the filled template in the judge tokenizer's chat template, if it has one
     # number: the last number of the verdict, in [number_min, number_max], mapped to [0, 1]; yes_no: yes -> 1,
     # no -> 0; pairwise: A or B, each of a group's pairs judged once and a sample's score its share of wins;
-    # "path.py:name" / "module:name": fn(verdict: str) -> float, or None where it cannot read it
+    # "path.py:name" / "module:name": fn(verdict: str) -> a score in [0, 1], or None where it cannot read it (its
+    # signature checked at setup; a call that raises or returns anything else is an unparsed verdict, counted)
     parser: str = "yes_no"
     number_min: float = 0.0
     number_max: float = 10.0

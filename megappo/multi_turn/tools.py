@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megappo.platform.user_code import import_file
+from megappo.platform.user_code import UserCodeError, import_file
 
 
 @dataclass
@@ -56,7 +56,7 @@ class BaseTool:
         """End the instance: free what it holds."""
 
 
-class ToolConfigError(ValueError):
+class ToolConfigError(UserCodeError):
     """A tool config that cannot run: the message names the file, the entry and the fix."""
 
 

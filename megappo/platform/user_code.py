@@ -37,7 +37,9 @@ def import_file(path: str, prefix: str = "megappo_user") -> ModuleType:
 
 
 class UserCodeError(ValueError):
-    """A name of user code that cannot be loaded (says which and the fix)."""
+    """User code (an agent, an environment, a judge's parser, a reward function, a tool) that cannot be loaded or
+    called as megappo calls it; the message says which and the fix. The base of every such error: `megappo train`
+    reports them all as input errors (megappo/trainer/user_errors.py), one message and exit 1."""
 
 
 class MissingUserFile(UserCodeError, FileNotFoundError):
@@ -78,12 +80,13 @@ def load_named(target: str, base_dir: Optional[str] = None, where: str = "") -> 
         try:
             module = import_file(path, "megappo_user_agent")
         except Exception as e:
-            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}{install_hint(e)}") from e
+            hint = install_hint(e) or "; fix that file"
+            raise UserCodeError(f"{where}: importing {path} failed: {type(e).__name__}: {e}{hint}") from e
     else:
         try:
             module = importlib.import_module(module_part)
         except Exception as e:
-            hint = install_hint(e, module_part)
+            hint = install_hint(e, module_part) or "; install it, or name a file as path/to/file.py:Name"
             raise UserCodeError(f"{where}: cannot import {module_part} ({type(e).__name__}: {e}){hint}") from e
     if not hasattr(module, name):
         near = difflib.get_close_matches(name, [k for k in vars(module) if not k.startswith("_")], n=1)

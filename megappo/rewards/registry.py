@@ -15,6 +15,8 @@ import importlib
 import os
 from typing import Any, Callable, Optional
 
+from megappo.platform.user_code import UserCodeError
+
 RewardFn = Callable[[str, str, Any, "dict | None"], "float | dict"]
 
 _REGISTRY: dict[str, RewardFn] = {}
@@ -23,7 +25,7 @@ _REGISTRY: dict[str, RewardFn] = {}
 _PREFIXES: list[tuple[str, RewardFn]] = []
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserCodeError):
     """A reward function could not be found or loaded; the message names the fix."""
 
 

@@ -100,6 +100,8 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
     try:
         if t.total_training_steps:  # the end is known before the synthetic task is (re)built: nothing is written
             _stop_if_finished(cfg, local_dir, t.total_training_steps, config_text)
+        # every rank loads the judge's parser: a broken one stops them all, before any warm start or deployment
+        parse = judge.load_parser(cfg) if cfg.reward_model.judge.enable else None
         _synthetic(cfg, local_dir)
         judge.prepare_builtin(cfg, local_dir)
         preflight(cfg, world_size=ps.world_size, check_files=True)  # `megappo train` did too; fit may be called alone
@@ -122,7 +124,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
         run.teachers = build_teachers(cfg, ps, platform, settings.rollout_settings(cfg))
         run.judge = judge.deploy_judge(cfg, ps, platform)  # collective
         if run.judge is not None and dist.get_rank() == 0:
-            run.scorer = judge.judge_scorer(cfg, run.judge, run.scorer)
+            run.scorer = judge.judge_scorer(cfg, run.judge, run.scorer, parse)
         apply_guard_scales(run)
         _resume(run, state)
         if dist.get_rank() == 0:

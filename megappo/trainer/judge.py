@@ -9,7 +9,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
-from megappo.rewards.judge import JudgeScorer, JudgeSettings, JudgeUnparsed, LoopSettings, get_parser
+from megappo.rewards.judge import (
+    JudgeParserFailing, JudgeScorer, JudgeSettings, JudgeUnparsed, LoopSettings, get_parser,
+)
 from megappo.rewards.judge.templates import template_text
 from megappo.trainer.guard import RunStopped
 
@@ -48,13 +50,24 @@ def settings(cfg: MegappoConfig) -> JudgeSettings:
     return JudgeSettings(
         template=template_text(j.template), pairwise=j.parser == "pairwise", use_chat_template=j.use_chat_template,
         data_sources=tuple(j.data_sources), on_unparsed=j.on_unparsed, failure_score=cfg.reward_model.failure_score,
-        log_rule_score=j.log_rule_score,
+        log_rule_score=j.log_rule_score, max_failure_fraction=cfg.reward_model.max_failure_fraction,
+        max_failure_steps=cfg.reward_model.max_failure_steps,
         loop=LoopSettings(batch_size=j.batch_size, call_timeout_s=j.call_timeout_s, max_retries=j.max_retries,
                           max_new_tokens=j.max_new_tokens, temperature=j.temperature, top_p=j.top_p, seed=j.seed))
 
 
-def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
-    """Rank 0's scorer: the judge on its holder engine, `rule` (a RewardScorer) for the rest."""
+def load_parser(cfg: MegappoConfig) -> Any:
+    """reward_model.judge.parser, loaded and (a user's) checked: a JudgeParserError (exit 1) names the signature the
+    judge calls it with. Every rank loads it before the judge is deployed, so a broken parser stops every rank
+    alike, before anything is started; the first failures' tracebacks go to the run's folder."""
+    j = cfg.reward_model.judge
+    return get_parser(j.parser, (j.number_min, j.number_max),
+                      log_dir=os.path.expanduser(cfg.trainer.default_local_dir))
+
+
+def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any, parse: Any) -> JudgeScorer:
+    """Rank 0's scorer: the judge on its holder engine, reading verdicts with `parse` (`load_parser`), `rule` (a
+    RewardScorer) for the rest."""
     import transformers
 
     j = cfg.reward_model.judge
@@ -63,7 +76,6 @@ def judge_scorer(cfg: MegappoConfig, deployment: Any, rule: Any) -> JudgeScorer:
                            "each data-parallel replica one")
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         os.path.expanduser(j.path), trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    parse = get_parser(j.parser, (j.number_min, j.number_max))
     return JudgeScorer(deployment.engine, tokenizer, parse, settings(cfg), rule)
 
 
@@ -77,11 +89,14 @@ def questions(tokenizer: Any, samples: Any) -> list[str]:
     return [first[uid] for uid in samples.uids]
 
 
-def score(scorer: Any, items: list) -> Any:
+def score(scorer: Any, items: list, watch: bool = True) -> Any:
     """`scorer.score(items)`, or the RunStopped that ends the run when a judge's verdict does not parse under
-    on_unparsed=fail (rank 0 judges; the caller sends it to every rank, which all stop with its message)."""
+    on_unparsed=fail, or (`watch`: a training step's scoring) a user's parser keeps failing (rank 0 judges; the
+    caller sends it to every rank, which all stop with its message)."""
     try:
-        return scorer.score(items)
+        return scorer.score(items, watch=watch) if isinstance(scorer, JudgeScorer) else scorer.score(items)
     except JudgeUnparsed as e:
         return RunStopped(f"{e}; the run stopped (reward_model.judge.on_unparsed=fail) and resumes from its last "
                           "checkpoint when started again")
+    except JudgeParserFailing as e:
+        return RunStopped(f"{e}; the run resumes from its last checkpoint when started again")

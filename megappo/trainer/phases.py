@@ -87,7 +87,8 @@ def score_samples(run: Run, samples: Samples, *, watch: bool = True) -> RuleScor
         questions = judge.questions(run.tokenizer, samples) if run.judge is not None else [""] * len(texts)
         items = [ScoreItem(ds, text, gt, extra, q, uid) for ds, text, gt, extra, q, uid in
                  zip(samples.data_sources, texts, samples.ground_truths, samples.extra_infos, questions, samples.uids)]
-        result = judge.score(run.scorer, items)  # a RunStopped when the judge fails the run (said on every rank)
+        # a RunStopped when the judge fails the run (said on every rank)
+        result = judge.score(run.scorer, items, watch)
         payload = [result if isinstance(result, RunStopped) else _payload(result, len(items))]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(payload, src=0)

@@ -1,7 +1,8 @@
-"""The errors a user fixes by changing an input (the config, a data file, a tool class, a checkpoint to resume from,
-what preflight finds): `megappo train` prints their message alone and exits 1. Their traceback helps only whoever
-debugs megappo itself, so it goes to a log file in the run's output directory (named in the message) and to the
-console with `--debug`. Any other exception is a bug, in megappo or in the user's code, and keeps its traceback.
+"""The errors a user fixes by changing an input (the config, a data file, their own code that does not load or has
+the wrong signature, a checkpoint to resume from, what preflight finds): `megappo train` prints their message alone
+and exits 1. Their traceback helps only whoever debugs megappo itself (or, for user code, shows the line of the
+user's file), so it goes to a log file in the run's output directory (named in the message) and to the console with
+`--debug`. Any other exception is a bug and keeps its traceback.
 
 Light to import: nothing of megappo is imported here.
 """
@@ -17,14 +18,13 @@ LOG_FILE = "error.log"  # error.rank<N>.log on the other ranks
 
 
 # (module, class): the input errors. Only modules already imported are looked at: an error can only come from a
-# module that was loaded, and a mistyped key must not wait for torch to load before it is said.
+# module that was loaded, and a mistyped key must not wait for torch to load before it is said. UserCodeError is the
+# base of every error of the user's own code that does not load or cannot be called as megappo calls it (agents,
+# environments, judge parsers, reward functions, tools): each subclasses it, so this entry covers them all.
 USER_ERRORS = (
     ("megappo.config.fields", "ConfigError"), ("megappo.data.errors", "DataError"),
     ("megappo.models.checkpoint", "CheckpointError"), ("megappo.models.hf_config", "UnsupportedModelError"),
-    ("megappo.platform.layout", "LayoutError"), ("megappo.rewards.registry", "RewardFunctionError"),
-    # a tool-class error of its own, once tool loading defines one (until then trainer/inputs.py makes it a
-    # ConfigError)
-    ("megappo.multi_turn.tools", "ToolConfigError"),
+    ("megappo.platform.layout", "LayoutError"), ("megappo.platform.user_code", "UserCodeError"),
 )
 
 

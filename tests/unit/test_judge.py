@@ -45,13 +45,62 @@ def test_pairwise_parser(text, want):
     assert parse_pairwise(text) == want
 
 
-def test_a_user_parser_is_loaded_by_name_and_its_failures_are_unparsed(tmp_path):
+def test_a_user_parser_is_loaded_by_name_and_its_failures_are_unparsed(tmp_path, capsys):
     (tmp_path / "verdicts.py").write_text(
         "def grade(text):\n    if text == 'boom':\n        raise ValueError(text)\n    return 0.5 if text else None\n")
     parse = get_parser(f"{tmp_path / 'verdicts.py'}:grade")
     assert parse("anything") == 0.5 and parse("") is None and parse("boom") is None
+    assert (parse.calls, parse.failures) == (3, 1)  # None is "cannot read it", not a failure
+    assert "raised ValueError: boom" in capsys.readouterr().err
     with pytest.raises(Exception, match="did you mean 'grade'"):
         get_parser(f"{tmp_path / 'verdicts.py'}:grad")
+
+
+@pytest.mark.parametrize("source,said", [
+    ("def grade(verdict, question):\n    return 1.0\n", r"takes \(verdict, question\).*one argument"),
+    ("def grade():\n    return 1.0\n", r"takes \(\).*one argument"),
+    ("def grade(*, verdict):\n    return 1.0\n", r"takes \(\*, verdict\)"),
+    ("async def grade(verdict):\n    return 1.0\n", "it is async"),
+    ("grade = 0.5\n", "names a float, not a function")])
+def test_a_user_parser_that_cannot_be_called_with_the_verdict_is_refused_at_load(tmp_path, source, said):
+    """Found when the run sets up, as one message naming the signature (a UserCodeError: `megappo train` says it
+    and exits 1), not as a TypeError on every verdict, each an unparsed one, trained on as failure_score."""
+    from megappo.rewards.judge import JudgeParserError
+    from megappo.trainer.user_errors import is_user_error
+
+    (tmp_path / "verdicts.py").write_text(source)
+    with pytest.raises(JudgeParserError, match=said) as e:
+        get_parser(f"{tmp_path / 'verdicts.py'}:grade")
+    assert f"reward_model.judge.parser={tmp_path / 'verdicts.py'}:grade" in str(e.value)
+    assert "def grade(verdict: str) -> float | None" in str(e.value) and is_user_error(e.value)
+    (tmp_path / "ok.py").write_text("def grade(verdict, question=None, *more, **kw):\n    return 1.0\n")
+    assert get_parser(f"{tmp_path / 'ok.py'}:grade")("yes") == 1.0  # extra arguments with defaults are fine
+
+
+def test_a_parsers_failures_are_said_once_a_minute_per_kind_with_the_first_traceback_logged(tmp_path):
+    import io
+
+    from megappo.rewards.judge import UserParser
+
+    now = [0.0]
+
+    def grade(text):
+        return {"boom": lambda: 1 / 0, "word": lambda: "yes", "big": lambda: 7.0, "nan": lambda: math.nan}[text]()
+
+    out = io.StringIO()
+    parse = UserParser(grade, "verdicts.py:grade", str(tmp_path), out=out, clock=lambda: now[0])
+    for text in ["boom", "boom", "word", "big", "nan", "word"]:
+        assert parse(text) is None
+    now[0] = 61.0
+    assert parse("boom") is None
+    lines = out.getvalue().splitlines()
+    assert parse.failures == parse.calls == 7 and len(lines) == 4, lines  # raised, not a number, out of range, again
+    assert "verdicts.py:grade raised ZeroDivisionError: division by zero on the verdict 'boom'" in lines[0]
+    assert f"traceback: {tmp_path / 'judge_parser.log'}" in lines[0]
+    assert "returned str 'yes', not a number" in lines[1] and "returned 7.0, outside [0, 1]" in lines[2]
+    assert "1 more such failures since the last warning" in lines[3]  # the second "boom", not said then
+    log = (tmp_path / "judge_parser.log").read_text()
+    assert log.count("Traceback") == 1 and "1 / 0" in log  # the first failure of a kind, its line in the user's code
 
 
 def test_templates_fill_and_tokenize(tokenizer_dir):
@@ -122,7 +171,8 @@ def _settings(**kw) -> JudgeSettings:
                 seed=0)
     loop.update({k: kw.pop(k) for k in list(kw) if k in loop})
     base = dict(template=template_text("digit_max"), pairwise=False, use_chat_template=True, data_sources=(),
-                on_unparsed="zero", failure_score=0.0, log_rule_score=True)
+                on_unparsed="zero", failure_score=0.0, log_rule_score=True, max_failure_fraction=0.5,
+                max_failure_steps=2)
     base.update(kw)
     return JudgeSettings(loop=LoopSettings(**loop), **base)
 
@@ -222,6 +272,54 @@ def test_the_unparsed_policy(judge_engine, policy):
     assert result.scores.tolist() == [-1.0] * 8
     assert result.skipped.tolist() == [policy == "skip"] * 8
     assert m["reward/judge_skipped_groups"] == (2.0 if policy == "skip" else 0.0)
+
+
+def test_a_score_outside_0_1_is_refused_not_trained_on(judge_engine, tmp_path, capsys):
+    """A parser that forgot to map the judge's 0-10 scale returns 5: its verdicts are unparsed (failure_score, or
+    their groups skipped), counted and said with the value and the parser, never a reward of 5."""
+    engine, tok = judge_engine
+    (tmp_path / "scale.py").write_text("def out_of_ten(verdict):\n    return 5\n")
+    name = f"{tmp_path / 'scale.py'}:out_of_ten"
+    for policy in ("zero", "skip"):
+        scorer = JudgeScorer(engine, tok, get_parser(name), _settings(on_unparsed=policy, max_retries=1,
+                                                                     failure_score=-1.0))
+        result = scorer.score(_items(8))
+        m = result.metrics()
+        assert result.scores.tolist() == [-1.0] * 8 and result.skipped.tolist() == [policy == "skip"] * 8
+        assert m["reward/judge_unparsed_fraction"] == 1.0 and m["reward/judge_parser_errors"] == 16.0  # 8 + retries
+    err = capsys.readouterr().err
+    assert f"WARNING: the judge's parser {name} returned 5.0, outside [0, 1]" in err
+    assert err.count("WARNING") == 2  # once for each of the two scorers, not once per verdict
+
+
+def test_a_parser_that_keeps_failing_stops_the_run(judge_engine, tmp_path):
+    """Like a reward function that keeps failing: more than reward_model.max_failure_fraction of its calls for
+    max_failure_steps training steps in a row stop the run (RunStopped, exit 3) naming the parser and its errors;
+    validation's scorings do not count, and a good step breaks the streak."""
+    from megappo.rewards.judge import JudgeParserFailing
+    from megappo.trainer import judge
+    from megappo.trainer.guard import RunStopped
+
+    engine, tok = judge_engine
+    (tmp_path / "flaky.py").write_text("broken = [True]\n"
+                                       "def grade(verdict):\n"
+                                       "    if broken[0]:\n"
+                                       "        raise KeyError('score')\n"
+                                       "    return 1.0\n")
+    parse = get_parser(f"{tmp_path / 'flaky.py'}:grade")
+    scorer = JudgeScorer(engine, tok, parse, _settings(max_retries=0, max_failure_fraction=0.5, max_failure_steps=2))
+    items = _items(4)
+    assert scorer.score(items).metrics()["reward/judge_parser_errors"] == 4.0  # step 1 of 2
+    scorer.score(items, watch=False)  # validation: not a step
+    parse.fn.__globals__["broken"][0] = False
+    assert scorer.score(items).metrics()["reward/judge_parser_errors"] == 0.0  # a good step: the streak is over
+    parse.fn.__globals__["broken"][0] = True
+    scorer.score(items)
+    with pytest.raises(JudgeParserFailing, match=r"flaky.py:grade failed on more than reward_model.max_failure_"
+                       r"fraction=0.5 of the verdicts for 2 steps in a row \(last step: 4 of 4\).*raised KeyError"):
+        scorer.score(items)
+    stopped = judge.score(scorer, items)  # what the trainer gets: the stop every rank raises
+    assert isinstance(stopped, RunStopped) and "resumes from its last checkpoint" in str(stopped)
 
 
 def test_skip_drops_only_the_groups_with_an_unparsed_verdict(judge_engine):

@@ -1,5 +1,5 @@
-"""Input errors found once the run has started (a bad Parquet row, a tool class that does not load) print their
-message alone and exit 1; the traceback goes to <default_local_dir>/error.log, and to the console with --debug."""
+"""Input errors found once the run has started (a bad Parquet row, a tool class or an agent file that does not load)
+print their message alone and exit 1; the traceback goes to <default_local_dir>/error.log, and to the console with --debug."""
 from __future__ import annotations
 
 import os
@@ -56,9 +56,47 @@ def test_a_bad_row_prints_the_message_alone_and_the_traceback_goes_to_the_log(ba
     assert debug.stderr.rstrip().endswith("give it at least one {role, content} message")
 
 
+def test_an_agent_file_that_does_not_import_is_one_message_naming_it(tmp_path):
+    """User code is input: an agent program with a syntax error stops the run at its first rollout with one line
+    naming the file (the traceback, down to the file's line, in the log), not a trainer traceback."""
+    (tmp_path / "agent.py").write_text("def play(:\n    pass\n")
+    (tmp_path / "agents.yaml").write_text("- name: guess_number\n  agent: agent.py:play\n")
+    out = tmp_path / "out"
+    proc = _run([sys.executable, "-m", "megappo.cli", "train", "--config", "cpu/tiny_openai_agent_ppo",
+                 f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'agents.yaml'}",
+                 "data.synthetic.warm_start_steps=0", "trainer.val_before_train=false",
+                 f"trainer.default_local_dir={out}"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    log = out / "error.log"
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"megappo train: agent guess_number: importing {tmp_path / 'agent.py'} failed: SyntaxError: invalid syntax "
+        f"(agent.py, line 1); fix that file (traceback: {log}; --debug prints it)")
+    assert f'File "{tmp_path / "agent.py"}", line 1' in log.read_text()
+
+
+def test_a_judge_parser_with_the_wrong_signature_stops_the_run_before_any_warm_start(tmp_path):
+    """Checked on every rank before the judge's warm start or deployment: one line naming the signature, exit 1."""
+    (tmp_path / "grade.py").write_text("def grade(verdict, question):\n    return 1.0\n")
+    out = tmp_path / "out"
+    proc = _run([sys.executable, "-m", "megappo.cli", "train", "--config", "cpu/tiny_judge_ppo",
+                 f"reward_model.judge.parser={tmp_path / 'grade.py'}:grade", f"trainer.default_local_dir={out}"])
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"megappo train: reward_model.judge.parser={tmp_path / 'grade.py'}:grade: it takes (verdict, question), but "
+        "the judge calls it with one argument, the verdict's text (missing a required argument: 'question'); define "
+        "it as def grade(verdict: str) -> float | None, returning a score in [0, 1] or None where it cannot read the "
+        f"verdict (traceback: {out / 'error.log'}; --debug prints it)")
+    assert not (out / "synthetic").exists()  # no task or judge was made
+
+
 def test_every_input_error_class_is_reported_in_one_place():
     from megappo.config import ConfigError
     from megappo.data.errors import DataError
+    from megappo.envs.agents import AgentConfigError
+    from megappo.multi_turn.tools import ToolConfigError
+    from megappo.platform.user_code import MissingUserFile, UserCodeError
+    from megappo.rewards.judge.user_parser import JudgeParserError
+    from megappo.rewards.registry import RewardFunctionError
     from megappo.models.checkpoint import CheckpointError
     from megappo.trainer.run_lock import DirLocked
     from megappo.trainer.user_errors import is_user_error
@@ -66,4 +104,8 @@ def test_every_input_error_class_is_reported_in_one_place():
     for e in (ConfigError(["k: bad; fix"]), DataError("f.parquet", "bad", "fix"), CheckpointError("ckpt"),
               DirLocked("held")):
         assert is_user_error(e)
+    # user code: every kind is a UserCodeError, the one entry of the CLI's set that covers them
+    for cls in (UserCodeError, MissingUserFile, AgentConfigError, ToolConfigError, RewardFunctionError,
+                JudgeParserError):
+        assert issubclass(cls, UserCodeError) and is_user_error(cls("agent.py: fix it"))
     assert not is_user_error(ValueError("a bug")) and not is_user_error(KeyError("k"))

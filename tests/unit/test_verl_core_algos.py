@@ -121,3 +121,41 @@ def test_dual_clip_tie_splits_the_gradient_as_verl():
     full = -inp["advantages"] * 3.0
     torch.testing.assert_close(log_prob.grad[half], 0.5 * full[half])
     torch.testing.assert_close(case["grad"][half], 0.5 * full[half])
+
+
+def _verl_reinforce_pp_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """verl 0.9.1's compute_reinforce_plus_plus_outcome_advantage return loop, in the rewards' dtype."""
+    returns, running = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return returns
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.999])
+@pytest.mark.parametrize("scale", ["kl", "unit"])
+def test_reinforce_pp_returns_are_as_exact_as_float32_allows_on_long_rows(gamma, scale):
+    """2,048-token rows (right-padded to random lengths): the float32 returns are the float64 result rounded, each
+    within one float32 step of it, and well below the worst error of verl's float32 loop. `kl`: per-token KL
+    penalties of ~0.01 and a score at the end, as in training (returns of order 1); `unit`: N(0, 1) token rewards
+    (returns of order 50)."""
+    gen = torch.Generator().manual_seed(7)
+    B, T = 16, 2048
+    lengths = torch.randint(T // 2, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T) < lengths[:, None]).float()
+    rewards = torch.randn(B, T, generator=gen) * (0.01 if scale == "kl" else 1.0)
+    if scale == "kl":
+        rewards[torch.arange(B), lengths - 1] += torch.rand(B, generator=gen)
+    rewards = rewards * mask
+    p = est.EstimatorParams(gamma=gamma, lam=1.0, norm_adv_by_std_in_grpo=True, gdpo_reward_weights=None)
+    _, returns = est.reinforce_plus_plus(rewards, mask, None, None, p)
+    exact = _verl_reinforce_pp_returns(rewards.double(), mask.double(), gamma) * mask
+    assert returns.dtype == torch.float32
+    error = (returns.double() - exact).abs()
+    assert (error <= torch.finfo(torch.float32).eps * exact.abs()).all()  # within one float32 step of the truth
+    verl = (_verl_reinforce_pp_returns(rewards, mask, gamma) * mask - exact).abs()
+    worst, verl_worst = error.amax(-1).mean().item(), verl.amax(-1).mean().item()
+    assert worst < verl_worst / 3, (worst, verl_worst)
+    if scale == "kl":
+        assert worst < 1e-7

@@ -39,7 +39,8 @@ def _scorer(engine, tokenizer, batch: int, template: str, new_tokens: int, ignor
     loop = LoopSettings(batch_size=batch, call_timeout_s=600.0, max_retries=0, max_new_tokens=new_tokens,
                         temperature=1.0, top_p=1.0, seed=0)
     settings = JudgeSettings(template=template, pairwise=False, use_chat_template=True, data_sources=(),
-                             on_unparsed="zero", failure_score=0.0, log_rule_score=False, loop=loop)
+                             on_unparsed="zero", failure_score=0.0, log_rule_score=False, loop=loop,
+                             max_failure_fraction=1.0, max_failure_steps=1)
     return JudgeScorer(_LongVerdicts(engine) if ignore_eos else engine, tokenizer, lambda verdict: 1.0, settings)
 
 

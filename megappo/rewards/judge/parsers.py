@@ -6,8 +6,9 @@ judging loop asks again, and in the end applies reward_model.judge.on_unparsed).
   clipped: a judge that leaves the scale did not follow the prompt.
 - yes_no: the first "yes" or "no" as a word, either case; an answer holding both, or neither, is unparsed.
 - pairwise: "A" or "B" (or "1" / "2") as the answer's first word or after "answer:"; 1.0 when A is preferred.
-- a user function "path/to/file.py:name" (`megappo.platform.user_code.load_named`): fn(verdict) -> float or None;
-  one that raises counts as unparsed.
+- a user function "path/to/file.py:name" (`megappo.platform.user_code.load_named`): fn(verdict) -> float in [0, 1]
+  or None; checked at load and guarded when called (`user_parser.py`): one that raises, returns a non-number or a
+  score outside [0, 1] gives an unparsed verdict, counted and said.
 """
 from __future__ import annotations
 
@@ -49,18 +50,10 @@ def parse_pairwise(text: str) -> Optional[float]:
     return 1.0 if m.group(1).upper() in ("A", "1") else 0.0
 
 
-def _guarded(fn: Callable, text: str) -> Optional[float]:
-    try:
-        value = fn(text)
-    except Exception:  # the user's parser failing on an odd verdict is an unparsed verdict, not a dead run
-        return None
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def get_parser(name: str, number_range: tuple[float, float] = (0.0, 10.0), base_dir: Optional[str] = None) -> Parser:
-    """The parser called `name` (a built-in, or "path.py:name" / "module:name" of the user's)."""
+def get_parser(name: str, number_range: tuple[float, float] = (0.0, 10.0), base_dir: Optional[str] = None,
+               log_dir: Optional[str] = None) -> Parser:
+    """The parser called `name` (a built-in, or "path.py:name" / "module:name" of the user's: checked now, guarded
+    when called, its first failures' tracebacks in `log_dir`; `megappo.rewards.judge.user_parser`)."""
     if name == "number":
         return partial(parse_number, lo=number_range[0], hi=number_range[1])
     if name == "yes_no":
@@ -68,5 +61,9 @@ def get_parser(name: str, number_range: tuple[float, float] = (0.0, 10.0), base_
     if name == "pairwise":
         return parse_pairwise
     from megappo.platform.user_code import load_named
+    from megappo.rewards.judge.user_parser import UserParser, check_parser
 
-    return partial(_guarded, load_named(name, base_dir, where="reward_model.judge.parser"))
+    where = f"reward_model.judge.parser={name}"
+    fn = load_named(name, base_dir, where=where)
+    check_parser(fn, name.rpartition(":")[2], where)
+    return UserParser(fn, name, log_dir)

@@ -4,8 +4,10 @@ a generative judge, for the data sources it judges; the other sources go to the 
 Metrics (in `ScoreResult.stats`, logged as they are): reward/judge_unparsed_fraction (prompts still unparsed after
 the retries, of those asked), reward/judge_retries (re-asks), reward/judge_timeouts (calls aborted at their
 deadline), perf/judge_samples_per_s (judge prompts per second of engine calls), reward/judge_skipped_groups
-(on_unparsed=skip), and reward/rule_score_mean: the judged samples' rule reward, computed but not trained on
-(log_rule_score), the true accuracy where the rule is exact.
+(on_unparsed=skip), reward/rule_score_mean: the judged samples' rule reward, computed but not trained on
+(log_rule_score), the true accuracy where the rule is exact, and with a user's parser reward/judge_parser_errors
+(its calls that raised, returned a non-number or a score outside [0, 1]; `user_parser.py`), which stops the run
+(`JudgeParserFailing`) when they pass max_failure_fraction of its calls for max_failure_steps scorings in a row.
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ class JudgeUnparsed(RuntimeError):
     """A verdict that did not parse, with reward_model.judge.on_unparsed=fail."""
 
 
+class JudgeParserFailing(RuntimeError):
+    """A user's parser that keeps failing (raising, returning a non-number or a score outside [0, 1])."""
+
+
 @dataclass(frozen=True)
 class JudgeSettings:
     """What the scorer reads (mapped from reward_model.judge by `megappo.trainer.judge.settings`)."""
@@ -37,6 +43,10 @@ class JudgeSettings:
     failure_score: float
     log_rule_score: bool
     loop: LoopSettings
+    # stop when a user's parser fails on more than this fraction of its calls for max_failure_steps scorings in a
+    # row (reward_model's: a broken parser is a broken reward function)
+    max_failure_fraction: float
+    max_failure_steps: int
 
 
 class JudgeScorer:
@@ -47,11 +57,13 @@ class JudgeScorer:
                  rule: Any = None):
         self.engine, self.tokenizer, self.parse, self.s, self.rule = engine, tokenizer, parse, s, rule
         self.guard = ToolText(tokenizer)  # a response's text, tokenised without special-token matching
+        self.parser_failing_steps = 0  # scorings in a row where a user's parser failed too often
 
     def judges(self, data_source: str) -> bool:
         return not self.s.data_sources or data_source in self.s.data_sources
 
-    def score(self, items: Sequence[ScoreItem]) -> ScoreResult:
+    def score(self, items: Sequence[ScoreItem], watch: bool = True) -> ScoreResult:
+        """`watch`: count this scoring against the parser's failure limit (a training step; not validation)."""
         n = len(items)
         judged = [i for i, it in enumerate(items) if self.judges(it.data_source)]
         others = [i for i, it in enumerate(items) if not self.judges(it.data_source)]
@@ -63,7 +75,7 @@ class JudgeScorer:
         if others:
             _place(out, self.rule.score([items[i] for i in others]), others)
         if judged:
-            self._judge(items, judged, out)
+            self._judge(items, judged, out, watch)
         return out
 
     def close(self) -> None:
@@ -71,9 +83,15 @@ class JudgeScorer:
             self.rule.close()
 
     # -- internals ----------------------------------------------------------------------------------------------
-    def _judge(self, items: Sequence[ScoreItem], judged: list[int], out: ScoreResult) -> None:
+    def _judge(self, items: Sequence[ScoreItem], judged: list[int], out: ScoreResult, watch: bool) -> None:
         asks = self._asks(items, judged)
+        calls, failures = getattr(self.parse, "calls", 0), getattr(self.parse, "failures", None)
         stats = judge(self.engine, self._decode, self.parse, asks, self.s.loop)
+        if failures is not None:  # a user's parser (built-ins do not fail)
+            calls, failures = self.parse.calls - calls, self.parse.failures - failures
+            out.stats["reward/judge_parser_errors"] = float(failures)
+            if watch:
+                self._watch_parser(failures, calls)
         if stats.unparsed and self.s.on_unparsed == "fail":
             bad = stats.unparsed[0]
             raise JudgeUnparsed(
@@ -91,6 +109,17 @@ class JudgeScorer:
             rule = self.rule.score([items[i] for i in judged])
             ok = rule.scores[~rule.failed & ~rule.timed_out]
             out.stats["reward/rule_score_mean"] = float(ok.mean()) if ok.numel() else math.nan
+
+    def _watch_parser(self, failures: int, calls: int) -> None:
+        fraction = failures / max(calls, 1)
+        self.parser_failing_steps = self.parser_failing_steps + 1 if fraction > self.s.max_failure_fraction else 0
+        if self.parser_failing_steps >= self.s.max_failure_steps:
+            raise JudgeParserFailing(
+                f"the judge's parser {self.parse.name} failed on more than reward_model.max_failure_fraction="
+                f"{self.s.max_failure_fraction} of the verdicts for {self.parser_failing_steps} steps in a row (last "
+                f"step: {failures} of {calls}), so the run stopped instead of training on verdicts it could not "
+                "read. Errors: " + "; ".join(self.parse.examples) + ". Fix the parser (it is called as fn(verdict: "
+                "str) and returns a score in [0, 1], or None where it cannot read the verdict)")
 
     def _asks(self, items: Sequence[ScoreItem], judged: list[int]) -> list[Ask]:
         s = self.s
