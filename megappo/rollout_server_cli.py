@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"megappo rollout-server: {problem}", file=sys.stderr)
         return 2
+    # the URL file's folder now, not after a cold start of minutes
+    os.makedirs(os.path.dirname(os.path.abspath(args.url_file)), exist_ok=True)
     server = _server(args, _has_cuda())
     server.keep_log_in(args.log_dir or os.path.dirname(os.path.abspath(os.path.expanduser(args.url_file))))
     stop = {"signal": None}

@@ -67,6 +67,20 @@ def server_log_path(log_dir: str, engine: str, url: str) -> str:
     return os.path.join(log_dir, f"{engine.lower()}_server_{name}.log")
 
 
+# a unix socket's path has at most 107 bytes (sun_path), and vLLM puts its engine's IPC sockets in TMPDIR under
+# 36-character names (measured: "ipc path ... is longer than 107 characters" under a pytest tmp_path)
+_SOCKET_PATH_MAX, _SOCKET_NAME = 107, 37
+
+
+def _scratch_dir() -> str:
+    """A private TMPDIR for one server: in the temporary folder, or /tmp when that one's path is too long for the
+    engine's sockets."""
+    base = tempfile.gettempdir()
+    if len(base) + len("/megappo-12345678") + _SOCKET_NAME > _SOCKET_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="megappo-", dir=base)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(_family(host)) as s:
         s.bind((host, 0))
@@ -206,7 +220,7 @@ class ManagedServer:
         if not _port_is_free(self.host, self.port):
             raise PortTakenError(self.port)
         key_args, key_env = self.key_delivery()
-        self.scratch = tempfile.mkdtemp(prefix=f"megappo-{self.ENGINE.lower()}-tmp-")
+        self.scratch = _scratch_dir()
         with job_signals_blocked():
             self.proc = subprocess.Popen(
                 [self.python, "-I", REAPER, str(os.getpid()), "--grace", str(self.stop_grace_s),
