@@ -90,8 +90,8 @@ def test_the_health_check_of_external_servers_sends_their_key(stand_in, one_rank
     from megappo.trainer.settings import rollout_settings
 
     port, key = free_port(), "k" * 48
-    proc = subprocess.Popen([sys.executable, stand_in, str(port)], env={**os.environ, "KEY": key},
-                            stdout=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, stand_in, str(port)], stdout=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "KEY": key, "TMPDIR": str(tmp_path)})
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_up(url, key)
