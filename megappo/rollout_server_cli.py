@@ -4,7 +4,9 @@ nodes).
 Runs one server (`--engine sglang`: `--python -m sglang.launch_server`; `vllm`: vLLM's server through megappo's
 launcher and worker extension, as the trainer starts them) for a trainer on other nodes, under megappo's
 watchdog (the server dies with this command, whatever kills it). Once the server answers as ours, it writes
-`{"url": ..., "api_key": ...}` to `--url-file` (mode 0600, atomically) and waits. SIGTERM or SIGINT stops the
+`{"url": ..., "api_key": ..., "log": ...}` to `--url-file` (mode 0600, atomically) and waits. The server's log is
+kept in `--log-dir` (default: the URL file's folder); give the run's `servers/` folder
+(trainer.default_local_dir/servers) and the trainer's errors quote its last lines. SIGTERM or SIGINT stops the
 server, removes the URL file and exits 0; a server that dies on its own exits 1 with its log's tail; a --python
 without the engine exits 2 before anything starts. The trainer takes the URLs with
 `actor_rollout_ref.rollout.server_urls=[...]` and the key with `actor_rollout_ref.rollout.api_key_file=F` (a file
@@ -36,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "needs the API key). The published URL names this host")
     p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
     p.add_argument("--python", default=sys.executable, help="the Python that has the engine (default: this one)")
+    p.add_argument("--log-dir", default=None, help="where the server's log is kept (default: the --url-file's "
+                   "folder); the trainer's run folder's servers/ lets its errors quote the log")
     p.add_argument("--tp", type=int, default=1, help="the server's tensor parallel size (GPUs)")
     p.add_argument("--dtype", default=None, help="weights dtype (default: bfloat16 on GPU, float32 on CPU)")
     key = p.add_mutually_exclusive_group()
@@ -68,11 +72,16 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"megappo rollout-server: --api-key-file: {e}", file=sys.stderr)
             return 2
+    # `--python=~/venv/bin/python`: no shell expands that `~`
+    args.python, args.url_file = os.path.expanduser(args.python), os.path.expanduser(args.url_file)
     problem = _missing(args)
     if problem:
         print(f"megappo rollout-server: {problem}", file=sys.stderr)
         return 2
+    # the URL file's folder now, not after a cold start of minutes
+    os.makedirs(os.path.dirname(os.path.abspath(args.url_file)), exist_ok=True)
     server = _server(args, _has_cuda())
+    server.keep_log_in(args.log_dir or os.path.dirname(os.path.abspath(os.path.expanduser(args.url_file))))
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -83,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(s, on_signal)
     try:
         seconds = server.start(timeout=args.start_timeout)
-        _publish(args.url_file, {"url": server.url, "api_key": server.api_key, "pid": os.getpid()})
+        _publish(args.url_file, {"url": server.url, "api_key": server.api_key, "pid": os.getpid(),
+                                 "log": server.log.name})
         print(f"megappo rollout-server: {server.url} up in {seconds:.0f} s; published in {args.url_file}",
               flush=True)
         while server.proc is not None and server.proc.poll() is None:

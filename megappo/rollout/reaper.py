@@ -1,6 +1,6 @@
 """A watchdog between megappo and an SGLang server: the server never outlives the process that started it.
 
-    python -I reaper.py PARENT_PID [--grace S] [--ignore-job-signals] -- python -m sglang.launch_server ...
+    python -I reaper.py PARENT_PID [--grace S] [--ignore-job-signals] [--remove DIR] -- python -m sglang.launch_server ...
 
 `python -m sglang.launch_server` forks its own children (scheduler, detokenizer, ...), and the kernel's parent-death
 signal (prctl PR_SET_PDEATHSIG) only reaches a direct child, so a signal sent to the server alone can leave them
@@ -28,6 +28,9 @@ none reaches it before it ignores them. Stopping such a server is SIGKILL to its
 multiprocessing resource tracker, which cleans up after them (shared memory, semaphores) and leaves; SGLang stops
 its own processes with SIGKILL too. Whatever is left after `--grace` seconds gets SIGKILL.
 
+--remove DIR: a folder removed once the server's group is gone, however it went (the server's private TMPDIR: vLLM
+leaves its `vllm_dist_<uuid>` rendezvous file there, and a killed server removes nothing).
+
 Standard library only: it runs with SGLang's python (`python -I` keeps megappo and the caller's environment out of
 its sys.path). Its own lines in the log start with "megappo-reaper:".
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,10 +162,20 @@ def _stop_requested() -> bool:
 
 def main(argv: list[str]) -> int:
     if "--" not in argv or argv.index("--") < 1 or argv.index("--") == len(argv) - 1:
-        print("usage: reaper.py PARENT_PID [--grace S] [--ignore-job-signals] -- CMD...", file=sys.stderr)
+        print("usage: reaper.py PARENT_PID [--grace S] [--ignore-job-signals] [--remove DIR] -- CMD...",
+              file=sys.stderr)
         return 2
     sep = argv.index("--")
     opts, cmd = argv[:sep], argv[sep + 1:]
+    remove = opts[opts.index("--remove") + 1] if "--remove" in opts else None
+    try:
+        return _watch(opts, cmd)
+    finally:
+        if remove:
+            shutil.rmtree(remove, ignore_errors=True)
+
+
+def _watch(opts: list[str], cmd: list[str]) -> int:
     parent = int(opts[0])
     grace = float(opts[opts.index("--grace") + 1]) if "--grace" in opts else 15.0
     immune = "--ignore-job-signals" in opts

@@ -52,3 +52,6 @@ class RolloutSettings:
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     free_cache_engine: bool = True
+    # the servers' logs (the run's `servers/` folder: `serving.process.server_log_path`); None: temporary files,
+    # kept only when something failed
+    log_dir: Optional[str] = None

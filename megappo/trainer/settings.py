@@ -6,6 +6,7 @@ layer and the math never see a config object.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -181,16 +182,22 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
         hybrid_engine=arr.hybrid_engine, max_num_seqs=r.max_num_seqs, engine_kwargs=engine_kwargs(r),
         dtype=r.dtype, tensor_model_parallel_size=r.tensor_model_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization, server_urls=tuple(r.server_urls),
-        servers_per_node=r.servers_per_node, server_python=r.server_python, server_host=r.server_host,
+        servers_per_node=r.servers_per_node, server_python=_path(r.server_python), server_host=r.server_host,
         server_start_timeout_s=r.server_start_timeout_s, request_timeout_s=r.request_timeout_s,
         health_check_interval_s=r.health_check_interval_s, health_check_timeout_s=r.health_check_timeout_s,
         restart_failed_servers=r.restart_failed_servers, router=r.router, router_policy=r.router_policy,
-        router_python=r.router_python, api_key=r.api_key, api_key_file=r.api_key_file,
+        router_python=_path(r.router_python), api_key=r.api_key, api_key_file=r.api_key_file,
         sync_timeout_s=r.sync_timeout_s, weight_sync_master_address=r.weight_sync_master_address,
         lora_adapter=adapter, routed_experts=r.enable_rollout_routing_replay,
         mode=registry.deployment_mode(r.name, r.mode), enforce_eager=r.enforce_eager,
         max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len or _total_length(r),
-        free_cache_engine=r.free_cache_engine)
+        free_cache_engine=r.free_cache_engine,
+        log_dir=os.path.join(os.path.abspath(_path(cfg.trainer.default_local_dir)), "servers"))
+
+
+def _path(path: Optional[str]) -> Optional[str]:
+    """A path of the config as every other one is read: `~` expanded (a bare name, `python3`, stays one)."""
+    return os.path.expanduser(path) if path else path
 
 
 def engine_kwargs(r: Any) -> dict:

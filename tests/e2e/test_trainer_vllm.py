@@ -67,6 +67,8 @@ def test_a_lora_actor_served_as_an_adapter_by_a_server_the_trainer_starts(vllm_p
         assert r["rollout/logprob_diff_mean"] <= 1e-3 and r["rollout/verify_sync_max_diff"] <= 1e-3
     assert rows[0]["rollout/weight_sync_bytes"] < 1e6 > rows[1]["rollout/weight_sync_bytes"]  # adapters, not layers
     assert _servers(model_dir) == before  # the trainer stopped the server it started
+    [log] = (tmp_path / "run" / "servers").glob("vllm_server_127.0.0.1_*.log")  # kept in the run's folder
+    assert "megappo-reaper: server stopped" in log.read_text()
 
 
 # long (~2 minutes: three server starts): the fleet's retry and the set's restart are engine-neutral

@@ -23,6 +23,7 @@ class ServedDeployment(RolloutDeployment):
         try:
             if dist.get_rank(ps.mp_group) == 0:
                 fleet = make_fleet(self.servers)
+                fleet.log_dir = self.servers.r.log_dir  # its errors quote the logs of the servers that failed
         except BaseException:
             self.servers.stop()
             raise

@@ -18,6 +18,7 @@ Each server is reached through a client (`ServerClient`, made by the fleet's `cl
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -109,6 +110,7 @@ class ServerFleet(RolloutEngine):
         self._aborting = threading.Event()  # abort() was called during the generate in flight
         # rollout.lora_sync=adapter: the served adapter (dir, version), which a restarted server is given again
         self._adapters: list[tuple[str, int]] = []
+        self.log_dir: Optional[str] = None  # the run's server logs (`process.server_log_path`), quoted in errors
 
     # -- the engine's hooks ----------------------------------------------------------------------------------------
     def _server_prompts(self, prompts: Sequence[Sequence[int]],
@@ -172,6 +174,7 @@ class ServerFleet(RolloutEngine):
         done: dict[int, Completion] = {}
         pending = list(range(len(rows)))
         errors: list[str] = []
+        failed: list[str] = []  # the URLs of the servers whose shares failed
         self._aborting.clear()  # an abort() before this call ended an earlier one
         self._check_health_if_due()
         for _ in range(self.max_attempts):
@@ -189,6 +192,7 @@ class ServerFleet(RolloutEngine):
                 for k, share, result in zip(servers, shares, results):
                     if isinstance(result, BaseException):
                         errors.append(f"{self.engines[k].url}: {result}")
+                        failed.append(self.engines[k].url)
                         self._failed(k, result)
                         pending += share
                         continue
@@ -205,13 +209,29 @@ class ServerFleet(RolloutEngine):
         if pending:
             via = f"router {self.router.url}" if self.router is not None else \
                 f"live servers: {[self.urls[k] for k in self.live()]}"
+            dead = failed + [self.urls[k] for k, ok in enumerate(self.alive) if not ok]
             raise RuntimeError(f"{self.ENGINE} fleet: {len(pending)} of {len(rows)} samples got no answer after "
                                f"{self.max_attempts} attempts ({via}); "
-                               "errors: " + "; ".join(errors[-4:]))
+                               "errors: " + "; ".join(errors[-4:]) + self._log_tails(dead))
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for r in range(len(rows)):
             grouped[rows[r]].append(done[r])
         return grouped
+
+    def _log_tails(self, urls: Sequence[str], lines: int = 20) -> str:
+        """The last lines of the logs the run keeps of these servers (its own, and a `megappo rollout-server
+        --log-dir` of the run's `servers/` folder); what names the cause when a server died."""
+        from megappo.rollout.serving.process import server_log_path
+
+        out = ""
+        for url in list(dict.fromkeys(urls))[:4]:
+            path = server_log_path(self.log_dir, self.ENGINE, url) if self.log_dir else None
+            if path is None or not os.path.isfile(path):
+                continue
+            with open(path, errors="replace") as f:
+                tail = "".join(f.readlines()[-lines:])
+            out += f"\n--- {self.ENGINE} server {url}: the last {lines} lines of its log {path}:\n{tail}"
+        return out
 
     def _accept(self, share: list[int], answers: list[Completion], done: dict, errors: list, url: str) -> list[int]:
         """Record a share's answers; the rows to send again: those aborted by someone else than `abort` (a pause of

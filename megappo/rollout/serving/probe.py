@@ -37,7 +37,7 @@ def server_problems(rollout: Any, engine: str, missing: Callable[[str], Optional
     from megappo.rollout.serving.http_client import read_api_key_file
 
     key, problems = "actor_rollout_ref.rollout.server_python", []
-    python = rollout.server_python or sys.executable
+    python = os.path.expanduser(rollout.server_python) if rollout.server_python else sys.executable
     problem = None if rollout.server_urls else missing(python)
     if problem:
         which = key if rollout.server_python else f"{key} (unset: this python)"

@@ -8,7 +8,11 @@ that environment's python (`python=`), and megappo only speaks HTTP to it.
 Lifecycle: a started server never outlives this process. It runs under a watchdog (`reaper.py`) that kills the
 server's whole process group when this process dies in any way (SIGKILL included) or asks it to (`stop()`, also
 called by `with`, an atexit hook, and a failed or interrupted `start()`, Ctrl-C included). The server's log is a
-temporary file kept only when something failed; a failed start's error ends with its last lines.
+temporary file kept only when something failed, or, once `keep_log_in(DIR)` was called (a run's servers: its
+`servers/` folder), `DIR/<engine>_server_<host>_<port>.log` (`server_log_path`), kept; a failed start's error ends
+with its last lines. The server's temporary folder (TMPDIR) is a private one that the watchdog removes when the
+server is gone: vLLM leaves a `vllm_dist_<uuid>` rendezvous file there per server, which a killed server never
+removes.
 
 Job-wide signals: the server is its parent's helper, and only its parent stops it. Slurm signals every process of a
 job step (preemption's SIGTERM, `--signal`, `scancel --signal [--full]`, srun's SIGINT), which would kill the server
@@ -30,6 +34,7 @@ import atexit
 import errno
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,6 +57,28 @@ class PortTakenError(RuntimeError):
 
 _TORCHRUN_ENV = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK"}
+
+
+def server_log_path(log_dir: str, engine: str, url: str) -> str:
+    """Where the server of `engine` at `url` keeps its log in `log_dir` (a run's `servers/` folder): a name any rank
+    (and a `megappo rollout-server --log-dir` elsewhere) derives from the URL alone, so an error can quote it."""
+    host_port = url.split("://", 1)[-1].rstrip("/")
+    name = "".join(c if c.isalnum() or c in ".-" else "_" for c in host_port)
+    return os.path.join(log_dir, f"{engine.lower()}_server_{name}.log")
+
+
+# a unix socket's path has at most 107 bytes (sun_path), and vLLM puts its engine's IPC sockets in TMPDIR under
+# 36-character names (measured: "ipc path ... is longer than 107 characters" under a pytest tmp_path)
+_SOCKET_PATH_MAX, _SOCKET_NAME = 107, 37
+
+
+def _scratch_dir() -> str:
+    """A private TMPDIR for one server: in the temporary folder, or /tmp when that one's path is too long for the
+    engine's sockets."""
+    base = tempfile.gettempdir()
+    if len(base) + len("/megappo-12345678") + _SOCKET_NAME > _SOCKET_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="megappo-", dir=base)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -102,10 +129,12 @@ class ManagedServer:
         self.env["PYTHONPATH"] = ""  # the server's own environment, not the caller's
         self.proc: Optional[subprocess.Popen] = None  # the watchdog
         self.failed = False  # something went wrong: the log is kept
-        self.log = self._new_log()
+        self.log_dir: Optional[str] = None  # keep_log_in: the log's folder (kept there), else a temporary file
+        self.scratch: Optional[str] = None  # the server's TMPDIR while it runs
         self._key_file: Optional[str] = None
         self._ready = False  # started and answering as ours
         self._set_port(port or free_port(host))
+        self.log = self._new_log()
 
     # -- the engine's hooks ----------------------------------------------------------------------------------------
     def command(self, port: int) -> list[str]:
@@ -132,7 +161,26 @@ class ManagedServer:
         return self.command(self.port)
 
     def _new_log(self):
-        return tempfile.NamedTemporaryFile("w+", prefix=f"{self.ENGINE.lower()}_server_", suffix=".log", delete=False)
+        if self.log_dir is None:
+            return tempfile.NamedTemporaryFile("w+", prefix=f"{self.ENGINE.lower()}_server_", suffix=".log",
+                                               delete=False)
+        os.makedirs(self.log_dir, exist_ok=True)
+        # appended: a server restarted on its port keeps the dead one's lines above its own
+        log = open(server_log_path(self.log_dir, self.ENGINE, self.url), "a+")
+        log.write(f"megappo: {self.ENGINE} server {self.url} starting at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        log.flush()
+        return log
+
+    def keep_log_in(self, log_dir: str) -> None:
+        """Log to `log_dir` (`server_log_path`) and keep the log there, instead of a temporary file; before
+        `start`."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.ENGINE} server {self.url}: keep_log_in comes before start")
+        self.log.close()
+        if self.log_dir is None:
+            os.unlink(self.log.name)
+        self.log_dir = os.path.abspath(os.path.expanduser(log_dir))
+        self.log = self._new_log()
 
     def _set_port(self, port: int) -> None:
         self.port = port
@@ -158,8 +206,7 @@ class ManagedServer:
                         f"by the caller, so no other port is tried; log {self.log.name}):\n{self.log_tail()}"
                     ) from None
                 if attempt + 1 < self.port_attempts:
-                    self._discard()
-                    self._set_port(free_port(self.host))
+                    self._discard(free_port(self.host))
             except BaseException:  # Ctrl-C included: never leave a half-started server behind
                 self.failed = True
                 self.stop()
@@ -173,11 +220,12 @@ class ManagedServer:
         if not _port_is_free(self.host, self.port):
             raise PortTakenError(self.port)
         key_args, key_env = self.key_delivery()
+        self.scratch = _scratch_dir()
         with job_signals_blocked():
             self.proc = subprocess.Popen(
                 [self.python, "-I", REAPER, str(os.getpid()), "--grace", str(self.stop_grace_s),
-                 "--ignore-job-signals", "--", *self._sheltered(self.cmd), *key_args],
-                stdout=self.log, stderr=subprocess.STDOUT, env={**self.env, **key_env},
+                 "--ignore-job-signals", "--remove", self.scratch, "--", *self._sheltered(self.cmd), *key_args],
+                stdout=self.log, stderr=subprocess.STDOUT, env={**self.env, **key_env, "TMPDIR": self.scratch},
                 stdin=subprocess.PIPE,  # stop(): a line on it; a job-wide signal cannot stop the server
                 # its own session: Ctrl-C at the terminal and signals to the caller's process group are the
                 # caller's to handle (a trainer finishing its step needs its server); the watchdog follows the
@@ -232,15 +280,16 @@ class ManagedServer:
         except FileNotFoundError:
             return ""
 
-    def _discard(self) -> None:
-        """Stop this attempt's process and start a fresh log for the next one."""
-        self.stop(keep_log=False)
+    def _discard(self, port: int) -> None:
+        """Stop this attempt's process; the next one runs on `port`, with a fresh log."""
+        self.stop(keep_log=self.log_dir is not None)
         self.failed = False
+        self._set_port(port)
         self.log = self._new_log()
 
     def stop(self, keep_log: Optional[bool] = None) -> None:
-        """Stop the server and its children (through the watchdog). The log is deleted unless something failed (a
-        failed start, a server that had exited by itself) or `keep_log`."""
+        """Stop the server and its children (through the watchdog). A temporary log is deleted unless something
+        failed (a failed start, a server that had exited by itself) or `keep_log`; one in `log_dir` is kept."""
         proc, ready, self.proc, self._ready = self.proc, self._ready, None, False
         _LIVE.pop(id(self), None)
         self._remove_key_file()
@@ -268,9 +317,12 @@ class ManagedServer:
                     proc.stdin.close()
                 except OSError:
                     pass
+        if self.scratch is not None:  # the watchdog removed it, unless it was killed itself
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
         if not self.log.closed:
             self.log.close()
-        if not (self.failed if keep_log is None else keep_log):
+        if self.log_dir is None and not (self.failed if keep_log is None else keep_log):
             try:
                 os.unlink(self.log.name)
             except FileNotFoundError:

@@ -104,6 +104,9 @@ class ServerSet:
     def _start_many(self, indices, ports: Optional[dict] = None) -> list[ManagedServer]:
         """Start servers concurrently (a cold start is mostly waiting); all of them, or none (raises)."""
         servers = [self.make_server(i, (ports or {}).get(i), self.api_key) for i in indices]
+        if self.r.log_dir:  # the run's folder: the logs outlive the servers, and the fleet's errors quote them
+            for s in servers:
+                s.keep_log_in(self.r.log_dir)
         errors: list = [None] * len(servers)
 
         def run(j: int) -> None:
@@ -141,8 +144,8 @@ class ServerSet:
         dropped = set().union(*_all_gather(sorted(dropped)))
         before, restarts = (list(self.urls), list(self.alive)), self.restarts
         if self.external:
-            if dist.get_rank() == 0:
-                self.alive = [self.healthy(u, self.r.health_check_timeout_s, None) for u in self.urls]
+            if dist.get_rank() == 0:  # their key: nothing registered it for their URLs in this process
+                self.alive = [self.healthy(u, self.r.health_check_timeout_s, self.api_key) for u in self.urls]
             self.alive = _broadcast(self.alive)
         else:
             mine = self._heal_mine(dropped) if self.starter else []
@@ -159,11 +162,12 @@ class ServerSet:
         out = []
         for i, s in enumerate(self.servers):
             if s.proc is not None and s.proc.poll() is None and s.url not in dropped and \
-                    self.healthy(s.url, self.r.health_check_timeout_s, None):
+                    self.healthy(s.url, self.r.health_check_timeout_s, self.api_key):
                 out.append((s.url, True))
                 continue
             print(f"megappo rollout: {self.engine} server {s.url} is dead" +
-                  ("; restarting it" if self.r.restart_failed_servers else "; dropped"), file=sys.stderr, flush=True)
+                  ("; restarting it" if self.r.restart_failed_servers else "; dropped") +
+                  f" (log {s.log.name}, last lines:\n{s.log_tail(20)})", file=sys.stderr, flush=True)
             s.failed = True
             s.stop()
             if self.r.restart_failed_servers:

