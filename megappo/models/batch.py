@@ -242,7 +242,9 @@ class ModelBatch:
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses; give one response per prompt")
         b = len(prompts)
         p = max((len(x) for x in prompts), default=0)
-        r = max((len(x) for x in responses), default=0)
+        # at least one response column (padding, masked): a step whose every response is empty (agents that never
+        # called) still has the [B, R] shapes every phase indexes
+        r = max(max((len(x) for x in responses), default=0), 1)
         ids = torch.full((b, p + r), pad_token_id, dtype=torch.long)
         attn = torch.zeros((b, p + r), dtype=torch.long)
         for i, (pr, rs) in enumerate(zip(prompts, responses)):
