@@ -6,6 +6,7 @@ OpenAI tool calls and continues each episode in one segment; the run trains on i
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,24 @@ def test_openai_tool_agent_recipe_calls_the_tool_and_trains(tmp_path, tool_task_
     reward = [r["reward/mean"] for r in rows]
     assert calls[-1] >= calls[0] + 0.2, calls  # PPO learns that calling pays
     assert reward[-1] >= reward[0] + 0.2, reward
+
+
+def test_the_gsm8k_tool_agent_runs_its_tool_config_on_cpu(tmp_path, tool_task_dir):
+    """recipes/gsm8k/qwen3-8b_agent_tools.yaml's agent program (recipes/gsm8k/agents/tool_agent.py: any verl tool
+    config, a GSM8K-scored answer) on the tiny tool task with the calculator's tool config: the tools it builds from
+    the config answer the model's calls and their metrics are logged. Its reward is GSM8K's ("####"), which the tiny
+    model never writes: 0 (a verdict, not a failure of the agent)."""
+    repo = Path(__file__).resolve().parents[2]
+    agents = tmp_path / "agents.yaml"
+    agents.write_text(f"- name: calculator_agent\n  agent: {repo / 'recipes/gsm8k/agents/tool_agent.py'}:solve\n"
+                      f"  kwargs: {{tool_config: {repo / 'recipes/cpu/tools/calculator.yaml'}, max_turns: 3, "
+                      "max_tokens: 32}\n")
+    out = tmp_path / "gsm8k_agent"
+    shutil.copytree(tool_task_dir, out / "synthetic")
+    rows = run_recipe(RECIPE, out, "trainer.total_training_steps=1", "trainer.val_before_train=false",
+                      "trainer.test_freq=-1", "trainer.save_freq=-1",
+                      f"actor_rollout_ref.rollout.agent.agent_loop_config_path={agents}")
+    (r,) = rows
+    assert r["agent/error_fraction"] == r["agent/timeout_fraction"] == 0.0
+    assert r["env/tool_calls"] > 0 and r["env/tool_errors"] == 0.0 and r["env/turns"] > 1.0
+    assert r["env/reward_mean"] == 0.0
