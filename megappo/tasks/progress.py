@@ -25,8 +25,8 @@ def announced(what: str, steps: Optional[int], out_dir: str, build: Callable[[],
     after (how long it took and what the warm start reached on held-out prompts: the manifest's `warm_start`)."""
     rank0 = _rank0()
     if rank0:
-        _say(f"building the built-in {what} in {out_dir}: a tiny model and its supervised warm start of {steps} steps, before "
-             "the first RL step (once: a run with the same settings reuses it)")
+        _say(f"building the built-in {what} in {out_dir}: a tiny model and its supervised warm start of {steps} "
+             "steps, before the first RL step (once: a run with the same settings reuses it)")
     t0 = time.perf_counter()
     manifest = build()
     if rank0:
