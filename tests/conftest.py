@@ -88,6 +88,20 @@ def guess_task_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tool_task_dir(tmp_path_factory) -> str:
+    """A `synthetic/` folder holding the tool_sum task (tiny_tool_ppo's and tiny_openai_tool_agent_ppo's data
+    section), warm-started once (~35 s): a test copies it into its run's output folder and the run reuses it."""
+    from megappo.config import load_config
+    from megappo.tasks import prepare_task
+
+    syn = load_config("cpu/tiny_tool_ppo").data.synthetic
+    out = tmp_path_factory.mktemp("tool_task") / "synthetic"
+    prepare_task(syn.name, str(out / syn.name), num_train_prompts=syn.num_train_prompts,
+                 num_val_prompts=syn.num_val_prompts, warm_start_steps=syn.warm_start_steps, seed=syn.seed)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def distill_task_dir(tmp_path_factory) -> str:
     """A `synthetic/` folder holding tiny_distill's task and its teacher, made once under the golden environment as
     the recipe's runs make them (~25 s): a test copies it into its run's output folder and the run reuses both."""

@@ -98,7 +98,8 @@ def prepare_judge(name: str, out_dir: str, *, seed: int = 0) -> TaskFiles:
                          f"{', '.join(sorted(JUDGES))} or null")
     judge = JUDGES[name]
     params = {"format": FORMAT_VERSION, "judge": name, "seed": seed, "spec": asdict(judge)}
-    return prepared(name, TASKS[judge.task].data_source, out_dir, params, lambda d, p: _build(judge, d, p))
+    return prepared(name, TASKS[judge.task].data_source, out_dir, params, lambda d, p: _build(judge, d, p),
+                    steps=judge.steps)
 
 
 def _codes(judge: DigitJudge, seed: int) -> tuple[dict[int, list[int]], list[int]]:

@@ -50,6 +50,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
+from megappo.tasks.progress import announced
+
 logger = logging.getLogger(__name__)
 
 PAD_TOKEN = "<|endoftext|>"
@@ -302,10 +304,10 @@ def prepare_task(name: str, out_dir: str, *, num_train_prompts: int = 1024, num_
     return prepared(task.name, task.data_source, out_dir, params, lambda d, p: _build(task, d, p))
 
 
-def prepared(name: str, data_source: str, out_dir: str, params: dict, build: Callable[[str, dict], dict]
-             ) -> TaskFiles:
-    """Every task's locking, manifest and reuse: under `<out_dir>.lock`, the files in `out_dir` when its manifest was
-    made with `params`, else `build(out_dir, params)` (writing through `fresh_tmp`/`swap_in`; returns the manifest)."""
+def prepared(name: str, data_source: str, out_dir: str, params: dict, build: Callable[[str, dict], dict],
+             steps: Optional[int] = None) -> TaskFiles:
+    """Every task's locking, manifest and reuse: under `<out_dir>.lock`, the files in `out_dir` if made with `params`,
+    else `build(out_dir, params)` (via `fresh_tmp`/`swap_in`; returns the manifest) and its `progress.announced`."""
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     with _locked(out_dir + ".lock"):
@@ -315,7 +317,7 @@ def prepared(name: str, data_source: str, out_dir: str, params: dict, build: Cal
             if manifest is not None:
                 logger.warning("%s holds task files made with %s; rebuilding them for %s", out_dir,
                                manifest.get("params"), params)
-            manifest = build(out_dir, params)
+            manifest = announced(name, params.get("warm_start_steps", steps), out_dir, lambda: build(out_dir, params))
     return _files(name, data_source, out_dir, manifest, reused)
 
 
@@ -377,8 +379,6 @@ def _build(task: SyntheticTask, out_dir: str, params: dict) -> dict:
         swap_in(out_dir, tmp, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("synthetic task %s: model and prompts written to %s in %.1f s (warm start: %s)", task.name, out_dir,
-                metrics["seconds"], metrics)
     return manifest
 
 

@@ -15,6 +15,7 @@ import random
 import shutil
 import time
 
+from megappo.tasks.progress import announced
 from megappo.tasks.synthetic import (
     _locked, _read_manifest, _warm_started_model, _write_tokenizer_and_config, fresh_tmp, get_task, held_out_split,
     swap_in,
@@ -44,11 +45,11 @@ def prepare_teacher(name: str, out_dir: str, *, smoothing: float, warm_start_ste
     with _locked(out_dir + ".lock"):
         manifest = _read_manifest(out_dir, files=())
         if manifest is None or manifest.get("params") != params:
-            _build(task, out_dir, params)
+            announced(f"teacher of {name}", warm_start_steps, out_dir, lambda: _build(task, out_dir, params))
     return model_dir
 
 
-def _build(task, out_dir: str, params: dict) -> None:
+def _build(task, out_dir: str, params: dict) -> dict:
     import transformers
 
     tmp = fresh_tmp(out_dir)
@@ -66,6 +67,8 @@ def _build(task, out_dir: str, params: dict) -> None:
                                              model_cls=transformers.LlamaForCausalLM)
         model.save_pretrained(model_tmp, safe_serialization=True)
         metrics["seconds"] = round(time.perf_counter() - t0, 2)
-        swap_in(out_dir, tmp, {"params": params, "warm_start": metrics}, files=())
+        manifest = {"params": params, "warm_start": metrics}
+        swap_in(out_dir, tmp, manifest, files=())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return manifest

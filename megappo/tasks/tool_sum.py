@@ -260,5 +260,4 @@ def _build(task: ToolTask, out_dir: str, params: dict) -> dict:
         synthetic.swap_in(out_dir, tmp, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    synthetic.logger.info("tool task %s written to %s (%s)", task.name, out_dir, manifest["warm_start"])
     return manifest

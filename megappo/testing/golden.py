@@ -56,7 +56,7 @@ class GoldenRun:
     loose: tuple[str, ...] = ()
 
 
-AGENT_PROGRAM_RECIPES = ("tiny_openai_agent_ppo",)
+AGENT_PROGRAM_RECIPES = ("tiny_openai_agent_ppo", "tiny_openai_tool_agent_ppo")
 ARRIVAL_BATCHED = ("rollout/logprob_diff", "rollout_corr/")
 
 

@@ -135,7 +135,7 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
                   file=sys.stderr, flush=True)
         state.logger = MetricsLogger(local_dir, t.logger, total, enabled=dist.get_rank() == 0,
                                      start_step=state.step, resumed=state.resumed,
-                                     run_name=(t.project_name, t.experiment_name))
+                                     run_name=(t.project_name, t.experiment_name), hidden=_console_hidden(cfg))
     except BaseException:
         if run is not None:
             teardown_run(run, state)  # the engine (an SGLang server) and reward workers are already running
@@ -143,6 +143,14 @@ def setup(cfg: MegappoConfig) -> tuple[Run, TrainState]:
             lock.release()  # fit's teardown gets no state from a failed setup; an in-process caller may go on
         raise
     return run, state
+
+
+def _console_hidden(cfg: MegappoConfig) -> tuple[str, ...]:
+    """Keys kept off the console line: the tool loop's episodes log env/reward_mean 0 (no environment rewards them,
+    the reward function does), which would read as a failing environment."""
+    agent = cfg.actor_rollout_ref.rollout.agent
+    tools_only = not agent.agent_loop_config_path and agent.default_agent_loop in (None, "tool_agent")
+    return ("env/reward_mean",) if tools_only else ()
 
 
 def _own_dir(local_dir: str, wait_s: float) -> Optional[RunLock]:

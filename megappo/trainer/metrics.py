@@ -24,6 +24,21 @@ from megappo.trainer.files import write_atomic
 ROLLED_BACK = "guard/rolled_back"  # the mark of a row whose step a rollback undid
 CONSOLE_KEYS = ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss", "response/length_mean",
                 "timing/step_s")
+# each feature's own numbers, after CONSOLE_KEYS on the steps that have them (only a run with the feature logs them):
+# environments' and agent programs' reward, agent programs' calls and failures, failed episodes (dropped from the
+# loss), on-policy distillation's divergence, the judge's unparsed verdicts and its rule score, R3's router agreement
+FEATURE_KEYS = ("env/reward_mean", "agent/calls_per_episode", "agent/error_fraction", "episodes/failed_fraction",
+                "distill/reverse_kl", "actor/distill_loss", "reward/judge_unparsed_fraction",
+                "reward/rule_score_mean", "rollout/router_agreement")
+
+
+def console_line(step: int, m: dict[str, float], hidden: tuple[str, ...] = ()) -> str:
+    """A step's console line: CONSOLE_KEYS, then the FEATURE_KEYS the step has, then its validation rewards, each
+    key=value (4 significant digits); `hidden` keys are left out (a feature that logs a key it does not mean, as the
+    tool loop logs env/reward_mean 0)."""
+    keys = [k for k in (*CONSOLE_KEYS, *FEATURE_KEYS) if k in m and k not in hidden]
+    keys += [k for k in m if k.startswith("val/") and k.endswith("reward_mean")]
+    return " ".join([f"step {step}:", *(f"{k}={m[k]:.4g}" for k in keys)])
 
 
 class Timer:
@@ -46,11 +61,13 @@ class Timer:
 
 class MetricsLogger:
     def __init__(self, out_dir: str, sinks: list[str], total_steps: int, *, enabled: bool, start_step: int = 0,
-                 resumed: bool = False, run_name: tuple[str, str] = ("megappo", "run")):
+                 resumed: bool = False, run_name: tuple[str, str] = ("megappo", "run"), hidden: tuple[str, ...] = ()):
         """A resumed run (`resumed`, from the checkpoint of `start_step`) keeps the rows up to that step and drops
         what the interrupted process logged after it, which this run logs again; a fresh run starts empty. So the
-        files of a run that was killed and resumed hold what an uninterrupted run's hold."""
+        files of a run that was killed and resumed hold what an uninterrupted run's hold. `hidden`: keys kept off
+        the console line (`console_line`)."""
         self.enabled = enabled
+        self.hidden = tuple(hidden)
         self.sinks = set(sinks)
         self.jsonl = None
         self.out_dir = out_dir
@@ -139,14 +156,11 @@ class MetricsLogger:
         writer.flush()
 
     def _console(self, step: int, m: dict[str, float]) -> None:
-        shown = {k: m[k] for k in CONSOLE_KEYS if k in m}
         if self.bar is not None and not self.bar.disable:
             self.bar.set_postfix({"reward": f"{m.get('reward/mean', math.nan):.3f}",
                                   "kl": f"{m.get('kl/mean', math.nan):.4f}"}, refresh=False)
             self.bar.update(step - self.bar.n)
-        line = " ".join(f"{k}={v:.4g}" for k, v in shown.items())
-        val = " ".join(f"{k}={v:.4g}" for k, v in m.items() if k.startswith("val/") and k.endswith("reward_mean"))
-        print(f"step {step}: {line}{' ' + val if val else ''}", file=sys.stderr, flush=True)
+        print(console_line(step, m, self.hidden), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.wandb is not None:

@@ -15,16 +15,10 @@ RECIPE = "recipes/cpu/tiny_tool_ppo.yaml"
 
 
 @pytest.fixture(scope="module")
-def tool_task(tmp_path_factory) -> str:
-    """The recipe's `synthetic/` folder (the tool task, warm-started once, ~50 s): each run copies it and reuses it."""
-    from megappo.config import load_config
-    from megappo.tasks import prepare_task
-
-    syn = load_config("cpu/tiny_tool_ppo").data.synthetic
-    out = tmp_path_factory.mktemp("tool_task") / "synthetic"
-    prepare_task(syn.name, str(out / syn.name), num_train_prompts=syn.num_train_prompts,
-                 num_val_prompts=syn.num_val_prompts, warm_start_steps=syn.warm_start_steps, seed=syn.seed)
-    return str(out)
+def tool_task(tool_task_dir) -> str:
+    """The recipe's `synthetic/` folder (the tool task, warm-started once a session, tests/conftest.py): each run
+    copies it and reuses it."""
+    return tool_task_dir
 
 
 def test_tool_recipe_learns(tmp_path, tool_task):

@@ -186,3 +186,25 @@ def test_default_warm_start_knows_the_rule_but_samples_it_rarely(tmp_path):
     assert [synthetic_reward(r["data_source"], t, r["reward_model"]["ground_truth"]) for r, t in zip(rows, texts)] \
         == [1.0] * 16
     assert (out[:, ids.shape[1] + 1] == tok.eos_token_id).all()  # one digit, then EOS
+
+
+def test_the_warm_start_says_what_it_does_while_it_runs(tmp_path, capsys):
+    """A build says what it builds and how many warm-start steps before it starts, and how long it took and what
+    the warm start reached when done (on the console: a minute of silence reads as a hung trainer); a reuse says
+    nothing. The teacher of on-policy distillation's recipe says it too."""
+    from megappo.tasks.teacher import prepare_teacher
+
+    out = str(tmp_path / NAME)
+    prepare_task(NAME, out, **SMALL)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megappo:")]  # not transformers'
+    assert len(err) == 2, err
+    assert err[0] == (f"megappo: building the built-in digit_max in {out}: a tiny model and its supervised warm start "
+                      "of 3 steps, before the first RL step (once: a run with the same settings reuses it)")
+    assert err[1].startswith("megappo: the built-in digit_max built in ") and " s (warm start: " in err[1]
+    assert "val_greedy_accuracy=" in err[1] and "seconds" not in err[1]
+    prepare_task(NAME, out, **SMALL)
+    assert "megappo:" not in capsys.readouterr().err
+    prepare_teacher(NAME, str(tmp_path / "teacher"), smoothing=0.05, warm_start_steps=2, num_val_prompts=12)
+    err = capsys.readouterr().err
+    assert "megappo: building the built-in teacher of digit_max in " in err and "warm start of 2 steps" in err
+    assert "megappo: the built-in teacher of digit_max built in " in err
