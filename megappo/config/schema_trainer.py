@@ -49,7 +49,7 @@ class TrainerConfig:
     experiment_name: str = "gsm8k"
     # metrics.jsonl in default_local_dir is always written; these are the other sinks
     logger: list[Literal["console", "tensorboard", "wandb"]] = field(default_factory=lambda: ["console", "tensorboard"])
-    balance_batch: bool = True  # reorder samples so data-parallel ranks get similar token counts
+    balance_batch: bool = True  # data-parallel ranks get similar token counts in each mini-batch
     guard: GuardConfig = field(default_factory=GuardConfig)
     # Save and stop (exit status 75, "requeue me") before this wall-clock time: ISO 8601 ("2026-12-04T06:00",
     # local time unless it has an offset), seconds since the epoch, or "slurm" for the job's end time

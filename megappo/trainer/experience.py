@@ -7,6 +7,7 @@ phases fill in one after another (scores, reference and old log-probs, values, r
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
@@ -204,8 +205,8 @@ def build_experience(samples: Samples, indices: Sequence[int], pad_token_id: int
     )
 
 
-def balanced_partitions(workloads: Sequence[int], parts: int,
-                        groups: Optional[Sequence[int]] = None) -> list[list[int]]:
+def balanced_partitions(workloads: Sequence[int], parts: int, groups: Optional[Sequence[int]] = None,
+                        blocks: int = 1) -> list[list[int]]:
     """Split indices 0..N-1 into `parts` lists of equal size N / parts whose workloads are close.
 
     Longest-processing-time first: the heaviest remaining sample goes to the lightest part that still has room.
@@ -213,10 +214,21 @@ def balanced_partitions(workloads: Sequence[int], parts: int,
     `groups`: each sample's group (its prompt's uid); where the groups are of one size and split evenly over the
     parts, whole groups are balanced instead, so that a group's samples stay on one rank (prefix sharing runs
     their prompt once).
+    `blocks`: the N samples are that many consecutive equal slices (a step's mini-batches), each balanced over the
+    parts on its own, so a part's j-th of `blocks` equal slices is its share of the j-th block: balancing moves no
+    sample into another mini-batch, and a data-parallel rank's j-th optimizer step trains its share of the samples
+    one rank's j-th trains, whatever the number of ranks.
     """
     n = len(workloads)
-    if n % parts:
-        raise ValueError(f"{n} samples do not split evenly over {parts} data-parallel ranks")
+    if n % (parts * blocks):
+        raise ValueError(f"{n} samples do not split evenly over {parts} data-parallel ranks"
+                         + (f" in each of {blocks} mini-batches" if blocks > 1 else ""))
+    if blocks > 1:
+        size = n // blocks
+        split = [balanced_partitions(workloads[j * size:(j + 1) * size], parts,
+                                     None if groups is None else groups[j * size:(j + 1) * size])
+                 for j in range(blocks)]
+        return [[j * size + i for j in range(blocks) for i in split[j][p]] for p in range(parts)]
     if groups is not None:
         members: dict[int, list[int]] = {}
         for i, g in enumerate(groups):
@@ -234,6 +246,15 @@ def balanced_partitions(workloads: Sequence[int], parts: int,
         if len(out[p]) < size:
             heapq.heappush(heap, (load + workloads[i], p))
     return [sorted(p) for p in out]
+
+
+def mini_batch_blocks(n: int, parts: int, *counts: int) -> int:
+    """The slices `balanced_partitions` balances the step's `n` samples in, one by one: the finest that every
+    role's mini-batches (`counts` per epoch) are made of. A balance over the whole step would move samples between
+    mini-batches, so the optimizer steps would train other samples at DP2 than at one rank. Counts that do not
+    divide the samples give 1 (the whole step), and `mini_batches` says what does not divide."""
+    blocks = math.lcm(*counts)
+    return blocks if n % (blocks * parts) == 0 else 1
 
 
 def workloads(samples: Samples) -> list[int]:

@@ -28,7 +28,7 @@ from megappo.trainer.dp import (
 )
 from megappo.trainer.entropy_tokens import choose_tokens
 from megappo.trainer.experience import (
-    Experience, Samples, balanced_partitions, build_experience, mini_batches, workloads,
+    Experience, Samples, balanced_partitions, build_experience, mini_batch_blocks, mini_batches, workloads,
 )
 from megappo.trainer.guard import RunStopped
 from megappo.trainer.roles import on_device
@@ -127,11 +127,13 @@ def _watch_reward_failures(run: Run, fraction: float, errors: list[str], samples
 
 
 def make_experience(run: Run, samples: Samples, scores: Optional[list[float]]) -> Experience:
-    """This rank's samples, balanced by token workload over the data-parallel ranks (a prompt's samples kept on one
-    rank unless prefix sharing is off)."""
+    """This rank's samples, balanced by token workload over the data-parallel ranks in each mini-batch (a prompt's
+    samples kept on one rank unless prefix sharing is off)."""
     groups = None if run.cfg.actor_rollout_ref.model.use_prefix_sharing is False else samples.uids
-    parts = balanced_partitions(workloads(samples), run.ps.dp_size, groups) if run.cfg.trainer.balance_batch else \
-        [list(range(len(samples)))[i::run.ps.dp_size] for i in range(run.ps.dp_size)]
+    b, dp, critic = run.batching, run.ps.dp_size, run.roles.critic is not None
+    blocks = mini_batch_blocks(len(samples), dp, b.actor_mini_batches, b.critic_mini_batches if critic else 1)
+    parts = balanced_partitions(workloads(samples), dp, groups, blocks) if run.cfg.trainer.balance_batch else \
+        [list(range(len(samples)))[i::dp] for i in range(dp)]
     exp = build_experience(samples, parts[run.ps.dp_rank], run.pad_token_id)
     run.replay.place(samples, exp)  # R3: the engine's routes on the batch
     if scores is not None:

@@ -159,9 +159,8 @@ def test_dp2_matches_dp1_with_a_sequence_level_loss(tmp_path):
     """recipes/cpu/tiny_gspo.yaml (GSPO's sequence-level ratio, seq-mean-token-mean, sampled responses of different
     lengths): each sequence weighs the same whichever rank and micro-batch holds it, so two data-parallel ranks with
     one sequence per micro-batch log the one-rank run's losses (which runs whole mini-batches)."""
-    # DP2 trains the one-rank run's mini-batches, in its order
-    _gspo_matches_one_rank(tmp_path, ["trainer.balance_batch=false"],
-                           ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    # balanced by workload within each of the step's two mini-batches: DP2 trains the one-rank run's mini-batches
+    _gspo_matches_one_rank(tmp_path, [], ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
 
 
 def _gspo_matches_one_rank(tmp_path, common_extra: list[str], layout: list[str]) -> None:

@@ -11,7 +11,9 @@ from megappo.models.compute import MicroBatchContext, ModelOutputs
 from megappo.models.losses import ActorLossSettings, CriticLossSettings, actor_loss_fn, critic_loss_fn
 from megappo.rollout.sampling import Completion
 from megappo.trainer import settings
-from megappo.trainer.experience import Samples, balanced_partitions, build_experience, mini_batches
+from megappo.trainer.experience import (
+    Samples, balanced_partitions, build_experience, mini_batch_blocks, mini_batches,
+)
 
 torch.set_num_threads(1)
 
@@ -69,6 +71,63 @@ def test_balanced_partitions_are_equal_sized_and_even():
     assert balanced_partitions(loads, 1) == [list(range(8))]
     with pytest.raises(ValueError, match="do not split evenly"):
         balanced_partitions(loads, 3)
+
+
+def _step_samples(prompts: int, n: int) -> Samples:
+    """`prompts` groups of `n` sampled responses whose lengths (1-9 tokens) vary within and between groups."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 10, (prompts * n,), generator=g).tolist()
+    total, uids = prompts * n, [i // n for i in range(prompts * n)]
+    return Samples(prompt_ids=[[1, 2, 3]] * total, response_ids=[[5] * k for k in lengths],
+                   rollout_log_probs=[[-0.5] * k for k in lengths], truncated=[False] * total, uids=uids,
+                   data_sources=["t"] * total, ground_truths=[None] * total, extra_infos=[{}] * total,
+                   weight_versions=[0] * total, dataset_indices=uids, partial=[False] * total)
+
+
+@pytest.mark.parametrize("prefix_sharing", [None, False])
+def test_each_data_parallel_rank_trains_its_share_of_one_ranks_mini_batches(prefix_sharing):
+    """recipes/cpu/tiny_moe_replay.yaml's step: 16 prompts x 4 responses of different lengths, two mini-batches of
+    8 prompts. Balanced by workload over two data-parallel ranks, each rank's j-th mini-batch holds its share of
+    the samples one rank's j-th optimizer step trains, so DP2 (and EP2) learn what one rank does: balancing over
+    the whole step moved samples into the other mini-batch, and the EP2 run's step-2 reward was 0.281 against one
+    rank's 0.25. The ranks' token counts stay balanced in each mini-batch, a prompt's group on one rank."""
+    from types import SimpleNamespace
+
+    from megappo.trainer import phases
+    from megappo.trainer.replay import Replay
+
+    cfg = resolve(load_config("cpu/tiny_moe_replay", [
+        "actor_rollout_ref.model.path=/m", f"actor_rollout_ref.model.use_prefix_sharing={prefix_sharing}"]))
+    batching, samples = settings.batching(cfg), _step_samples(16, 4)
+    assert batching.actor_mini_batches == 2 and cfg.trainer.balance_batch
+    tokens = [3 + len(r) for r in samples.response_ids]
+    shares: list[list[list[int]]] = []  # [rank][mini-batch] the samples it trains
+    for rank in (0, 1):
+        run = SimpleNamespace(cfg=cfg, ps=SimpleNamespace(dp_size=2, dp_rank=rank), batching=batching,
+                              roles=SimpleNamespace(critic=None), replay=Replay("disabled", None), pad_token_id=0)
+        exp = phases.make_experience(run, samples, None)
+        shares.append([[exp.indices[i] for i in mb.tolist()]
+                       for mb in mini_batches(len(exp.indices), batching.actor_mini_batches, shuffle=False, seed=0)])
+    for j in range(2):
+        assert sorted(shares[0][j] + shares[1][j]) == list(range(32 * j, 32 * (j + 1))), f"mini-batch {j}"
+        load = [sum(tokens[i] for i in shares[rank][j]) for rank in (0, 1)]
+        assert abs(load[0] - load[1]) <= 9 * 4, load  # within a group's largest workload difference
+    if prefix_sharing is None:
+        assert all(len({samples.uids[i] for i in shares[0][j]} & {samples.uids[i] for i in shares[1][j]}) == 0
+                   for j in range(2))
+
+
+def test_mini_batch_blocks_are_the_finest_both_roles_mini_batches_are_made_of():
+    assert mini_batch_blocks(64, 2, 2, 1) == 2  # the actor's two mini-batches (no critic)
+    assert mini_batch_blocks(64, 2, 2, 4) == 4  # a critic with mini-batches of half the actor's
+    assert mini_batch_blocks(48, 2, 2, 3) == 6
+    assert mini_batch_blocks(40, 2, 2, 3) == 1  # 3 does not divide a rank's 20 (`mini_batches` says so)
+    parts = balanced_partitions([9, 1, 1, 1, 1, 1, 1, 9], 2, blocks=2)
+    assert parts == [[0, 3, 6, 7], [1, 2, 4, 5]]  # a rank's first half from the first 4 samples, its second after
+    # balanced over the whole step, sample 4 (of the second mini-batch) is in rank 1's first
+    assert balanced_partitions([9, 1, 1, 1, 1, 1, 1, 9], 2) == [[0, 1, 3, 5], [2, 4, 6, 7]]
+    with pytest.raises(ValueError, match="in each of 3 mini-batches"):
+        balanced_partitions([1] * 8, 2, blocks=3)
 
 
 def test_mini_batches_cover_every_sample_once():
