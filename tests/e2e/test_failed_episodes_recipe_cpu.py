@@ -68,8 +68,8 @@ def _run(tmp_path, guess_task_dir, *overrides: str) -> tuple[list[dict], str]:
 
 
 def test_failed_episodes_are_counted_said_once_and_left_out(tmp_path, guess_task_dir):
-    rows, log = _run(tmp_path, guess_task_dir, "trainer.total_training_steps=6")
-    assert [r["step"] for r in rows] == list(range(7))
+    rows, log = _run(tmp_path, guess_task_dir, "trainer.total_training_steps=4")
+    assert [r["step"] for r in rows] == list(range(5))
     trained = [r for r in rows if r["step"] > 0]
     failed = [r["episodes/failed_fraction"] for r in trained]
     assert all(0.05 < f < 0.4 for f in failed), failed
@@ -79,6 +79,18 @@ def test_failed_episodes_are_counted_said_once_and_left_out(tmp_path, guess_task
         assert r["env/reward_mean"] == pytest.approx((1 - f) * r["reward/mean"], abs=1e-6)
     assert log.count("===") == 1 and "ConnectionError: the agent's own service is down" in log
     assert "flaky_agent.py" in log  # the traceback, with the agent's own frame
+
+
+def test_refill_trains_a_full_batch_of_episodes_that_ran(tmp_path, guess_task_dir):
+    rows, log = _run(tmp_path, guess_task_dir, "trainer.total_training_steps=3",
+                     "actor_rollout_ref.rollout.agent.on_failure=refill")
+    trained = [r for r in rows if r["step"] > 0]
+    assert len(trained) == 3 and all(r["train/num_gen_batches"] == 2 for r in trained)
+    assert all(0.05 < r["episodes/failed_fraction"] < 0.4 for r in trained)  # over all 128 episodes generated
+    for r in trained:  # the step's 64 episodes all ran: the agents' mean reward is the trained reward
+        assert r["env/reward_mean"] == pytest.approx(r["reward/mean"], abs=1e-6)
+        assert r["agent/error_fraction"] == 0.0
+    assert log.count("===") == 1
 
 
 @pytest.mark.long
