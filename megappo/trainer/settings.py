@@ -192,7 +192,8 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
         mode=registry.deployment_mode(r.name, r.mode), enforce_eager=r.enforce_eager,
         max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len or _total_length(r),
         free_cache_engine=r.free_cache_engine,
-        log_dir=os.path.join(os.path.abspath(_path(cfg.trainer.default_local_dir)), "servers"))
+        log_dir=os.path.join(os.path.abspath(_path(local)), "servers") if (local := cfg.trainer.default_local_dir)
+        else None)
 
 
 def _path(path: Optional[str]) -> Optional[str]:
