@@ -41,11 +41,8 @@ class AgentConfig:
     # a failed episode (its agent program raised, passed deadline_s, returned something other than a reward or never
     # called; its environment's start or step raised or passed step_timeout_s) is the user's code failing, not
     # evidence about the policy. drop: left out of the loss, its group's statistics made without it (counted in
-    # episodes/failed_fraction); refill: groups with a failed episode are dropped and more batches generated until
-    # data.train_batch_size groups without one are kept, so a step trains on as many episodes as one without
-    # failures (sync mode, rule rewards; DAPO's loop); zero_reward: trained on with reward 0 (the old behaviour);
-    # keep: trained on as it is
-    on_failure: Literal["drop", "refill", "zero_reward", "keep"] = "drop"
+    # episodes/failed_fraction); zero_reward: trained on with reward 0 (the old behaviour); keep: trained on as it is
+    on_failure: Literal["drop", "zero_reward", "keep"] = "drop"
     # stop the run when more than this fraction of a step's episodes fail for max_failure_steps steps in a row: a
     # broken agent or environment (null: never stop)
     max_failure_fraction: Optional[float] = 0.5

@@ -54,11 +54,6 @@ def _check_agent(cfg: MegappoConfig, errors: list[str], check_files: bool) -> No
     _need(errors, not (agent.on_failure == "zero_reward" and cfg.reward_model.enable), f"{p}.on_failure",
           "zero_reward scores failed episodes 0 in place of the rule reward, but reward_model.enable scores them "
           "with the reward model", "use drop (the default) or keep")
-    for ok, key, what in ((cfg.async_training.mode == "sync", "async_training.mode",
-                           f"is {cfg.async_training.mode}: the asynchronous modes train each batch as it comes"),
-                          (not cfg.reward_model.enable, "reward_model.enable", "scores after the rollout phase")):
-        _need(errors, agent.on_failure != "refill" or ok, f"{p}.on_failure",
-              f"refill generates batches until the step is full, but {key} {what}", "use drop (the default)")
     path = agent.agent_loop_config_path
     if check_files and path:
         _need(errors, os.path.isfile(os.path.expanduser(path)), f"{p}.agent_loop_config_path", f"{path} does not exist",

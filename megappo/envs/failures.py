@@ -93,8 +93,8 @@ class FailureWatch:
         trace = next((s.get("traceback") for s in failed if s.get("traceback")), None)
         logged = self._log(agent, kind, failed[0], trace) if log_it else None
         since = f"; {unsaid} more since the last warning" if unsaid else ""
-        fate = {"drop": "left out of the loss", "refill": "their groups replaced by newly generated ones",
-                "zero_reward": "trained on with reward 0", "keep": "trained on as they are"}[self.on_failure]
+        fate = {"drop": "left out of the loss", "zero_reward": "trained on with reward 0",
+                "keep": "trained on as they are"}[self.on_failure]
         where = f"; traceback in {logged}" if logged else ""
         print(f"megappo train: WARNING: {len(failed)} of {n} episodes of agent {agent!r} {FAILURE_KINDS[kind]}: "
               f"{_text(failed[0], kind)} ({fate}: {KEY}.on_failure={self.on_failure}; counted in "

@@ -25,7 +25,6 @@ from megappo.trainer.state import Run
 # metric names that read the sequence score itself (verl: "reward" in 0.9.1, seq_reward / seq_final_reward in its
 # DAPO recipe; without an in-reward KL, which filtering refuses, the three are the same number)
 SCORE_METRICS = ("reward", "seq_reward", "seq_final_reward")
-REFILL_MAX_BATCHES = 8  # on_failure=refill: generation batches one step may take before the run stops
 
 
 @dataclass
@@ -41,7 +40,7 @@ class Scored:
 
 def rollout_and_score(run: Run, source: RolloutSource, step: int, timer: Timer) -> Scored:
     """Generate and score the samples step `step` trains on (timed as `rollout` and `reward`); collective."""
-    if run.cfg.algorithm.filter_groups.enable or _refills(run):
+    if run.cfg.algorithm.filter_groups.enable:
         return _filtered(run, source, step, timer)
     with timer("rollout"):
         samples, metrics = source.take(step)
@@ -64,11 +63,7 @@ def without_training(samples: Samples, skipped: list[bool]) -> Samples:
     return replace(samples, loss_masks=masks)
 
 
-def _refills(run: Run) -> bool:
-    return run.cfg.actor_rollout_ref.rollout.agent.on_failure == "refill"
-
-
-def _turn_metrics(run: Run, samples: Samples, *, failures: bool = True) -> dict[str, float]:
+def _turn_metrics(run: Run, samples: Samples) -> dict[str, float]:
     """multi_turn/*, tool/* and episodes/* of multi-turn samples ({} for single-turn ones); broken tools and
     failing agents or environments are warned of on the console and stop the run when they keep failing
     (RunStopped, on every rank: every rank has the samples)."""
@@ -76,7 +71,7 @@ def _turn_metrics(run: Run, samples: Samples, *, failures: bool = True) -> dict[
         return {}
     import torch.distributed as dist
 
-    from megappo.envs.failures import failure_metrics
+    from megappo.envs.failures import FailureWatch, episode_failure, failure_metrics
     from megappo.envs.metrics import multi_turn_metrics
     from megappo.multi_turn.health import ToolWatch, watch_tools
 
@@ -85,26 +80,16 @@ def _turn_metrics(run: Run, samples: Samples, *, failures: bool = True) -> dict[
         mt = run.cfg.actor_rollout_ref.rollout.multi_turn
         run.tool_watch = ToolWatch(mt.max_tool_failure_fraction, mt.max_tool_failure_steps, speak=dist.get_rank() == 0)
     watch_tools(run.tool_watch, metrics, samples.tool_results)
-    if failures:
-        metrics.update(failure_metrics(watch_failures(run, samples.turn_stats)))
-    return metrics
-
-
-def watch_failures(run: Run, stats: list[Optional[dict]]) -> list[Optional[str]]:
-    """Each episode's failure (`megappo.envs.failures`), said on the console; RunStopped when they keep failing."""
-    import torch.distributed as dist
-
-    from megappo.envs.failures import FailureWatch, episode_failure
-
-    failures = [episode_failure(s) for s in stats]
+    failures = [episode_failure(s) for s in samples.turn_stats]
+    metrics.update(failure_metrics(failures))
     if run.failure_watch is None:
         agent = run.cfg.actor_rollout_ref.rollout.agent
         run.failure_watch = FailureWatch(agent.max_failure_fraction, agent.max_failure_steps, agent.on_failure,
                                          log_dir=run.cfg.trainer.default_local_dir, speak=dist.get_rank() == 0)
-    reason = run.failure_watch.step(stats, failures)
+    reason = run.failure_watch.step(samples.turn_stats, failures)
     if reason:
         raise RunStopped(reason)
-    return failures
+    return metrics
 
 
 def failed_episodes(run: Run, samples: Samples, scores: Optional[list[float]]
@@ -175,21 +160,6 @@ def metric_values(name: str, scores: list[float], scored: phases.RuleScores) -> 
                      "numeric key of the dict the reward function returns")
 
 
-def _keep(run: Run, samples: Samples, scores: list[float], scored: Optional[phases.RuleScores],
-          failed: list[Optional[str]]) -> list[int]:
-    """The groups of a generation batch the step keeps: with filter_groups those whose metric differs; without a
-    judge's unparsed verdict; with on_failure=refill, without a failed episode."""
-    fg = run.cfg.algorithm.filter_groups
-    keep = kept_groups(samples.uids, metric_values(fg.metric, scores, scored)) if fg.enable else \
-        list(dict.fromkeys(samples.uids))
-    bad = set()
-    if scored is not None and scored.skipped:  # a judge's unparsed verdict: the group is dropped, as filtered
-        bad |= {uid for uid, skip in zip(samples.uids, scored.skipped) if skip}
-    if _refills(run):
-        bad |= {uid for uid, f in zip(samples.uids, failed) if f}
-    return [uid for uid in keep if uid not in bad]
-
-
 def kept_groups(uids: list[int], values: list[float]) -> list[int]:
     """The groups (uids, in order of first appearance) whose values are not all equal; a group of one is kept
     (verl's rule: std > 0 or a single sample). NaN (a failed sample) counts as a value of its own."""
@@ -208,12 +178,7 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     all_scores: list[float] = []
     sums: dict[str, float] = {}
     kept = dropped = gen = 0
-    failed: list[Optional[str]] = []  # every generated episode's failure
     while kept < want:
-        if _refills(run) and not fg.enable and gen >= REFILL_MAX_BATCHES:
-            raise RunStopped(f"actor_rollout_ref.rollout.agent.on_failure=refill: step {step} generated {gen} batches "
-                             f"and kept only {kept} of data.train_batch_size={want} prompts whose episodes all ran; "
-                             "fix the agent or environment (episodes/failed_fraction), or use on_failure=drop")
         if 0 < fg.max_num_gen_batches <= gen:
             raise RunStopped(
                 f"algorithm.filter_groups: step {step} generated {gen} batches of {run.cfg.data.gen_batch_size} "
@@ -229,8 +194,10 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
         for k, v in reward_metrics.items():
             sums[k] = sums.get(k, 0.0) + v
         all_scores += scores
-        failed += watch_failures(run, samples.turn_stats) if samples.multi_turn else [None] * len(samples)
-        keep = _keep(run, samples, scores, scored, failed[-len(samples):])
+        keep = kept_groups(samples.uids, metric_values(fg.metric, scores, scored))
+        if scored is not None and scored.skipped:  # a judge's unparsed verdict: the group is dropped, as filtered
+            bad = {uid for uid, skip in zip(samples.uids, scored.skipped) if skip}
+            keep = [uid for uid in keep if uid not in bad]
         dropped += len(set(samples.uids)) - len(keep)
         keep = keep[:want - kept]  # the first train_batch_size kept groups of the step, as verl trims
         chosen = set(keep)
@@ -249,14 +216,8 @@ def _filtered(run: Run, source: RolloutSource, step: int, timer: Timer) -> Score
     # counts add up over the generation batches; the reward function's means are averaged over them
     reward_metrics = {k: v if k.startswith("reward/num_") else v / gen for k, v in sums.items()}
     metrics = phases.staleness(run, merged)
-    metrics.update(_turn_metrics(run, merged, failures=False))
-    if merged.multi_turn:
-        from megappo.envs.failures import failure_metrics
-
-        metrics.update(failure_metrics(failed))  # over every generated episode, the refilled ones' included
-    metrics["train/num_gen_batches"] = float(gen)
-    if run.cfg.algorithm.filter_groups.enable:
-        metrics.update({"filter_groups/num_dropped_groups": float(dropped),
-                        "filter_groups/reward_mean_all": sum(all_scores) / max(len(all_scores), 1)})
+    metrics.update(_turn_metrics(run, merged))
+    metrics.update({"train/num_gen_batches": float(gen), "filter_groups/num_dropped_groups": float(dropped),
+                    "filter_groups/reward_mean_all": sum(all_scores) / max(len(all_scores), 1)})
     merged, part_scores = failed_episodes(run, merged, part_scores)
     return Scored(merged, part_scores, metrics, reward_metrics, part_extras)

@@ -3,10 +3,9 @@ an agent that raises after its first call (chosen by the episode's seed, so the 
 
 Dropped (the default), a failed episode adds nothing to the loss and nothing to reward/*: the step trains on the
 episodes that did not fail, counted every step (episodes/*), said on the console once a minute (not once per
-episode) with the first traceback in the run's episode_errors.log. Measured over the recipe's 40 steps (long tier):
-trained on with reward 0 (`on_failure=zero_reward`, the old behaviour) the rise in reward is far below the dropped
-run's. The dropped run itself rises less than a run without failures, as a run of fewer episodes per step does: a
-clean run of 48 episodes a step (the ~51 a dropped step trains on) measured the same (README: Failed episodes)."""
+episode) with the first traceback in the run's episode_errors.log. Over the recipe's 40 steps (long tier), trained
+on with reward 0 (`on_failure=zero_reward`, the old behaviour) the reward rises far less than dropped (measured:
+-0.01 against 0.14-0.23; without failures 0.27-0.40: README, Failed episodes)."""
 from __future__ import annotations
 
 import shutil
@@ -79,18 +78,6 @@ def test_failed_episodes_are_counted_said_once_and_left_out(tmp_path, guess_task
         assert r["env/reward_mean"] == pytest.approx((1 - f) * r["reward/mean"], abs=1e-6)
     assert log.count("===") == 1 and "ConnectionError: the agent's own service is down" in log
     assert "flaky_agent.py" in log  # the traceback, with the agent's own frame
-
-
-def test_refill_trains_a_full_batch_of_episodes_that_ran(tmp_path, guess_task_dir):
-    rows, log = _run(tmp_path, guess_task_dir, "trainer.total_training_steps=3",
-                     "actor_rollout_ref.rollout.agent.on_failure=refill")
-    trained = [r for r in rows if r["step"] > 0]
-    assert len(trained) == 3 and all(r["train/num_gen_batches"] == 2 for r in trained)
-    assert all(0.05 < r["episodes/failed_fraction"] < 0.4 for r in trained)  # over all 128 episodes generated
-    for r in trained:  # the step's 64 episodes all ran: the agents' mean reward is the trained reward
-        assert r["env/reward_mean"] == pytest.approx(r["reward/mean"], abs=1e-6)
-        assert r["agent/error_fraction"] == 0.0
-    assert log.count("===") == 1
 
 
 @pytest.mark.long

@@ -143,20 +143,9 @@ def test_an_agent_programs_reward_is_its_episodes_unless_the_rule_reward_is_aske
     assert load_config(None, []).actor_rollout_ref.rollout.agent.reward_source == "agent"
 
 
-@pytest.mark.parametrize("policy", ["drop", "refill", "zero_reward", "keep"])
+@pytest.mark.parametrize("policy", ["drop", "zero_reward", "keep"])
 def test_every_policy_is_said_by_its_name(policy):
     out = io.StringIO()
     step = [program(error=1.0, text="ValueError: x"), program()]
     FailureWatch(0.9, 3, policy, out=out).step(step, [episode_failure(s) for s in step])
     assert f"on_failure={policy}" in out.getvalue()
-
-
-@pytest.mark.parametrize("override, key", [("async_training.mode=fully_async", "async_training.mode"),
-                                           ("reward_model.enable=true", "reward_model.enable")])
-def test_refill_is_refused_where_a_step_cannot_be_refilled(override, key):
-    from megappo.config.fields import ConfigError
-    from megappo.config.validate import validate
-
-    cfg = load_config(None, ["actor_rollout_ref.rollout.agent.on_failure=refill", override, "reward_model.path=/m"])
-    with pytest.raises(ConfigError, match=f"on_failure.*refill generates batches until the step is full, but {key}"):
-        validate(cfg, check_files=False)

@@ -4,12 +4,12 @@ that raises after its first call in a share of its episodes, under each `rollout
 Each run is `python -m megappo.cli train --config recipes/cpu/tiny_openai_agent_ppo.yaml ...` in a fresh folder
 (the guess_number task's warm start is made once and copied), validation off. Printed per condition: the rise in
 reward (`megappo.testing.recipes.learned`: the mean reward/mean of the last five steps minus the first five's;
-with drop and refill reward/mean is the reward of the episodes trained on, with zero_reward and keep that of all),
+with drop reward/mean is the reward of the episodes trained on, with zero_reward and keep that of all),
 its mean and standard deviation over the seeds, the mean early KL (kl/mean of steps 2-4) and seconds per step.
 
     python tools/bench/bench_failed_episodes.py --seeds 0 2 3 --fail 0.2 --steps 40
 
-One run is ~2 minutes on 2 cores (refill ~2x); the default, 4 conditions x 3 seeds, is ~30 minutes.
+One run is ~2 minutes on 2 cores; the default, 3 conditions x 3 seeds, is ~20 minutes.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 2, 3])
     ap.add_argument("--fail", type=float, default=0.2, help="share of episodes whose agent raises")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--conditions", nargs="+", default=["clean", "drop", "refill", "zero_reward"])
+    ap.add_argument("--conditions", nargs="+", default=["clean", "drop", "zero_reward"])
     args = ap.parse_args()
     from megappo.config import load_config
     from megappo.tasks import prepare_task
