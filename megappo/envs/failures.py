@@ -114,5 +114,5 @@ class FailureWatch:
 
 def _text(stats: dict, kind: str) -> str:
     """The failure's one-line description."""
-    text = stats.get("error_text") or FAILURE_KINDS[kind]
-    return str(text).strip().splitlines()[0][:300] if str(text).strip() else FAILURE_KINDS[kind]
+    text = str(stats.get("error_text") or "").strip()
+    return text.splitlines()[0][:300] if text else FAILURE_KINDS[kind]

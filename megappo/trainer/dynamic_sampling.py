@@ -122,12 +122,11 @@ def _score(run: Run, samples: Samples) -> tuple[Optional[list[float]], dict[str,
     if run.cfg.reward_model.enable:
         return None, {}, None
     scored = phases.score_samples(run, samples)
-    if samples.multi_turn:
-        scored = replace(scored, scores=episode_rewards(scored.scores, samples.turn_stats,
-                                                        run.cfg.actor_rollout_ref.rollout.agent.reward_source))
-    if samples.multi_turn:  # the tools' own rewards add to the step reward
+    if samples.multi_turn:  # an agent program's own reward; the tools' own rewards add to the step reward
+        source = run.cfg.actor_rollout_ref.rollout.agent.reward_source
+        scores = episode_rewards(scored.scores, samples.turn_stats, source)
         scored = replace(scored, scores=[s + (t["tool_reward"] if t else 0.0)
-                                         for s, t in zip(scored.scores, samples.turn_stats)])
+                                         for s, t in zip(scores, samples.turn_stats)])
     ob = run.cfg.reward_model.overlong_buffer
     if not ob.enable:
         return scored.scores, scored.metrics, scored

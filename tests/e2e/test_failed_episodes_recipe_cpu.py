@@ -1,5 +1,6 @@
 """Failed episodes do not teach the policy: recipes/cpu/tiny_openai_agent_ppo.yaml with one episode in five played by
-an agent that raises after its first call (chosen by the episode's seed, so the same episodes of every run fail).
+an agent that raises after its first call (megappo/testing/flaky_agent.py: chosen by a hash of the episode's seed, so
+the same episodes of every run fail).
 
 Dropped (the default), a failed episode adds nothing to the loss and nothing to reward/*: the step trains on the
 episodes that did not fail, counted every step (episodes/*), said on the console once a minute (not once per
@@ -9,51 +10,21 @@ on with reward 0 (`on_failure=zero_reward`, the old behaviour) the reward rises 
 from __future__ import annotations
 
 import shutil
-import textwrap
 
 import pytest
 
-from megappo.testing import golden
+from megappo.testing import flaky_agent, golden
 from megappo.testing.recipes import learned, run_recipe
 
 pytestmark = pytest.mark.e2e
 RECIPE = "recipes/cpu/tiny_openai_agent_ppo.yaml"
 FAILING = 0.2
 
-AGENT = textwrap.dedent(f"""
-    import random
-
-    import openai
-
-    from megappo.tasks.guess_number import GuessNumberEnv
-
-
-    def play(base_url, api_key, row):
-        fails = row.seed is not None and random.Random(row.seed).random() < {FAILING}
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
-        game, reward = GuessNumberEnv(), 0.0
-        messages = game.start(row)
-        try:
-            while True:
-                reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-                if fails:
-                    raise ConnectionError("the agent's own service is down")
-                said = {{"role": "assistant", "content": reply.choices[0].message.content or ""}}
-                step = game.step(said)
-                reward += step.reward
-                if step.done:
-                    return reward
-                messages = messages + [said] + step.messages
-        finally:
-            game.close()
-            client.close()
-""")
-
 
 def _agents(tmp_path) -> str:
-    (tmp_path / "flaky_agent.py").write_text(AGENT)
     config = tmp_path / "agents.yaml"
-    config.write_text("- name: guess_number\n  agent: flaky_agent.py:play\n  deadline_s: 120\n")
+    config.write_text("- name: guess_number\n  agent: megappo.testing.flaky_agent:play\n"
+                      f"  kwargs: {{share: {FAILING}}}\n  deadline_s: 120\n")
     return str(config)
 
 
@@ -76,7 +47,7 @@ def test_failed_episodes_are_counted_said_once_and_left_out(tmp_path, guess_task
     for r in trained:  # reward/* is the episodes trained on; env/reward_mean counts every episode (failed: 0)
         f = r["episodes/failed_fraction"]
         assert r["env/reward_mean"] == pytest.approx((1 - f) * r["reward/mean"], abs=1e-6)
-    assert log.count("===") == 1 and "ConnectionError: the agent's own service is down" in log
+    assert log.count("===") == 1 and f"ConnectionError: {flaky_agent.ERROR}" in log
     assert "flaky_agent.py" in log  # the traceback, with the agent's own frame
 
 

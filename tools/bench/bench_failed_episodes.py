@@ -1,5 +1,6 @@
 """What failed episodes teach: recipes/cpu/tiny_openai_agent_ppo.yaml over several seeds, with and without an agent
-that raises after its first call in a share of its episodes, under each `rollout.agent.on_failure`.
+that raises after its first call in a share of its episodes (megappo/testing/flaky_agent.py), under each
+`rollout.agent.on_failure`.
 
 Each run is `python -m megappo.cli train --config recipes/cpu/tiny_openai_agent_ppo.yaml ...` in a fresh folder
 (the guess_number task's warm start is made once and copied), validation off. Printed per condition: the rise in
@@ -21,49 +22,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "recipes/cpu/tiny_openai_agent_ppo.yaml"
-AGENT = textwrap.dedent("""
-    import hashlib
-
-    import openai
-
-    from megappo.tasks.guess_number import GuessNumberEnv
-
-    SHARE = {share}
-
-
-    def play(base_url, api_key, row):
-        # which episodes fail: a hash of the episode's seed, independent of everything the episode samples
-        fails = int(hashlib.sha256(f"fail-{{row.seed}}".encode()).hexdigest(), 16) % 10_000 < SHARE * 10_000
-        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
-        game, reward = GuessNumberEnv(), 0.0
-        messages = game.start(row)
-        try:
-            while True:
-                reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-                if fails:
-                    raise ConnectionError("the agent's own service is down")
-                said = {{"role": "assistant", "content": reply.choices[0].message.content or ""}}
-                step = game.step(said)
-                reward += step.reward
-                if step.done:
-                    return reward
-                messages = messages + [said] + step.messages
-        finally:
-            game.close()
-            client.close()
-""")
-
-
 def run(work: Path, task: Path, name: str, share: float, seed: int, steps: int, *overrides: str) -> list[dict]:
     out = work / name
     shutil.copytree(task, out / "synthetic")
-    (out / "flaky_agent.py").write_text(AGENT.format(share=share))
-    (out / "agents.yaml").write_text("- name: guess_number\n  agent: flaky_agent.py:play\n  deadline_s: 120\n")
+    (out / "agents.yaml").write_text("- name: guess_number\n  agent: megappo.testing.flaky_agent:play\n"
+                                     f"  kwargs: {{share: {share}}}\n  deadline_s: 120\n")
     cmd = [sys.executable, "-m", "megappo.cli", "train", "--config", RECIPE, f"trainer.default_local_dir={out}",
            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={out / 'agents.yaml'}", "trainer.test_freq=-1",
            "trainer.val_before_train=false", f"trainer.total_training_steps={steps}", f"data.seed={seed}",
