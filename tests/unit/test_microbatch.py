@@ -116,3 +116,14 @@ def test_pad_to_keeps_tokens_and_positions():
     assert padded.prompt_lengths().tolist() == [2, 4, 0]
     with pytest.raises(ValueError, match="smaller than the batch"):
         batch.pad_to(1, batch.prompt_len, batch.response_len)
+
+
+def test_a_batch_whose_every_response_is_empty_keeps_one_masked_column():
+    """A step whose agents all failed before calling has only empty responses: the batch still has a response
+    column (padding, masked), so every phase's [B, R] indexing and reductions work (was: IndexError in amax)."""
+    from megappo.models.batch import ModelBatch
+
+    b = ModelBatch.from_token_lists([[5, 6], [7]], [[], []], pad_token_id=0)
+    assert b.response_len == 1 and b.response_mask.tolist() == [[0], [0]]
+    assert b.response_lengths().tolist() == [0, 0] and b.prompt_lengths().tolist() == [2, 1]
+    assert b.input_ids[:, -1].tolist() == [0, 0]
