@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _parallel import assign_groups, built_once, exclusive, machine_turn
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,6 +35,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    assign_groups(items)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: waiting for the turn is not the test's time
+def pytest_runtest_protocol(item, nextitem):
+    with machine_turn(item):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +87,15 @@ def guess_task_dir(tmp_path_factory) -> str:
     from megappo.testing.golden import GOLDEN_ENV
 
     syn = load_config("cpu/tiny_env_ppo").data.synthetic
-    out = tmp_path_factory.mktemp("guess_task") / "synthetic"
-    code = (f"from megappo.tasks import prepare_task; prepare_task({syn.name!r}, {str(out / syn.name)!r}, "
-            f"num_train_prompts={syn.num_train_prompts}, num_val_prompts={syn.num_val_prompts}, "
-            f"warm_start_steps={syn.warm_start_steps}, seed={syn.seed})")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **GOLDEN_ENV}, timeout=600)
-    return str(out)
+
+    def build(root: Path) -> None:
+        out = root / "synthetic"
+        code = (f"from megappo.tasks import prepare_task; prepare_task({syn.name!r}, {str(out / syn.name)!r}, "
+                f"num_train_prompts={syn.num_train_prompts}, num_val_prompts={syn.num_val_prompts}, "
+                f"warm_start_steps={syn.warm_start_steps}, seed={syn.seed})")
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **GOLDEN_ENV}, timeout=600)
+
+    return str(built_once(tmp_path_factory, "guess_task", build) / "synthetic")
 
 
 @pytest.fixture(scope="session")
@@ -95,10 +106,12 @@ def tool_task_dir(tmp_path_factory) -> str:
     from megappo.tasks import prepare_task
 
     syn = load_config("cpu/tiny_tool_ppo").data.synthetic
-    out = tmp_path_factory.mktemp("tool_task") / "synthetic"
-    prepare_task(syn.name, str(out / syn.name), num_train_prompts=syn.num_train_prompts,
-                 num_val_prompts=syn.num_val_prompts, warm_start_steps=syn.warm_start_steps, seed=syn.seed)
-    return str(out)
+
+    def build(root: Path) -> None:
+        prepare_task(syn.name, str(root / "synthetic" / syn.name), num_train_prompts=syn.num_train_prompts,
+                     num_val_prompts=syn.num_val_prompts, warm_start_steps=syn.warm_start_steps, seed=syn.seed)
+
+    return str(built_once(tmp_path_factory, "tool_task", build) / "synthetic")
 
 
 @pytest.fixture(scope="session")
@@ -112,15 +125,18 @@ def distill_task_dir(tmp_path_factory) -> str:
     from megappo.testing.golden import GOLDEN_ENV
 
     syn = load_config("cpu/tiny_distill").data.synthetic
-    out = tmp_path_factory.mktemp("distill_task") / "synthetic"
-    code = (f"from megappo.tasks import prepare_task; from megappo.tasks.teacher import prepare_teacher; "
-            f"prepare_task({syn.name!r}, {str(out / syn.name)!r}, num_train_prompts={syn.num_train_prompts}, "
-            f"num_val_prompts={syn.num_val_prompts}, warm_start_steps={syn.warm_start_steps}, seed={syn.seed}); "
-            f"prepare_teacher({syn.name!r}, {str(out / (syn.name + '-teacher'))!r}, "
-            f"smoothing={syn.teacher_smoothing}, warm_start_steps={syn.teacher_warm_start_steps}, "
-            f"num_val_prompts={syn.num_val_prompts}, seed={syn.seed})")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **GOLDEN_ENV}, timeout=600)
-    return str(out)
+
+    def build(root: Path) -> None:
+        out = root / "synthetic"
+        code = (f"from megappo.tasks import prepare_task; from megappo.tasks.teacher import prepare_teacher; "
+                f"prepare_task({syn.name!r}, {str(out / syn.name)!r}, num_train_prompts={syn.num_train_prompts}, "
+                f"num_val_prompts={syn.num_val_prompts}, warm_start_steps={syn.warm_start_steps}, "
+                f"seed={syn.seed}); prepare_teacher({syn.name!r}, {str(out / (syn.name + '-teacher'))!r}, "
+                f"smoothing={syn.teacher_smoothing}, warm_start_steps={syn.teacher_warm_start_steps}, "
+                f"num_val_prompts={syn.num_val_prompts}, seed={syn.seed})")
+        subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **GOLDEN_ENV}, timeout=600)
+
+    return str(built_once(tmp_path_factory, "distill_task", build) / "synthetic")
 
 
 def _install_hash(tools: Path = SGLANG_TOOLS, names: tuple[str, ...] = (
@@ -137,11 +153,14 @@ def _cached_venv(engine: str, tools: Path, names: tuple[str, ...]) -> str:
     venv = Path(os.environ.get(f"MEGAPPO_{engine.upper()}_VENV")
                 or Path.home() / ".cache" / "megappo" / f"{engine}-cpu-{_install_hash(tools, names)}")
     ready = venv / ".megappo-ready"
-    if not ready.exists():
-        proc = subprocess.run(["bash", str(tools / "install_cpu.sh"), str(venv)], capture_output=True,
-                              text=True, timeout=1200)
-        assert proc.returncode == 0, f"building the {engine} venv failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        ready.write_text("ok\n")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(venv.parent / f"{venv.name}.lock"):  # two workers (or two suites) build it once
+        if not ready.exists():
+            proc = subprocess.run(["bash", str(tools / "install_cpu.sh"), str(venv)], capture_output=True,
+                                  text=True, timeout=1200)
+            assert proc.returncode == 0, \
+                f"building the {engine} venv failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+            ready.write_text("ok\n")
     return str(venv / "bin" / "python")
 
 

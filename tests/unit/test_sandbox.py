@@ -18,7 +18,7 @@ from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, Sa
 
 from _sandbox_host import busy_children, sandbox_processes
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]  # its host checks see the whole machine
 
 SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}

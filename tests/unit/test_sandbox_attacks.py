@@ -16,7 +16,7 @@ from megappo.multi_turn.sandbox import Limits, Sandbox, SandboxUnavailable
 
 from _sandbox_host import SCAN, HostState, libc_prelude, sandbox_processes
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]  # its host checks see the whole machine
 SECRET = f"megappo-secret-{uuid.uuid4().hex}"
 LIMITS = Limits(timeout_s=5, cpu_s=4, memory_mb=192, max_processes=16, max_file_mb=64, disk_mb=32)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
