@@ -133,12 +133,16 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
             phases.advantages(run, exp)
             if run.teachers is not None:
                 m.update(distill.distill_advantages(run, exp))
-        if run.roles.critic is not None:
+        idle = phases.trains_on_nothing(exp)  # then no optimizer steps: zero gradients would still move weights
+        if idle:
+            m["train/nothing_to_train"] = 1.0
+        if run.roles.critic is not None and not idle:
             with timer("update_critic"):
                 m.update(phases.update_critic(run, exp, step))
         if step > cfg.trainer.critic_warmup:
-            with timer("update_actor"):
-                m.update(phases.update_actor(run, exp, step))
+            if not idle:
+                with timer("update_actor"):
+                    m.update(phases.update_actor(run, exp, step))
             with timer("weight_sync"):
                 stopping = stop is not None and stop.reason() is not None
                 m.update(source.around_sync(step, phases.skip_sync if stopping else phases.sync_weights))

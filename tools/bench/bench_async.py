@@ -52,10 +52,18 @@ megatron's 1024-wide padded vocabulary at every token. Long-tailed lengths (sigm
 generation run to ~the batch's longest response while training pays for the mean: that puts generation near half
 of a sync step. The header prints the measured split.
 
-Two workloads (`WORKLOADS`): "balanced" (responses up to --max-response tokens) and "tiny_gen" (the same model and
-prompts with data.max_response_length=--tiny-response, 2: the answer and one more token, so generation is ~15% of a
-sync step and one_step_off's cost against sync is mostly its overhead: weight sync into the engine's process,
-hand-over of the batch). The reward is unchanged (the answer is the first token).
+Three workloads (`WORKLOADS`): "balanced" (responses up to --max-response tokens), "gen_heavy" (a model of its own,
+warm-started on a longer tail, --gen-median and --gen-sigma up to --gen-response tokens: a batch generates until
+its longest row, near the budget, while training pays for the mean, so generation is at least half of a sync step;
+each sync run prints its share) and "tiny_gen" (the balanced model and prompts with
+data.max_response_length=--tiny-response, 2: the answer and one more token, so generation is ~15% of a sync step
+and one_step_off's cost against sync is mostly its overhead: weight sync into the engine's process, hand-over of
+the batch). The reward is unchanged (the answer is the first token).
+
+Reward gap (--seeds 1,2,3,...): every configuration runs once per seed (data.seed: prompt order and every sample's
+draw; the critic head's initialisation), and each asynchronous mode's reward minus the best sync's is paired by
+seed. Staleness (a step's samples come from the policy one update older) lowers it on every seed: a mean gap beyond
+two standard errors; noise gives gaps of both signs, as large as sync's own seed-to-seed spread.
 
 TRL (--trl): TRL 1.12's PPO trainer (`trl.experimental.ppo.PPOTrainer`, the timers of
 tools/bench/bench_ppo_iteration.py) on the same workload: the same warm-started policy and reference, a value
@@ -66,8 +74,9 @@ asynchronous mode; it runs with each --sync-threads count and its best is printe
 Differences that remain: TRL generates with HF `generate` (batched sampling) and updates actor and critic in one
 fused backward; its old log-probs come from the sampling logits.
 
-    python tools/bench/bench_async.py [--quick] [--repeats 2] [--steps 14] [--workloads balanced,tiny_gen]
-        [--modes sync,one_step_off,fully_async] [--sync-threads 1,2] [--trl] [--profile] [--json out.json]
+    python tools/bench/bench_async.py [--quick] [--repeats 2] [--steps 14] [--workloads balanced,gen_heavy,tiny_gen]
+        [--modes sync,one_step_off,fully_async] [--sync-threads 1,2] [--seeds 1,2,3] [--trl] [--profile]
+        [--json out.json]
 
 --profile runs one more one_step_off "balanced" run under py-spy (in the venv; --subprocesses, so the engine's
 child process too) and prints each process's CPU seconds by phase (trainer: megappo/trainer/phases.py's phases;
@@ -126,9 +135,13 @@ MODES: dict[str, dict] = {
                         trainer_threads=(1,), engine_threads=1, target=1.4),
 }
 # workload -> its response budget (--max-response or --tiny-response), the issue's target for it, what it shows
+# "gen_heavy" has a model of its own: warm-started on a longer tail of lengths (--gen-median, --gen-sigma, up to
+# --gen-response tokens), so a batch generates until its longest row (~the budget) while training pays for the mean
 WORKLOADS: dict[str, dict] = {
     "balanced": dict(response="max", target="speedup",
                      what="generation about as long as training (lognormal lengths)"),
+    "gen_heavy": dict(response="gen", target="speedup",
+                      what="generation at least half of a sync step (a longer tail of lengths)"),
     "tiny_gen": dict(response="tiny", target="overhead",
                      what="generation negligible: the asynchronous modes' overhead"),
 }
@@ -139,10 +152,12 @@ PHASES = ("rollout", "wait_for_rollout", "weight_sync", "reward", "ref", "old_lo
 # ------------------------------------------------------------------------------------------------------------
 # workload: digit_max prompts and reward, a model warm-started to stop after a lognormal number of tokens
 # ------------------------------------------------------------------------------------------------------------
-def model_spec(args) -> dict:
-    return dict(hidden=args.hidden, layers=args.layers, median=args.median, sigma=args.sigma,
-                max_response=args.max_response, warm_steps=args.warm_steps, val_prompts=VAL_PROMPTS, seed=0,
-                format=WORKLOAD_FORMAT)
+def model_spec(args, workload: str) -> dict:
+    gen = WORKLOADS[workload]["response"] == "gen"
+    return dict(hidden=args.hidden, layers=args.layers, median=args.gen_median if gen else args.median,
+                sigma=args.gen_sigma if gen else args.sigma,
+                max_response=args.gen_response if gen else args.max_response, warm_steps=args.warm_steps,
+                val_prompts=VAL_PROMPTS, seed=0, format=WORKLOAD_FORMAT)
 
 
 def draw_length(rng: random.Random, spec: dict) -> int:
@@ -285,6 +300,11 @@ def overrides(work: dict, max_response: int, batch: int, mode: str, steps: int, 
     return o
 
 
+def seed_overrides(seed: int | None) -> list[str]:
+    """A run's seeds: data.seed (prompt order, every sample's draw) and the initialisation (the critic's head)."""
+    return [] if seed is None else [f"data.seed={seed}", f"{ARR}.actor.megatron.seed={42 + seed}"]
+
+
 def run_one(work: dict, max_response: int, batch: int, mode: str, threads: int, steps: int, reward_steps: int,
             extra: list[str], profile_to: str | None = None) -> dict:
     """One `megappo train` subprocess (under py-spy when `profile_to`); its summary, or {"error": ...}."""
@@ -342,6 +362,7 @@ def summarize(rows: list[dict], batch: int, mode: str, reward_steps: int, wall: 
         "samples_per_s": batch * len(steady) / step_s,
         "step_s": step_s / len(steady),
         "idle": idle_s / step_s,
+        "gen_share": rollout_s / step_s if mode == "sync" else float("nan"),  # generation's share of a sync step
         "gen_s": gen_s,
         "train_s": (step_s - idle_s) / len(steady),
         "reward": reward,
@@ -508,6 +529,12 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.9, help="lognormal sigma of the spaces after the answer")
     p.add_argument("--max-response", type=int, default=128, help="response budget of the balanced workload")
     p.add_argument("--tiny-response", type=int, default=2, help="response budget of the tiny_gen workload")
+    p.add_argument("--gen-response", type=int, default=256, help="response budget of the gen_heavy workload")
+    p.add_argument("--gen-median", type=float, default=24, help="gen_heavy: median spaces after the answer")
+    p.add_argument("--gen-sigma", type=float, default=1.2, help="gen_heavy: lognormal sigma of the spaces")
+    p.add_argument("--seeds", default="", help="comma-separated data seeds: every configuration runs once per seed "
+                   "and repeat, and the reward gap of each asynchronous mode to the best sync is paired by seed "
+                   "(staleness or noise); empty: the recipe's seed")
     p.add_argument("--warm-steps", type=int, default=200, help="supervised warm-start steps of the model")
     p.add_argument("--cache-dir", default=tempfile.gettempdir(), help="where the warm-started model is kept")
     p.add_argument("--rebuild", action="store_true", help="warm-start the model again even if cached")
@@ -534,17 +561,21 @@ def main() -> None:
 
     load0 = os.getloadavg()[0]
     t_start = time.perf_counter()
-    work = build_workload(args.cache_dir, model_spec(args), args.rebuild)
+    works = {wl: build_workload(args.cache_dir, model_spec(args, wl), args.rebuild) for wl in workloads}
     import torch
 
+    first = next(iter(works.values()))
     print(f"bench_async: torch {torch.__version__}, {os.cpu_count()} CPUs, 1-min load {load0:.1f}; workload model "
-          f"Qwen2 hidden {args.hidden} x {args.layers} layers ({work['params']:,} params), batch {args.batch}, "
+          f"Qwen2 hidden {args.hidden} x {args.layers} layers ({first['params']:,} params), batch {args.batch}, "
           f"{args.steps} steps (first not measured), reward over the last {args.reward_steps}")
     q = lambda d: f"p10 {d['p10']} p50 {d['p50']} p90 {d['p90']} max {d['max']} mean {d['mean']}"  # noqa: E731
-    print(f"  response lengths (tokens, answer + spaces + EOS) sampled from the warm start: {q(work['sampled'])}; "
-          f"target lognormal(median {args.median:g}, sigma {args.sigma:g}) + 2: {q(work['target'])}; warm-start "
-          f"reward at temperature 1: {work['warm_reward']:.3f} (built in {work['build_s']} s, cached in "
-          f"{os.path.dirname(work['model_dir'])})")
+    for wl, work in works.items():
+        spec = work["spec"]
+        print(f"  {wl}: response lengths (tokens, answer + spaces + EOS) sampled from the warm start: "
+              f"{q(work['sampled'])}; target lognormal(median {spec['median']:g}, sigma {spec['sigma']:g}) + 2: "
+              f"{q(work['target'])}; warm-start reward at temperature 1: {work['warm_reward']:.3f} (built in "
+              f"{work['build_s']} s, cached in {os.path.dirname(work['model_dir'])})")
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or [None]
 
     configs: dict[str, list[tuple[str, str, int]]] = {}  # workload -> [(label, mode, threads)]
     for wl in workloads:
@@ -555,26 +586,30 @@ def main() -> None:
                                           if MODES[mode]["engine_threads"] else "")
                 cfgs.append((label, mode, t))
         configs[wl] = cfgs
-    budget = lambda wl: args.max_response if WORKLOADS[wl]["response"] == "max" else args.tiny_response  # noqa
+    budget = lambda wl: {"max": args.max_response, "gen": args.gen_response,  # noqa: E731
+                         "tiny": args.tiny_response}[WORKLOADS[wl]["response"]]
     results: dict[str, dict] = {wl: {label: {"runs": []} for label, _, _ in configs[wl]} for wl in workloads}
     trl_error = None
     if args.trl and importlib.util.find_spec("trl") is None:
         trl_error = "trl is not installed (pip install trl==1.12.0; check that torch keeps its version)"
         print(f"  TRL: {trl_error}")
     trl_threads = sync_threads if args.trl and trl_error is None else []
-    for rep in range(args.repeats):  # round-robin, so that the machine's load drifts over every configuration alike
+    rounds = [(rep, seed) for rep in range(args.repeats) for seed in seeds]
+    for i, (rep, seed) in enumerate(rounds):  # round-robin: the machine's load drifts over every configuration alike
         for wl in workloads:
             for label, mode, t in configs[wl] + [(f"TRL t{t}", "TRL", t) for t in trl_threads]:
                 if mode == "TRL":
-                    r = run_trl(work, budget(wl), args.batch, args.steps, args.reward_steps, t, KL_COEF)
+                    r = run_trl(works[wl], budget(wl), args.batch, args.steps, args.reward_steps, t, KL_COEF)
                 else:
-                    r = run_one(work, budget(wl), args.batch, mode, t, args.steps, args.reward_steps,
-                                args.megappo_override)
+                    r = run_one(works[wl], budget(wl), args.batch, mode, t, args.steps, args.reward_steps,
+                                args.megappo_override + seed_overrides(seed))
+                r["seed"] = seed
                 results[wl].setdefault(label, {"runs": []})["runs"].append(r)
                 status = r["error"].splitlines()[0] if "error" in r else \
-                    f"{r['samples_per_s']:.1f} samples/s, reward {r['reward']:.3f}"
-                print(f"  [round {rep + 1}/{args.repeats}] {wl:<9} {label:<24} {status} "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                    (f"{r['samples_per_s']:.1f} samples/s, reward {r['reward']:.3f}"
+                     + (f", generating {r['gen_share']:.0%} of the step" if mode == "sync" else ""))
+                print(f"  [round {i + 1}/{len(rounds)}{'' if seed is None else f', seed {seed}'}] {wl:<9} "
+                      f"{label:<24} {status} (load {os.getloadavg()[0]:.1f})", flush=True)
 
     best: dict[str, str | None] = {}
     targets = {}
@@ -589,11 +624,14 @@ def main() -> None:
         best_trl = max(trls, key=lambda k: results[wl][k]["agg"]["samples_per_s"]["median"]) if trls else None
         print_phases(results[wl], [best[wl]] + [lab for lab, m, _ in configs[wl] if m != "sync"] + [best_trl])
         targets[wl] = check_targets(wl, results[wl], configs[wl], best[wl])
+        if len(seeds) > 1 and WORKLOADS[wl]["target"] == "speedup":
+            targets[wl]["reward_gap"] = reward_gap(results[wl], configs[wl], best[wl])
 
     profile = None
     if args.profile and "one_step_off" in MODES:
         prof_path = os.path.join(tempfile.gettempdir(), f"megappo_bench_async_profile_{os.getpid()}.txt")
-        r = run_one(work, args.max_response, args.batch, "one_step_off", 1, args.steps, args.reward_steps,
+        r = run_one(works.get("balanced", first), args.max_response, args.batch, "one_step_off", 1, args.steps,
+                    args.reward_steps,
                     args.megappo_override, profile_to=prof_path)
         if "error" in r or not os.path.exists(prof_path):
             print("\nprofile: " + r.get("error", "py-spy wrote nothing"))
@@ -606,7 +644,7 @@ def main() -> None:
           f"one_step_off needs both cores); total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "workload": work, "load": [load0, load1], "best_sync": best,
+            json.dump({"args": vars(args), "workloads": works, "load": [load0, load1], "best_sync": best,
                        "targets": targets, "results": results, "profile": profile,
                        "trl_error": trl_error}, f, indent=1, default=str)
         print(f"wrote {args.json}")
@@ -665,6 +703,35 @@ def check_targets(wl: str, res: dict, cfgs: list, best_sync: str | None) -> dict
             print(f"  target {label} overhead <= 5% (>= 0.95x best sync, {best_sync}): {ratio:.2f}x "
                   f"[{lo:.2f}-{hi:.2f}] -> {'MET' if ok else 'MISSED'}{eq}")
             out[label] = {"ratio": ratio, "ratio_range": [lo, hi], "met": ok}
+    return out
+
+
+def reward_gap(res: dict, cfgs: list, best_sync: str | None) -> dict:
+    """Each asynchronous mode's reward minus the best sync's, paired by seed (a seed's repeats log the same rewards).
+    Staleness lowers the reward on every seed: a mean gap beyond 2 standard errors. Noise gives gaps of both signs,
+    of the size of the seed-to-seed spread of sync's own reward."""
+    def by_seed(label: str, key: str) -> dict:
+        return {r["seed"]: r[key] for r in res.get(label, {}).get("runs", [])
+                if "error" not in r and r.get(key) is not None}
+
+    out = {}
+    if best_sync is None:
+        return out
+    for label, mode, _ in cfgs:
+        if mode == "sync":
+            continue
+        for key, what in (("reward", "training reward, last K steps"), ("val_reward", "final policy, held out")):
+            base, mine = by_seed(best_sync, key), by_seed(label, key)
+            diffs = [mine[s] - base[s] for s in sorted(mine) if s in base]
+            if len(diffs) < 2:
+                continue
+            mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+            sync_sd = statistics.stdev(base.values())
+            verdict = "staleness" if abs(mean) > 2 * se else "noise"
+            print(f"  reward gap {label} - {best_sync} ({what}) over {len(diffs)} seeds: "
+                  + " ".join(f"{d:+.3f}" for d in diffs) + f"; mean {mean:+.3f} +- {se:.3f} (SE); sync's own "
+                  f"seed-to-seed SD {sync_sd:.3f} -> {verdict}")
+            out[f"{label} {key}"] = {"diffs": diffs, "mean": mean, "se": se, "sync_sd": sync_sd, "verdict": verdict}
     return out
 
 
