@@ -70,3 +70,10 @@ def explained_variance_dp(returns: torch.Tensor, values: torch.Tensor, mask: tor
     n = max(n, 1.0)
     var_ret, var_res = s2 / n - (s1 / n) ** 2, r2 / n - (r1 / n) ** 2
     return 1.0 - var_res / (var_ret + 1e-8)
+
+
+def trains_on_nothing(mask: torch.Tensor, ps: ParallelState) -> bool:
+    """Whether no rank has a token to train on this step (`mask` [B, R], this rank's loss mask: every episode failed
+    and was dropped, or a judge skipped every group). Its updates are skipped: an optimizer step on zero gradients
+    still moves the weights (AdamW's weight decay, Adam's moments of earlier steps)."""
+    return dp_sum([float(mask.sum())], ps)[0] == 0

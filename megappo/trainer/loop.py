@@ -11,6 +11,7 @@ from megappo.distill import phases as distill
 from megappo.trainer import checkpointing, dynamic_sampling, phases
 from megappo.trainer.async_rollout import rollout_source
 from megappo.trainer.build import rollback, setup, teardown
+from megappo.trainer.dp import trains_on_nothing
 from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
 from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest, write_status
@@ -133,7 +134,7 @@ def train_step(run: Run, source: RolloutSource, step: int, stop: Optional[StopRe
             phases.advantages(run, exp)
             if run.teachers is not None:
                 m.update(distill.distill_advantages(run, exp))
-        idle = phases.trains_on_nothing(exp)  # then no optimizer steps: zero gradients would still move weights
+        idle = trains_on_nothing(exp.mask, run.ps)  # then no optimizer steps: zero gradients would still move weights
         if idle:
             m["train/nothing_to_train"] = 1.0
         if run.roles.critic is not None and not idle:

@@ -365,13 +365,6 @@ def _train(run: Run, role, exp: Experience, loss_fn, micro, *, count: int, epoch
     return out
 
 
-def trains_on_nothing(exp: Experience) -> bool:
-    """Whether no rank has a token to train on this step (every episode failed and was dropped, or a judge skipped
-    every group). Its updates are skipped: an optimizer step on zero gradients still moves the weights (AdamW's
-    weight decay; Adam's moments of earlier steps). Agreed by every rank (a collective)."""
-    return reduce_over_ranks([float(exp.mask.sum())])[0] == 0
-
-
 def update_critic(run: Run, exp: Experience, step: int) -> dict[str, float]:
     b = run.batching
     with gradients_allocated(run.roles.critic.chunks):  # freed between updates: the actor's update has the memory
