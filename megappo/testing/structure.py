@@ -44,14 +44,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 # megappo's top-level packages and modules, bottom to top: each may import only those on its own level (a tuple) or
-# below. `testing` stands outside: it may import anything, and only tests import it.
+# below. `testing` stands outside: it may import anything, and only tests import it. algos and data import nothing
+# of megappo and the config's rules use both, so they stand below config.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
-    "platform", "parallel", "config", "algos", "data", "models", "convert", "kinds", "rollout", "multi_turn",
+    "platform", "parallel", "algos", "data", "config", "models", "convert", "kinds", "rollout", "multi_turn",
     "rewards", "envs", ("tasks", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"), "cli",
 )
 OUTSIDE_ORDER = ("testing",)
 # ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
-LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 27}
+LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 23}
 
 
 def _files() -> dict[str, Path]:
