@@ -2,6 +2,10 @@
 files (function-local imports included) and its cycles, the layering rules, file and function lengths, and each
 capability's branch points outside its own home.
 
+The package view: the top-level packages in their declared order (PACKAGE_ORDER, bottom to top), the loops between
+them and every file-level import that reaches up the order. There a string constant naming a megappo module
+("megappo.x.y", "megappo.x.y:attr", an `-m` entry point) counts as an import: registries import what they name.
+
 A branch point is a test of an `if`/`elif`/`while`, a conditional expression or a comprehension's `if` that names
 the capability (an identifier, attribute, keyword or string matching its pattern). A capability with one home is
 asked, not tested for: its branch points gather in its own files.
@@ -301,23 +305,29 @@ def branch_points() -> dict[str, Counter]:
     return out
 
 
-def _package_report() -> None:
+def _package_report() -> int:
+    """Print the package view; the number of its bounds exceeded."""
     packages = package_graph()
     loops = package_cycles(packages)
-    print(f"package cycles: {len(loops)}")
-    for comp, edges in loops:
-        print(f"  {' <-> '.join(comp)} ({len(edges)} edges)")
-        print("".join(f"    {e}\n" for e in edges), end="")
-    for title, lines in (("upward imports", upward_imports(packages)),
-                         ("imports of testing", testing_importers(packages))):
+    counts = {"package cycles": len(loops), "packages in cycles": sum(len(c) for c, _ in loops)}
+    print(f"package cycles: {len(loops)} over {counts['packages in cycles']} packages "
+          f"(bounds {LAYER_BOUNDS['package cycles']}, {LAYER_BOUNDS['packages in cycles']})")
+    upward, testing = upward_imports(packages), testing_importers(packages)
+    for comp, edges in loops:  # the upward imports among them are listed below; the others are between equals
+        level = [e for e in edges if e not in upward]
+        print(f"  {' <-> '.join(comp)}, closed by {len(edges)} edges ({len(level)} on one level)")
+        print("".join(f"    {e}\n" for e in level), end="")
+    counts["upward imports"] = len(upward)
+    for title, lines in ((f"upward imports (bound {LAYER_BOUNDS['upward imports']})", upward),
+                         ("imports of testing", testing)):
         print(f"{title}: {len(lines)}")
         print("".join(f"  {line}\n" for line in lines), end="")
+    return sum(counts[k] > LAYER_BOUNDS[k] for k in LAYER_BOUNDS) + len(testing)
 
 
 def main() -> int:
     graph = import_graph()
-    problems = 0
-    _package_report()
+    problems = _package_report()
     for title, lines in (("import cycles", [" <-> ".join(c) for c in cycles(graph)]),
                          ("layering", layering_violations(graph)), ("files over 500 lines", long_files()),
                          ("functions over 80 lines", long_functions())):
