@@ -114,7 +114,7 @@ def _run(args: argparse.Namespace, loaded: list) -> int:
         return 0
     from megappo import trainer
     from megappo.platform.child_reaper import die_with_launcher
-    from megappo.trainer.guard import EXIT_STOPPED, RunStopped
+    from megappo.platform.exits import EXIT_STOPPED, RunStopped
 
     die_with_launcher()  # under torchrun: a rank outlives no launcher (torchrun puts each rank in its own session)
 

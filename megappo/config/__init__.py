@@ -6,7 +6,9 @@
 
 `validate` checks the configuration's own rules; `megappo.trainer.preflight` adds the checks that need the rest
 of megappo (parallel layouts, batch divisibility, the model's config.json, data schema, reward function).
-Importing this package never imports torch or megatron, nor any of megappo outside megappo.config.
+Importing this package never imports torch or megatron, nor any of megappo outside megappo.config; checking a config
+loads, when it runs, the rules that live with what they check (algos, data, distill, models.lora, rollout's engine
+registry): distill's, LoRA's and the engines' stand above config in `megappo.testing.structure.PACKAGE_ORDER`.
 """
 from megappo.config.derived import resolve
 from megappo.config.fields import ConfigError

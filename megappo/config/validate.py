@@ -264,7 +264,7 @@ def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> Non
         if check_files:
             for f in files:
                 if not Path(os.path.expanduser(f)).exists():
-                    from megappo.data.errors import converter_hint  # config imports nothing else of megappo
+                    from megappo.data.errors import converter_hint  # dependency-free: no torch for the config's checks
 
                     errors.append(f"data.{key}: '{f}' does not exist; {converter_hint(f)}")
 

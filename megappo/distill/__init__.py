@@ -1,2 +1,3 @@
-"""On-policy distillation (the `distillation` section): teachers that score the student's tokens, chosen once at
-setup (`teachers.build_teachers`), and the two phases a step runs with them (`phases`)."""
+"""On-policy distillation (the `distillation` section): its config rules and teacher specs (`checks`). The run's
+teachers (`megappo.trainer.teachers`) and the two phases a step runs with them (`megappo.trainer.distill_phases`)
+are the trainer's: they work on its roles, run state and experience."""

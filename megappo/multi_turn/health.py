@@ -12,6 +12,7 @@ import time
 from typing import Callable, Optional, Sequence, TextIO
 
 from megappo.multi_turn.env import TOOL_FAILURES
+from megappo.platform.exits import RunStopped
 from megappo.platform.watch import OncePerInterval, Streak
 
 
@@ -89,6 +90,4 @@ def watch_tools(watch: ToolWatch, metrics: dict[str, float], tool_results) -> No
     else:
         reason = watch.check(0.0)  # a step without calls breaks the streak
     if reason:
-        from megappo.trainer.guard import RunStopped
-
         raise RunStopped(reason)

@@ -3,7 +3,7 @@
 However a run ends (its last line, an exception, Ctrl-C, SIGTERM, or SIGKILL from an OOM killer or a node agent,
 which runs no handler at all), every process it started ends with it:
 
-- SGLang servers run under a watchdog (`megappo/rollout/reaper.py`) that kills the server's whole process group when
+- SGLang servers run under a watchdog (`megappo/platform/reaper.py`) that kills the server's whole process group when
   the trainer dies; the watchdog and the server get the kernel's parent-death signal (Linux `PR_SET_PDEATHSIG`).
 - Reward workers (`megappo/rewards/_worker.py`) get the parent-death signal SIGKILL.
 - Checkpoint writers: megatron's asynchronous-capable writer (`FileSystemWriterAsync`) would start a multiprocessing
@@ -18,7 +18,7 @@ which runs no handler at all), every process it started ends with it:
 
 `fork_process` is the one way megappo forks a worker: the child asks for SIGKILL on its parent's death before it runs
 anything, and leaves at once if the parent is already gone. The parent-death signal is the same prctl the SGLang
-watchdog uses (`megappo.rollout.reaper.set_parent_death_signal`). It is delivered when the *thread* that forked the
+watchdog uses (`megappo.platform.reaper.set_parent_death_signal`). It is delivered when the *thread* that forked the
 child exits; the caller waits for its workers in the same thread, so that is the process's death. Where there is no
 prctl (not Linux) a worker outlives its parent only as long as it takes to finish its own task.
 """
@@ -32,7 +32,7 @@ import time
 from multiprocessing.context import ForkProcess
 from typing import Any, Callable, Optional
 
-from megappo.rollout.reaper import set_parent_death_signal
+from megappo.platform.reaper import set_parent_death_signal
 
 __all__ = ["die_with_launcher", "die_with_parent", "fork_process", "DyingWithParentProcess"]
 

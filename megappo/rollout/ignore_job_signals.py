@@ -2,7 +2,7 @@
 
     python ignore_job_signals.py -m sglang.launch_server --model-path ...
 
-A rollout server is its trainer's helper, and only the trainer stops it (through its watchdog, `reaper.py`, with
+A rollout server is its trainer's helper, and only the trainer stops it (through its watchdog, `megappo/platform/reaper.py`, with
 SIGKILL). Slurm signals every process of a job step, though (preemption's SIGTERM, `--signal`, `scancel --signal
 [--full]`, srun's SIGINT), so this process and everything it starts ignore SIGTERM, SIGINT and SIGUSR1, and keep
 them blocked (the watchdog starts it so). SIG_IGN alone would not last: SGLang installs its own handlers for them

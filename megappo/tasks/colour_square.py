@@ -221,7 +221,7 @@ def _write_parquet(task: ColourSquareTask, path: str, rows: list[tuple[bytes, st
 
 
 def _build(task: ColourSquareTask, out_dir: str, params: dict) -> dict:
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
 
     tmp = synthetic.fresh_tmp(out_dir)
     try:
@@ -243,8 +243,8 @@ def _build(task: ColourSquareTask, out_dir: str, params: dict) -> dict:
         _write_parquet(task, os.path.join(tmp, "val.parquet"), val, "val")
         model_tmp = os.path.join(tmp, "model")
         tokenizer, config = write_model_files(task, model_tmp)
-        images = ImageProcessing.from_model(model_tmp, tokenizer, min_pixels=task.image_size ** 2,
-                                            max_pixels=task.image_size ** 2 * 4)
+        images = image_processing(model_tmp, tokenizer, min_pixels=task.image_size ** 2,
+                                  max_pixels=task.image_size ** 2 * 4)
         model, metrics = warm_start(task, tokenizer, config, images, params["warm_start_steps"], params["seed"],
                                     random.Random(params["seed"] * 1_000_003 + 37))
         model.save_pretrained(model_tmp, safe_serialization=True)

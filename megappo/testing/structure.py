@@ -2,6 +2,10 @@
 files (function-local imports included) and its cycles, the layering rules, file and function lengths, and each
 capability's branch points outside its own home.
 
+The package view: the top-level packages in their declared order (PACKAGE_ORDER, bottom to top), the loops between
+them and every file-level import that reaches up the order. There a string constant naming a megappo module
+("megappo.x.y", "megappo.x.y:attr", an `-m` entry point) counts as an import: registries import what they name.
+
 A branch point is a test of an `if`/`elif`/`while`, a conditional expression or a comprehension's `if` that names
 the capability (an identifier, attribute, keyword or string matching its pattern). A capability with one home is
 asked, not tested for: its branch points gather in its own files.
@@ -43,6 +47,18 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("megappo.trainer.preflight", ("megappo.rollout.sglang",)),
 )
 
+# megappo's top-level packages and modules, bottom to top: each may import only those on its own level (a tuple) or
+# below. `testing` stands outside: it may import anything, and only tests import it. The config tree stands above
+# the engines, models and algorithms: they take plain settings built from it (LAYERS), and its rules ask them what
+# they support.
+PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
+    "platform", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config", "multi_turn",
+    "rewards", "envs", ("tasks", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"), "cli",
+)
+OUTSIDE_ORDER = ("testing",)
+# ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
+LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 19}
+
 
 def _files() -> dict[str, Path]:
     mods = {}
@@ -74,8 +90,50 @@ def _imported(node: ast.AST, module: str, is_package: bool, mods: dict[str, Path
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the megappo modules it imports anywhere in its file (function-local imports included)."""
+_MODULE_STRING = re.compile(r"megappo(\.\w+)+(:[\w.]+)?")
+
+
+def _named_module(text: str, mods: dict[str, Path]) -> str | None:
+    """The megappo module a "megappo.a.b", "megappo.a.b:attr" or "megappo.a.b.attr" string names, if it is one."""
+    if not _MODULE_STRING.fullmatch(text):
+        return None
+    name = text.partition(":")[0]
+    if name not in mods and ":" not in text:
+        name = name.rpartition(".")[0]
+    return name if name in mods else None
+
+
+def _string_value(node: ast.AST, consts: dict[str, str]) -> str | None:
+    """A string constant, or an f-string built only of literals and module-level string constants."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        parts = [_string_value(v.value if isinstance(v, ast.FormattedValue) else v, consts) for v in node.values]
+        return None if None in parts else "".join(parts)
+    if isinstance(node, ast.Name):
+        return consts.get(node.id)
+    return None
+
+
+def _named_in_strings(tree: ast.Module, module: str, mods: dict[str, Path]) -> set[str]:
+    """Modules named by strings: registries ("module:attr") and `-m module` entry points import them lazily."""
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+    found: set[str] = set()
+    if module == __name__:  # its tables name modules as rules, not to load them
+        return found
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Constant, ast.JoinedStr)):
+            text = _string_value(node, consts)
+            name = _named_module(text, mods) if text else None
+            if name and name != module and not module.startswith(name + "."):
+                found.add(name)
+    return found
+
+
+def import_graph(strings: bool = False) -> dict[str, set[str]]:
+    """module -> the megappo modules it imports anywhere in its file (function-local imports included), and with
+    `strings` those its string constants name."""
     mods = _files()
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in mods.items():
@@ -83,6 +141,8 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[module].update(_imported(node, module, path.name == "__init__.py", mods))
+        if strings:
+            graph[module].update(_named_in_strings(tree, module, mods))
         graph.setdefault(module, set())
     return graph
 
@@ -136,6 +196,56 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
             if module == importer or module.startswith(importer + "."):
                 out += [f"{module} -> {d}" for d in sorted(deps) if d.startswith(banned)]
     return out
+
+
+def top_level() -> set[str]:
+    """megappo's top-level packages and modules."""
+    return {p.stem for p in PACKAGE.iterdir()
+            if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(graph: dict[str, set[str]] | None = None) -> dict[str, dict[str, list[str]]]:
+    """package -> {package it imports: its file-level edges "importer -> imported"}, module strings included."""
+    graph = import_graph(strings=True) if graph is None else graph
+    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if _top(module) != _top(dep):
+                out[_top(module)][_top(dep)].append(f"{module} -> {dep}")
+    return {pkg: dict(deps) for pkg, deps in out.items()}
+
+
+def _levels() -> dict[str, int]:
+    return {name: i for i, level in enumerate(PACKAGE_ORDER)
+            for name in (level if isinstance(level, tuple) else (level,))}
+
+
+def package_cycles(packages: dict[str, dict[str, list[str]]]) -> list[tuple[list[str], list[str]]]:
+    """Each loop between packages: its packages and the file-level edges that close it (those not going down
+    PACKAGE_ORDER; a loop is cut by removing them)."""
+    level = _levels()
+    found = cycles({pkg: set(deps) for pkg, deps in packages.items()})
+    return [(comp, [e for a in comp for b in comp if b in packages.get(a, {})
+                    and level.get(b, len(level)) >= level.get(a, len(level)) for e in packages[a][b]])
+            for comp in found]
+
+
+def upward_imports(packages: dict[str, dict[str, list[str]]]) -> list[str]:
+    """The file-level edges whose target package stands above the importer's in PACKAGE_ORDER."""
+    level = _levels()
+    return [e for a, deps in sorted(packages.items()) for b, edges in sorted(deps.items())
+            if a in level and b in level and level[b] > level[a] for e in edges]
+
+
+def testing_importers(packages: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Edges into `testing` from the package itself: only tests may use it."""
+    return [e for a, deps in sorted(packages.items()) if a not in OUTSIDE_ORDER
+            for b in OUTSIDE_ORDER for e in deps.get(b, [])]
 
 
 def long_files() -> list[str]:
@@ -195,9 +305,29 @@ def branch_points() -> dict[str, Counter]:
     return out
 
 
+def _package_report() -> int:
+    """Print the package view; the number of its bounds exceeded."""
+    packages = package_graph()
+    loops = package_cycles(packages)
+    counts = {"package cycles": len(loops), "packages in cycles": sum(len(c) for c, _ in loops)}
+    print(f"package cycles: {len(loops)} over {counts['packages in cycles']} packages "
+          f"(bounds {LAYER_BOUNDS['package cycles']}, {LAYER_BOUNDS['packages in cycles']})")
+    upward, testing = upward_imports(packages), testing_importers(packages)
+    for comp, edges in loops:  # the upward imports among them are listed below; the others are between equals
+        level = [e for e in edges if e not in upward]
+        print(f"  {' <-> '.join(comp)}, closed by {len(edges)} edges ({len(level)} on one level)")
+        print("".join(f"    {e}\n" for e in level), end="")
+    counts["upward imports"] = len(upward)
+    for title, lines in ((f"upward imports (bound {LAYER_BOUNDS['upward imports']})", upward),
+                         ("imports of testing", testing)):
+        print(f"{title}: {len(lines)}")
+        print("".join(f"  {line}\n" for line in lines), end="")
+    return sum(counts[k] > LAYER_BOUNDS[k] for k in LAYER_BOUNDS) + len(testing)
+
+
 def main() -> int:
     graph = import_graph()
-    problems = 0
+    problems = _package_report()
     for title, lines in (("import cycles", [" <-> ".join(c) for c in cycles(graph)]),
                          ("layering", layering_violations(graph)), ("files over 500 lines", long_files()),
                          ("functions over 80 lines", long_functions())):

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from megappo.config import resolve
 from megappo.config.schema import MegappoConfig
-from megappo.distill.teachers import build_teachers
 from megappo.models.losses import actor_loss_fn, critic_loss_fn
 from megappo.parallel import destroy_parallel, init_parallel
 from megappo.platform.device import detect_platform
@@ -28,6 +27,7 @@ from megappo.trainer.roles import build_roles, describe
 from megappo.trainer.rollout import RolloutWorker
 from megappo.trainer.run_lock import AlreadyFinished, DirLocked, RunLock, finished_message
 from megappo.trainer.state import Run, TrainState
+from megappo.trainer.teachers import build_teachers
 
 
 def _threads_per_rank() -> None:

@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from megappo.platform.exits import RunStopped
 from megappo.trainer import phases
 from megappo.trainer.experience import Samples
-from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
 from megappo.trainer.rollout_source import RolloutSource
 from megappo.trainer.state import Run

@@ -18,14 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from megappo.config.schema import GuardConfig
-
-
-class RunStopped(RuntimeError):
-    """The trainer ended the run on purpose (KL guard out of retries, a failing reward function); the message says
-    why and what to change. `megappo train` prints it without a traceback and exits with EXIT_STOPPED."""
-
-
-EXIT_STOPPED = 3
+from megappo.platform.exits import RunStopped
 
 # a step's numbers that must be finite for it to count as good
 FINITE_KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")

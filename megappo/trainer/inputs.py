@@ -38,7 +38,7 @@ def tool_schemas(mt) -> Optional[list[dict]]:
 def load_data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
     """(train loader, validation loader or None)."""
     from megappo.data import PromptDataset, PromptLoader
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
 
     d = cfg.data
     template_kwargs = {}
@@ -47,8 +47,8 @@ def load_data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
         template_kwargs["tools"] = tool_schemas(mt)
 
     # a vision-language actor's image processor and image tokens (None for a text model)
-    images = ImageProcessing.from_model(cfg.actor_rollout_ref.model.path, tokenizer, min_pixels=d.image_min_pixels,
-                                        max_pixels=d.image_max_pixels)
+    images = image_processing(cfg.actor_rollout_ref.model.path, tokenizer, min_pixels=d.image_min_pixels,
+                              max_pixels=d.image_max_pixels)
 
     def dataset(files):
         return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,

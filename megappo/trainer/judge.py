@@ -9,11 +9,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megappo.config.schema import MegappoConfig
+from megappo.platform.exits import RunStopped
 from megappo.rewards.judge import (
     JudgeParserFailing, JudgeScorer, JudgeSettings, JudgeUnparsed, LoopSettings, get_parser,
 )
 from megappo.rewards.judge.templates import template_text
-from megappo.trainer.guard import RunStopped
 
 
 def prepare_builtin(cfg: MegappoConfig, local_dir: str) -> None:

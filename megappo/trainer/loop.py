@@ -7,12 +7,11 @@ from typing import Optional
 
 from megappo.config.derived import estimator_needs
 from megappo.config.schema import MegappoConfig
-from megappo.distill import phases as distill
-from megappo.trainer import checkpointing, dynamic_sampling, phases
+from megappo.platform.exits import RunStopped
+from megappo.trainer import checkpointing, distill_phases as distill, dynamic_sampling, phases
 from megappo.trainer.async_rollout import rollout_source
 from megappo.trainer.build import rollback, setup, teardown
 from megappo.trainer.dp import trains_on_nothing
-from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import Timer
 from megappo.trainer.preemption import EXIT_REQUEUE, StopRequest, write_status
 from megappo.trainer.run_lock import AlreadyFinished

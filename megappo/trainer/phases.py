@@ -21,6 +21,7 @@ from megappo.config.derived import estimator
 from megappo.models.compute import compute_log_probs, compute_values, train_step
 from megappo.models.optim import gradients_allocated
 from megappo.parallel import reduce_over_ranks
+from megappo.platform.exits import RunStopped
 from megappo.rewards.scorer import ScoreItem
 from megappo.trainer import judge, settings
 from megappo.trainer.dp import (
@@ -30,7 +31,6 @@ from megappo.trainer.entropy_tokens import choose_tokens
 from megappo.trainer.experience import (
     Experience, Samples, balanced_partitions, build_experience, mini_batch_blocks, mini_batches, workloads,
 )
-from megappo.trainer.guard import RunStopped
 from megappo.trainer.roles import on_device
 from megappo.trainer.state import Run
 

@@ -23,7 +23,7 @@ from megappo.models.lora.layers import LoRASettings
 from megappo.models.optim import OptimSettings
 from megappo.envs.loop import EpisodeSettings
 from megappo.rollout.sampling import SamplingParams
-from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.settings import AdapterServing, RolloutSettings
 
 
 def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.0) -> ActorLossSettings:
@@ -176,7 +176,7 @@ def rollout_settings(cfg: MegappoConfig) -> RolloutSettings:
     """The rollout engine's deployment settings (`megappo.rollout.settings`)."""
     arr = cfg.actor_rollout_ref
     r, model = arr.rollout, arr.model
-    adapter = served_adapter(model.lora, r.lora_sync)
+    adapter = served_adapter(model.lora, r.lora_sync, AdapterServing)
     return RolloutSettings(
         name=r.name, model_path=model.path, trust_remote_code=model.trust_remote_code, seed=cfg.data.seed,
         hybrid_engine=arr.hybrid_engine, max_num_seqs=r.max_num_seqs, engine_kwargs=engine_kwargs(r),

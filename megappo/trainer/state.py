@@ -30,7 +30,7 @@ from megappo.trainer.run_lock import RunLock
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from megappo.distill.teachers import Teachers
+    from megappo.trainer.teachers import Teachers
 
     from megappo.data.dataset import PromptBatch
     from megappo.data.loader import PromptLoader
@@ -125,7 +125,7 @@ class Run:
     reward_failing_steps: int = 0  # steps in a row whose reward function failed on too many samples
     tool_watch: Optional["ToolWatch"] = None  # multi-turn tool warnings and failing streak, made at the first step
     failure_watch: Optional[Any] = None  # failed episodes' warnings and streak (`megappo.envs.failures.FailureWatch`)
-    teachers: Optional["Teachers"] = None  # distillation's teachers (`megappo.distill.teachers`), when enabled
+    teachers: Optional["Teachers"] = None  # distillation's teachers (`megappo.trainer.teachers`), when enabled
     judge: Optional[Any] = None  # reward_model.judge's deployment (every rank; rank 0's engine judges)
     # MoE router replay (actor.megatron.router_replay, chosen at setup; disabled until then)
     replay: Replay = field(default_factory=lambda: Replay("disabled", None))

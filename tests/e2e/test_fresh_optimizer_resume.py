@@ -120,7 +120,7 @@ def test_the_guard_rolls_a_first_step_back_to_step_0_and_retries_it_exactly(data
 def test_the_guard_trips_at_step_1_and_stops_with_exit_3_after_its_retries(data, tmp_path, monkeypatch):
     """The issue's reproduction: a threshold no step can pass. Every retry returns to step 0 (it loads) and the run
     stops naming the step-0 checkpoint, instead of dying in megatron's loader."""
-    from megappo.trainer.guard import RunStopped
+    from megappo.platform.exits import RunStopped
 
     out = tmp_path / "strict"
     with pytest.raises(RunStopped, match="still after 2 rollbacks") as e:

@@ -12,10 +12,10 @@ import math
 import pytest
 
 from megappo.config import load_config
+from megappo.platform.exits import RunStopped
 from megappo.testing.prompts import read_metrics, tiny_run_overrides, write_prompt_parquet
 from megappo.testing.faults import inject_fault
 from megappo.trainer import fit
-from megappo.trainer.guard import RunStopped
 from megappo.trainer.metrics import read_steps
 
 pytestmark = pytest.mark.e2e

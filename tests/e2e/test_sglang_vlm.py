@@ -19,13 +19,13 @@ def test_sglang_serves_a_vlm_like_the_in_process_engine(sglang_python, tmp_path)
     import transformers
 
     from megappo.data import PromptDataset
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
     from megappo.tasks import prepare_task
 
     first, second = (prepare_task("colour_square", str(tmp_path / f"task{s}"), num_train_prompts=4,
                                   num_val_prompts=6, warm_start_steps=0, seed=s) for s in (0, 1))
     tok = transformers.AutoTokenizer.from_pretrained(first.model_dir)
-    images = ImageProcessing.from_model(first.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
+    images = image_processing(first.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
     batch = PromptDataset(first.val_files, tok, max_prompt_length=64, image_processing=images).collate(range(6))
     prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.input_ids, batch.attention_mask)]
     with SGLangServer(first.model_dir, python=sglang_python) as server:

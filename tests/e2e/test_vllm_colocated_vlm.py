@@ -34,7 +34,7 @@ def test_image_prompts_generate_what_transformers_does(vllm_python, tmp_path):
     import transformers
 
     from megappo.data import PromptDataset
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
     from megappo.tasks import prepare_task
     from test_vllm_colocated import vllm_env
 
@@ -42,7 +42,7 @@ def test_image_prompts_generate_what_transformers_does(vllm_python, tmp_path):
                         warm_start_steps=0, seed=0)
     head_dim_32(task.model_dir)
     tok = transformers.AutoTokenizer.from_pretrained(task.model_dir)
-    images = ImageProcessing.from_model(task.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
+    images = image_processing(task.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
     batch = PromptDataset(task.val_files, tok, max_prompt_length=64, image_processing=images).collate(range(4))
     prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.input_ids, batch.attention_mask)] + [[5, 6, 7, 8]]
     multi_modal = list(batch.multi_modal) + [None]

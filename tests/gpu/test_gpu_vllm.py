@@ -94,13 +94,13 @@ def test_colocated_engine_generates_from_image_prompts(cuda_vllm_python, tmp_pat
     import transformers
 
     from megappo.data import PromptDataset
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
     from megappo.tasks import prepare_task
 
     task = prepare_task("colour_square", str(tmp_path / "task"), num_train_prompts=4, num_val_prompts=4,
                         warm_start_steps=0, seed=0)
     tok = transformers.AutoTokenizer.from_pretrained(task.model_dir)
-    images = ImageProcessing.from_model(task.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
+    images = image_processing(task.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
     batch = PromptDataset(task.val_files, tok, max_prompt_length=64, image_processing=images).collate(range(4))
     prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.input_ids, batch.attention_mask)]
     files = []

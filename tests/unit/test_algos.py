@@ -523,9 +523,9 @@ def test_gdpo_step_reads_the_reward_components():
 
     from megappo.algos.estimators import EstimatorParams, gdpo, get_adv_estimator, outcome_to_tokens
     from megappo.config import load_config
+    from megappo.platform.exits import RunStopped
     from megappo.trainer import phases
     from megappo.trainer.experience import Samples, build_experience
-    from megappo.trainer.guard import RunStopped
 
     n = 6
     samples = Samples(prompt_ids=[[1, 2]] * n, response_ids=[[5] * (k + 1) for k in range(n)],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megappo.data import DataError, PromptDataset
-from megappo.data.images import ImageProcessing
+from megappo.kinds.qwen2_vl.images import image_processing
 
 SIZES = ((56, 84), (130, 70), (300, 200))  # (height, width): resized to 56x84, 140x56 and a max_pixels-bound size
 MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 30
@@ -55,7 +55,7 @@ def _write(path, rows):
 
 def _dataset(path, vlm, **kw):
     model_dir, tokenizer = vlm
-    images = ImageProcessing.from_model(model_dir, tokenizer, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    images = image_processing(model_dir, tokenizer, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     return PromptDataset(path, tokenizer, max_prompt_length=256, image_processing=images, **kw)
 
 
@@ -132,6 +132,6 @@ def test_bad_multimodal_files_name_row_and_fix(tmp_path, vlm_dir):
                                         r"tower"):
         PromptDataset(path, tokenizer, max_prompt_length=256)
     path = _write(tmp_path / "long.parquet", [("<image> a", good)])
-    images = ImageProcessing.from_model(vlm_dir[0], tokenizer, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    images = image_processing(vlm_dir[0], tokenizer, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     with pytest.raises(DataError, match="prompts with images are never cut"):
         PromptDataset(path, tokenizer, max_prompt_length=3, truncation="left", image_processing=images)

@@ -97,7 +97,8 @@ def test_recipe_is_valid_and_bad_settings_name_the_fix():
 
 
 def test_teachers_route_by_data_source():
-    from megappo.distill.teachers import TeacherSpec, Teachers
+    from megappo.distill.checks import TeacherSpec
+    from megappo.trainer.teachers import Teachers
 
     class Stub:  # routing reads only the specs
         def __init__(self, name, sources):

@@ -296,9 +296,9 @@ def test_a_parser_that_keeps_failing_stops_the_run(judge_engine, tmp_path):
     """Like a reward function that keeps failing: more than reward_model.max_failure_fraction of its calls for
     max_failure_steps training steps in a row stop the run (RunStopped, exit 3) naming the parser and its errors;
     validation's scorings do not count, and a good step breaks the streak."""
+    from megappo.platform.exits import RunStopped
     from megappo.rewards.judge import JudgeParserFailing
     from megappo.trainer import judge
-    from megappo.trainer.guard import RunStopped
 
     engine, tok = judge_engine
     (tmp_path / "flaky.py").write_text("broken = [True]\n"

@@ -13,8 +13,9 @@ import torch
 from megappo.config.deadline import parse_deadline
 from megappo.config.schema import GuardConfig
 from megappo.models.checkpoint import CheckpointError
+from megappo.platform.exits import RunStopped
 from megappo.trainer import checkpointing as ck
-from megappo.trainer.guard import KLGuard, RunStopped
+from megappo.trainer.guard import KLGuard
 
 
 def _ckpt(root, step, complete=True):

@@ -1,7 +1,8 @@
 """The code's structure holds (megappo/testing/structure.py measures it from the source): no import cycle between
 files (function-local imports included), the layering rules, files under 500 lines and functions under 80, and
 each capability asked of its own object rather than tested for in other files (at most a few branch points
-outside its home)."""
+outside its home), and the packages' layers: PACKAGE_ORDER names every top-level package, only tests import
+`megappo.testing`, and the package loops and the imports that reach up the order do not grow."""
 from __future__ import annotations
 
 import pytest
@@ -38,3 +39,43 @@ def test_each_capability_is_asked_not_tested_for(capability):
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert structure.cycles(graph) == [["a", "b", "c"]]
+
+
+@pytest.fixture(scope="module")
+def packages():
+    return structure.package_graph()
+
+
+def test_package_order_names_every_top_level_package():
+    named = [n for level in structure.PACKAGE_ORDER for n in (level if isinstance(level, tuple) else (level,))]
+    assert len(named) == len(set(named)), named
+    assert set(named) | set(structure.OUTSIDE_ORDER) == structure.top_level()
+
+
+def test_package_cycles_do_not_grow(packages):
+    """Loops between top-level packages are being cut: there are no more of them, and no more packages in them,
+    than the bounds (lowered as they go)."""
+    loops = structure.package_cycles(packages)
+    closing = [e for _, edges in loops for e in edges]
+    assert len(loops) <= structure.LAYER_BOUNDS["package cycles"], closing
+    assert sum(len(c) for c, _ in loops) <= structure.LAYER_BOUNDS["packages in cycles"], [c for c, _ in loops]
+
+
+def test_upward_imports_do_not_grow(packages):
+    """A package imports only those below it in PACKAGE_ORDER (function-local imports and module strings
+    included); the ones that still reach up are bounded."""
+    upward = structure.upward_imports(packages)
+    assert len(upward) <= structure.LAYER_BOUNDS["upward imports"], "\n".join(upward)
+
+
+def test_only_tests_import_testing(packages):
+    assert structure.testing_importers(packages) == []
+
+
+def test_an_import_up_the_order_is_found_and_a_module_string_counts():
+    packages = structure.package_graph({"megappo.platform.a": {"megappo.rollout.b"}, "megappo.rollout.b": set(),
+                                        "megappo.trainer.c": {"megappo.platform.a"}})
+    assert structure.upward_imports(packages) == ["megappo.platform.a -> megappo.rollout.b"]
+    graph = structure.import_graph(strings=True)
+    assert "megappo.rollout.hf.deploy" in graph["megappo.rollout.registry"]  # "megappo.rollout.hf.deploy:deploy"
+    assert "megappo.rollout.hf.deploy" not in structure.import_graph()["megappo.rollout.registry"]

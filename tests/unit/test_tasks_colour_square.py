@@ -15,7 +15,7 @@ from megappo.tasks.colour_square import COLOURS, colour_square_reward
 
 def test_colour_square_files_load_and_reward(tmp_path):
     from megappo.data import PromptDataset
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
     from megappo.rewards.registry import get_reward_fn
 
     files = prepare_task("colour_square", str(tmp_path / "task"), num_train_prompts=16, num_val_prompts=8,
@@ -26,7 +26,7 @@ def test_colour_square_files_load_and_reward(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(files.model_dir)
     image_proc = transformers.AutoImageProcessor.from_pretrained(files.model_dir)
     assert image_proc.merge_size == 2 and image_proc.patch_size == 14
-    images = ImageProcessing.from_model(files.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
+    images = image_processing(files.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
     ds = PromptDataset(files.val_files, tok, max_prompt_length=64, image_processing=images)
     batch = ds.collate(list(range(len(ds))))
     assert len(ds) == 8 and all(m.image_grid_thw.tolist() == [[1, 4, 4]] for m in batch.multi_modal)
@@ -53,7 +53,7 @@ def test_colour_square_warm_start_and_rl_learns(tmp_path):
     import transformers
 
     from megappo.data import PromptDataset
-    from megappo.data.images import ImageProcessing
+    from megappo.kinds.qwen2_vl.images import image_processing
     from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
     from megappo.rollout import HFEngine, SamplingParams
 
@@ -61,7 +61,7 @@ def test_colour_square_warm_start_and_rl_learns(tmp_path):
     assert 0.15 <= files.warm_start["val_expected_reward_t1"] <= 0.45
     assert files.warm_start["val_greedy_accuracy"] >= 0.6
     tok = transformers.AutoTokenizer.from_pretrained(files.model_dir)
-    images = ImageProcessing.from_model(files.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
+    images = image_processing(files.model_dir, tok, min_pixels=3136, max_pixels=3136 * 4)
     ds = PromptDataset(files.train_files, tok, max_prompt_length=64, image_processing=images)
     engine = HFEngine(files.model_dir, max_num_seqs=64)
     model = engine.model.train()

@@ -16,9 +16,9 @@ from megappo.envs.metrics import multi_turn_metrics
 from megappo.multi_turn.env import ToolAgent
 from megappo.multi_turn.parser import parse_hermes
 from megappo.multi_turn.tools import BaseTool
+from megappo.platform.exits import RunStopped
 from megappo.tasks import tool_sum
 from megappo.trainer import settings
-from megappo.trainer.guard import RunStopped
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
 UNKNOWN = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'

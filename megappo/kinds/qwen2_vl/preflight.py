@@ -1,17 +1,15 @@
 """Preflight rules of a vision-language run (a Qwen2.5-VL / Qwen2-VL actor): what the trainer does not support with
 one yet is refused before any rank starts, each message naming the key and the fix. This kind's `preflight`
-(`megappo.kinds`), which `megappo.trainer.preflight` asks of the run's model kind."""
+(`megappo.kinds`), which `megappo.trainer.preflight` asks of the run's model kind. The config tree stands above the
+model kinds (`megappo.testing.structure.PACKAGE_ORDER`), so `cfg` is typed Any here."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from megappo.models.lora.checks import refuse_lora
 
-if TYPE_CHECKING:
-    from megappo.config import MegappoConfig
 
-
-def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
+def _engine_without_images(cfg: Any) -> Optional[str]:
     """The engine this run deploys when its registry entry does not say `multi_modal` (None: it does, or the engine
     is unknown: preflight's own error)."""
     from megappo.rollout.registry import multi_modal, unknown_engine
@@ -20,7 +18,7 @@ def _engine_without_images(cfg: MegappoConfig) -> Optional[str]:
     return None if unknown_engine(name) or multi_modal(name) else name
 
 
-def preflight(cfg: MegappoConfig) -> list[str]:
+def preflight(cfg: Any) -> list[str]:
     """An error for each setting a vision-language run does not support yet."""
     errors: list[str] = []
     arr = cfg.actor_rollout_ref

@@ -188,9 +188,8 @@ def check_lora_base(role_dir: str, lora_base: Optional[dict]) -> None:
             f"{lora_base['sha256'][:12]}...): resume with the base model the adapters were trained on")
 
 
-def served_adapter(lora: Any, lora_sync: str) -> Optional[Any]:
+def served_adapter(lora: Any, lora_sync: str, serving: Callable[[int, tuple[str, ...]], Any]) -> Optional[Any]:
     """What the rollout servers serve of the actor's `model.lora` config (`rollout.lora_sync=adapter`: its rank and
-    target layers, as `megappo.rollout.settings.AdapterServing`); None when they serve merged weights."""
-    from megappo.rollout.settings import AdapterServing
-
-    return AdapterServing(lora.rank, tuple(lora.target_modules)) if lora_sync == "adapter" else None
+    target layers, as `serving` makes them); None when they serve merged weights. The caller passes
+    `megappo.rollout.settings.AdapterServing`: the models stand below the rollout engines."""
+    return serving(lora.rank, tuple(lora.target_modules)) if lora_sync == "adapter" else None

@@ -5,7 +5,7 @@ hooks of its subclasses, `SGLangServer` (sglang/server.py) and `VLLMServer` (vll
 The engine lives in its own environment (it pins its own torch and transformers), so the server is started with
 that environment's python (`python=`), and megappo only speaks HTTP to it.
 
-Lifecycle: a started server never outlives this process. It runs under a watchdog (`reaper.py`) that kills the
+Lifecycle: a started server never outlives this process. It runs under a watchdog (`megappo/platform/reaper.py`) that kills the
 server's whole process group when this process dies in any way (SIGKILL included) or asks it to (`stop()`, also
 called by `with`, an atexit hook, and a failed or interrupted `start()`, Ctrl-C included). The server's log is a
 temporary file kept only when something failed, or, once `keep_log_in(DIR)` was called (a run's servers: its
@@ -42,10 +42,11 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
+from megappo.platform import reaper
 from megappo.platform.job_signals import job_signals_blocked
 from megappo.rollout.serving.http_client import http_status, register_api_key
 
-REAPER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reaper.py")
+REAPER = reaper.__file__  # run by path with `python -I`: the server's python need not see megappo
 # runs a server's `python -m X ...`, `-c` or `FILE.py` launcher with the job-wide signals ignored for good
 SHELTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ignore_job_signals.py")
 _LIVE: dict[int, "ManagedServer"] = {}  # started, not yet stopped: the atexit hook stops them

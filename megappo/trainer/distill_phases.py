@@ -1,6 +1,7 @@
 """The two phases on-policy distillation adds to a step (`megappo.trainer.loop.train_step`): the teachers' log-probs
 of the student's tokens, after the student's own (old) log-probs; and the teacher's signal in the advantages, after
-the estimator's. Every rank calls both (SPMD); the math is `megappo.algos.distillation`'s."""
+the estimator's. Every rank calls both (SPMD); the math is `megappo.algos.distillation`'s, the teachers are
+`megappo.trainer.teachers`."""
 from __future__ import annotations
 
 import torch
