@@ -6,7 +6,7 @@ step the trainer finishes before it saves: the trainer alone decides when they s
 
 A helper is started under `job_signals_blocked()`: it inherits the blocked mask (through exec too), so no job signal
 reaches it before it ignores them itself (`ignore_job_signals()`; a pending one is then discarded). The SGLang
-watchdog and launcher wrapper (`megappo/platform/reaper.py`, `megappo/rollout/ignore_job_signals.py`) run on SGLang's python without
+watchdog and launcher wrapper (`platform/reaper.py`, `rollout/ignore_job_signals.py`) run on SGLang's python without
 megappo, and keep their own copy of the tuple. Standard library only: reward workers import this.
 """
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
     python ignore_job_signals.py -m sglang.launch_server --model-path ...
 
-A rollout server is its trainer's helper, and only the trainer stops it (through its watchdog, `megappo/platform/reaper.py`, with
-SIGKILL). Slurm signals every process of a job step, though (preemption's SIGTERM, `--signal`, `scancel --signal
-[--full]`, srun's SIGINT), so this process and everything it starts ignore SIGTERM, SIGINT and SIGUSR1, and keep
-them blocked (the watchdog starts it so). SIG_IGN alone would not last: SGLang installs its own handlers for them
-(uvicorn's, the tokenizer manager's, through signal.signal and asyncio/uvloop's add_signal_handler), and
-multiprocessing's resource tracker unblocks SIGINT and SIGTERM in the process that starts it. So `signal.signal`
-leaves these three ignored and `signal.pthread_sigmask` leaves them blocked, here and in every child SGLang spawns:
-a spawned child runs this file again as its `__mp_main__` (it is the main script), and inherits the blocked mask and
-SIG_IGN besides.
+A rollout server is its trainer's helper, and only the trainer stops it (through its watchdog,
+`megappo/platform/reaper.py`, with SIGKILL). Slurm signals every process of a job step, though (preemption's
+SIGTERM, `--signal`, `scancel --signal [--full]`, srun's SIGINT), so this process and everything it starts ignore
+SIGTERM, SIGINT and SIGUSR1, and keep them blocked (the watchdog starts it so). SIG_IGN alone would not last: SGLang
+installs its own handlers for them (uvicorn's, the tokenizer manager's, through signal.signal and asyncio/uvloop's
+add_signal_handler), and multiprocessing's resource tracker unblocks SIGINT and SIGTERM in the process that starts
+it. So `signal.signal` leaves these three ignored and `signal.pthread_sigmask` leaves them blocked, here and in
+every child SGLang spawns: a spawned child runs this file again as its `__mp_main__` (it is the main script), and
+inherits the blocked mask and SIG_IGN besides.
 
 Standard library only, for the server's own python; its directory is taken off sys.path (megappo's module names
 must not shadow the server's).

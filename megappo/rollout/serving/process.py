@@ -5,8 +5,8 @@ hooks of its subclasses, `SGLangServer` (sglang/server.py) and `VLLMServer` (vll
 The engine lives in its own environment (it pins its own torch and transformers), so the server is started with
 that environment's python (`python=`), and megappo only speaks HTTP to it.
 
-Lifecycle: a started server never outlives this process. It runs under a watchdog (`megappo/platform/reaper.py`) that kills the
-server's whole process group when this process dies in any way (SIGKILL included) or asks it to (`stop()`, also
+Lifecycle: a started server never outlives this process. It runs under a watchdog (`platform/reaper.py`) that kills
+the server's whole process group when this process dies in any way (SIGKILL included) or asks it to (`stop()`, also
 called by `with`, an atexit hook, and a failed or interrupted `start()`, Ctrl-C included). The server's log is a
 temporary file kept only when something failed, or, once `keep_log_in(DIR)` was called (a run's servers: its
 `servers/` folder), `DIR/<engine>_server_<host>_<port>.log` (`server_log_path`), kept; a failed start's error ends

@@ -5,8 +5,8 @@ servers. Generation requests go to the router, which spreads them over its worke
 retries on another worker when one fails; weight syncs, pauses and version checks still go to every server directly
 (the router has no weight-update endpoints).
 
-The router runs under the same watchdog as a server (`megappo/platform/reaper.py`: it dies with the process that started it) and is
-ours by the same test: it takes our API key and refuses another. The key also authenticates the router to its
+The router runs under the same watchdog as a server (`platform/reaper.py`: it dies with the process that started
+it) and is ours by the same test: it takes our API key and refuses another. The key also authenticates the router to its
 workers. It reaches the router through a 0600 file that a tiny launcher reads and deletes, never on a command line.
 The router is ready when it lists every worker healthy.
 """
