@@ -70,6 +70,7 @@ RUN printf '%s\n' \
       "psutil==7.2.2" \
       "pytest==9.2.0" \
       "pytest-timeout==2.4.0" \
+      "pytest-xdist==3.8.0" \
       "peft==0.21.2" \
       "openai==3.63.0" \
       "pip==26.3" \

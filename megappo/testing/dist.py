@@ -30,6 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free now (a launch that also listens on MASTER_PORT+1, beside other tests)."""
+    for _ in range(100):
+        p = free_port()
+        socks = []
+        try:
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 def _worker(fn, rank, world_size, port, args, queue):
     import torch
     import torch.distributed as dist

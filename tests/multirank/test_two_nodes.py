@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from megappo.testing.dist import free_port
+from megappo.testing.dist import free_port_run
 from megappo.testing.prompts import assert_same_rows, metrics_so_far
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -96,7 +96,7 @@ def test_two_nodes_log_exactly_what_one_node_logs(tmp_path):
     _wait_all({"one node": (_launch(one, _env(tmp_path, NPROC_PER_NODE="2"), tmp_path / "one.log",
                                     ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"]), tmp_path / "one.log")})
     # two nodes of one rank each, rendezvous at node 0
-    port = str(free_port())
+    port = str(free_port_run(2))  # MASTER_PORT and the join check's MASTER_PORT+1
     nodes = {}
     for rank in (0, 1):
         env = _env(tmp_path, NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -123,7 +123,7 @@ def test_two_nodes_log_exactly_what_one_node_logs(tmp_path):
 def test_a_node_that_never_joins_is_named(tmp_path):
     """Node 0 of two starts alone: within MEGAPPO_JOIN_TIMEOUT it exits 2 naming node rank 1 (torchrun alone would
     wait 15 minutes and then count the nodes); alone, node 1 names the address it could not reach."""
-    port = str(free_port())
+    port = str(free_port_run(2))  # MASTER_PORT and the join check's MASTER_PORT+1
     out = tmp_path / "run"
     t0 = time.monotonic()
     for rank, expect in ((0, "node rank(s) 1 of 2 did not join within 3 s"),

@@ -21,9 +21,20 @@ What is exposed, and for how long:
 """
 from __future__ import annotations
 
+import itertools
+import os
 import socket
 from datetime import timedelta
 from typing import Any, Union
+
+_GROUP_IDS = itertools.count()
+
+
+def unique_group_name(base: str) -> str:
+    """`base` made unique in this process: torch keeps a group's name until the group is destroyed, so a second
+    engine or fleet in one process (a distillation teacher's, a second run in a notebook or a test session) must not
+    take the name of one that was never closed."""
+    return f"{base}_{os.getpid()}_{next(_GROUP_IDS)}"
 
 
 def _listening_socket(address: str, port: int) -> socket.socket:

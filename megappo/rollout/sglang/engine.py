@@ -29,6 +29,7 @@ from megappo.rollout.serving.http_client import _http, http_json, register_api_k
 from megappo.rollout.serving.http_client import post_in_background as _post_in_background
 from megappo.rollout.sglang.routing import RouteLayout, decode_routed_experts
 from megappo.rollout.serving.process import free_port
+from megappo.rollout.serving.weight_group import unique_group_name
 from megappo.rollout.sglang.vlm import ImageData, add_image_data, row_images, sglang_prompts
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class SGLangEngine(RolloutEngine):
         self.lora_name: Optional[str] = None
         self.request_fields: dict[str, str] = {}  # what every request adds: the served adapter's name (`serve_as`)
         self._group: Any = None
-        self._group_name = "megappo_weight_sync"
+        self._group_name = unique_group_name("megappo_weight_sync")
         self._staging: list = []  # update_weights' flat send buffer, reused across syncs
 
     def _sampling_params(self, params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:

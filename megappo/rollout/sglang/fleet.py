@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from megappo.rollout.serving.fleet import ServerFleet
 from megappo.rollout.serving.http_client import http_json
 from megappo.rollout.serving.process import free_port
+from megappo.rollout.serving.weight_group import unique_group_name
 from megappo.rollout.sglang.engine import (Bucket, SGLangEngine, _join_all, _joined, _post_in_background,
                                            begin_update, broadcast_buckets, end_update)
 from megappo.rollout.sglang.health import is_healthy
@@ -43,7 +44,7 @@ class SGLangFleet(ServerFleet):
         self.master_address, self.backend = master_address, backend  # the weight group's store and transport
         self._group: Any = None
         self._group_servers: list[int] = []
-        self._group_name = "megappo_fleet_weight_sync"
+        self._group_name = unique_group_name("megappo_fleet_weight_sync")
         self._flat_staging: list = []  # update_weights' flat send buffer, reused across syncs
         self._shm_staging = SharedStaging(slots=2)  # update_weights_from_tensor's shared buffers, idem
 
