@@ -1,9 +1,10 @@
 """How the suite runs on several pytest-xdist workers (`-n 2`, pytest.ini) without its tests seeing each other.
 
-- Scheduling (`--dist loadgroup`): a test module is one unit, so its module-scoped fixtures (a warm start, a
-  server) are built once; the tests that share a machine-wide resource run one after another on one worker:
-  `engines` (SGLang and vLLM: a session's servers and venvs), `slurm` (the local cluster), `ray` (local Ray
-  clusters).
+- Scheduling (`Scheduler`, from the node ids alone: xdist's controller never collects): a test module is one
+  unit, so its module-scoped fixtures (a warm start, a server) are built once; the modules that share a
+  machine-wide resource run one after another on one worker: `engines` (files named for SGLang or vLLM: a session's
+  servers and venvs), `slurm` (tests/cluster: the local cluster), `ray` (local Ray clusters). Not xdist's
+  `loadgroup`: it renames nodes through `_nodeid`, which pytest 9 no longer has, so its groups are silently lost.
 - `alone` tests read state of the whole machine (the sandbox's host checks: /tmp, SysV IPC, mounts, shared memory,
   every process of the sandbox's uids), so nothing runs beside them: each test holds a reader-writer lock, shared
   for the rest and exclusive for `alone` ones. A waiting `alone` test holds the gate, so the other worker cannot
@@ -19,20 +20,27 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
-SHARED_GROUPS = (  # (group, whether an item belongs to it), first match wins
-    ("slurm", lambda item: "tests/cluster/" in item.nodeid),
-    ("engines", lambda item: "sglang" in item.keywords or "vllm" in item.keywords),
-    ("ray", lambda item: Path(str(item.fspath)).name in ("test_ray_launch.py", "test_rewards_ray.py",
-                                                         "test_tool_pool.py", "test_reward_job_signals.py")),
-)
+RAY_FILES = ("test_ray_launch.py", "test_rewards_ray.py", "test_tool_pool.py", "test_reward_job_signals.py")
 
 
-def assign_groups(items: list[pytest.Item]) -> None:
-    """Give every item its xdist group: a shared resource's, else its module's."""
-    for item in items:
-        group = next((name for name, member in SHARED_GROUPS if member(item)), item.nodeid.split("::")[0])
-        item.add_marker(pytest.mark.xdist_group(group))
+def group_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: a shared resource's group, else its module."""
+    path = nodeid.split("::")[0]
+    name = path.rsplit("/", 1)[-1]
+    if path.startswith("tests/cluster/"):
+        return "slurm"
+    if "sglang" in name or "vllm" in name:
+        return "engines"
+    return "ray" if name in RAY_FILES else path
+
+
+class Scheduler(LoadScopeScheduling):
+    """xdist's load-scope scheduling over `group_of`'s units."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(nodeid)
 
 
 def _shared_root(factory: pytest.TempPathFactory) -> Path:

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _parallel import assign_groups, built_once, exclusive, machine_turn
+from _parallel import Scheduler, built_once, exclusive, machine_turn
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +24,10 @@ def pytest_configure(config):
         pass
 
 
+def pytest_xdist_make_scheduler(config, log):
+    return Scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -35,7 +39,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
-    assign_groups(items)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outermost: waiting for the turn is not the test's time
