@@ -266,12 +266,13 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     buf = b""
     fd = proc.stdout.fileno()
+    poller = select.poll()  # not select(): a process with over 1024 files open has descriptors it cannot watch
+    poller.register(fd, select.POLLIN)
     while not buf.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"no answer in {timeout:.0f} s")
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
+        if poller.poll(left * 1000):
             chunk = os.read(fd, 4096)
             if not chunk:
                 raise ValueError(f"it exited with code {proc.wait()}")

@@ -104,14 +104,17 @@ class RankFailed(RuntimeError):
     pass
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+                    start_method: str = "forkserver") -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results ordered by rank.
 
     `fn` and `args` must be picklable (a module-level function). Raises RankFailed with the first failing rank's
-    traceback, or on timeout.
+    traceback, or on timeout. `start_method="spawn"` when the ranks must write to this process's current stdout and
+    stderr (pytest's capfd): a rank forked from the server writes to the server's.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call of this process
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]

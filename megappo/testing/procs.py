@@ -21,7 +21,8 @@ def process_gone(pid: int, within: float) -> bool:
 
 def kill_a_server_after_step_1(out_dir, marker: str, killed: dict, timeout: float = 600) -> None:
     """Once the run in `out_dir` has logged step 1, SIGKILL the process group of the last server among this
-    process's descendants whose command line holds `marker` (not its watchdog), as a crash or the OOM killer would;
+    process's descendants whose command line holds `marker` (not its watchdog, nor a server that was running before
+    this was called), as a crash or the OOM killer would;
     `killed["port"]` is its port. Returns without killing when `killed["stop"]` is set or `timeout` passes first
     (run it in a thread beside the trainer)."""
     import json
@@ -31,6 +32,11 @@ def kill_a_server_after_step_1(out_dir, marker: str, killed: dict, timeout: floa
 
     import psutil
 
+    def servers() -> list:
+        return [p for p in psutil.Process().children(recursive=True)
+                if marker in " ".join(p.cmdline()) and "reaper.py" not in " ".join(p.cmdline())]
+
+    older = {p.pid for p in servers()}  # a session's own server (a test fixture's) is not the run's to kill
     deadline = time.time() + timeout
     while time.time() < deadline and not killed.get("stop"):
         try:
@@ -42,8 +48,6 @@ def kill_a_server_after_step_1(out_dir, marker: str, killed: dict, timeout: floa
         time.sleep(0.2)
     else:
         return
-    servers = [p for p in psutil.Process().children(recursive=True)
-               if marker in " ".join(p.cmdline()) and "reaper.py" not in " ".join(p.cmdline())]
-    victim = servers[-1]
+    victim = [p for p in servers() if p.pid not in older][-1]
     killed["port"] = victim.cmdline()[victim.cmdline().index("--port") + 1]
     os.killpg(victim.pid, signal.SIGKILL)

@@ -53,7 +53,7 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once(tmp_path, capfd):
     local_dir = str(tmp_path / "run")
     t0 = time.monotonic()
     with pytest.raises(RankFailed) as failed:
-        run_distributed(_job, 2, hf_dir, local_dir, timeout=120)
+        run_distributed(_job, 2, hf_dir, local_dir, timeout=120, start_method="spawn")  # capfd reads them
     assert time.monotonic() - t0 < 60, "the ranks waited for each other instead of stopping"
     err = capfd.readouterr().err
     step1 = checkpointing.step_dir(local_dir, 1)

@@ -62,7 +62,8 @@ def test_job_wide_signals_leave_the_helper_tree_running_and_the_parents_stop_end
             for pid in tree:
                 os.kill(pid, sig)
         time.sleep(1)
-        assert [_state(pid) for pid in tree] == ["S"] * 3  # all asleep, none died or exited
+        # none died, exited or stopped (asleep, or running for a moment on a loaded machine)
+        assert all(_state(pid) in ("S", "R") for pid in tree), [_state(pid) for pid in tree]
         assert watchdog.poll() is None
 
         t0 = time.monotonic()
