@@ -151,5 +151,6 @@ fi
 case "$status" in
   preempted) exit 75 ;;  # saved a checkpoint: run the same command again (launch/slurm/*.sbatch requeue)
   stopped) exit 3 ;;     # the KL guard or the reward watch stopped the run on purpose
+  finished) exit 0 ;;    # a signal during the last step: torchrun says 1 for its own, but the run is complete
   *) exit "$rc" ;;
 esac

@@ -22,7 +22,7 @@ from megappo.testing.prompts import assert_same_rows, metrics_so_far, tiny_run_o
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.sglang, pytest.mark.long]
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "slurm" / "train.sbatch"
-STEPS = 3
+STEPS = 10  # tiny steps take about 0.5 s: the preemption (about 0.5 s after step 1) must land before the last
 JOB_TIMEOUT = 420  # an SGLang server's cold start on a loaded 2-core machine takes minutes
 
 

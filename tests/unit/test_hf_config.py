@@ -129,8 +129,9 @@ def test_model_directory_input(cpu, hf_model_dir):
 def test_invalid_layouts_fail_before_any_process_group(cpu, monkeypatch):
     import torch.distributed as dist
 
-    from megappo.parallel import init_parallel
+    from megappo.parallel import destroy_parallel, init_parallel
 
+    destroy_parallel(destroy_process_group=True)  # an earlier test in this worker may have left its 1-rank group
     monkeypatch.setenv("WORLD_SIZE", "4")
     cases = [
         (ParallelLayout(tp=3), {}, "choose sizes whose product divides 4"),
