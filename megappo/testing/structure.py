@@ -268,6 +268,15 @@ def long_functions() -> list[str]:
     return out
 
 
+def kind_imports(graph: dict[str, set[str]] | None = None) -> list[str]:
+    """Imports of a model kind's own modules (`megappo.kinds.<kind>...`, module strings included) from outside
+    `megappo.kinds`: the rest asks the kind object (`megappo.kinds.kind_of`). `testing` stands outside the order."""
+    graph = import_graph(strings=True) if graph is None else graph
+    inside = ("megappo.kinds",) + tuple(f"megappo.{p}" for p in OUTSIDE_ORDER)
+    return [f"{m} -> {d}" for m, deps in sorted(graph.items()) if not (m in inside or m.startswith(
+        tuple(f"{p}." for p in inside))) for d in sorted(deps) if d.startswith("megappo.kinds.")]
+
+
 # the one module that may tell the text families apart by name: everything else reads its table
 FAMILY_TABLE = "models/families.py"
 
@@ -370,6 +379,7 @@ def main() -> int:
     for title, lines in (("import cycles", [" <-> ".join(c) for c in cycles(graph)]),
                          ("layering", layering_violations(graph)), ("files over 500 lines", long_files()),
                          ("family tests outside the family table", family_tests()),
+                         ("kind imports outside kinds", kind_imports()),
                          ("functions over 80 lines", long_functions())):
         print(f"{title}: {len(lines)}")
         print("".join(f"  {line}\n" for line in lines), end="")

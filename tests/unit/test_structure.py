@@ -93,3 +93,15 @@ def test_a_family_test_is_found():
     tree = ast.parse('if spec.family == "mixtral":\n    pass\nok = family in ("qwen3", "qwen3_moe")\n'
                      'fine = family in FAMILIES\n')
     assert structure.family_tests_in(tree) == [1, 3]
+
+
+def test_only_kinds_import_a_kind():
+    """Outside `megappo.kinds` (and the test helpers) code asks the kind object, never imports a kind's modules."""
+    assert structure.kind_imports() == []
+
+
+def test_a_kind_import_is_found():
+    graph = {"megappo.models.compute": {"megappo.kinds.qwen2_vl.inputs", "megappo.kinds"},
+             "megappo.kinds.qwen2_vl.model": {"megappo.kinds.qwen2_vl.inputs"},
+             "megappo.testing.vlm_models": {"megappo.kinds.qwen2_vl.verify"}}
+    assert structure.kind_imports(graph) == ["megappo.models.compute -> megappo.kinds.qwen2_vl.inputs"]
