@@ -57,7 +57,7 @@ PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
 )
 OUTSIDE_ORDER = ("testing",)
 # ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
-LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 19}
+LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 17}
 
 
 def _files() -> dict[str, Path]:
