@@ -4,7 +4,7 @@
 (`...ForConditionalGeneration`): the engine asks it to check a request's images (`check`), for a forward batch's
 positions and extra model inputs (`prefill`) and for those of a scored prompt (`scoring`). A vision-language
 prompt's images go through the vision tower in the prefill, positions are the multimodal rotary ones
-(`mrope_position_ids`, the trainer's), and decoding goes on from the KV cache as for text.
+(the model kind's `position_ids`, the trainer's), and decoding goes on from the KV cache as for text.
 
 Images cross the pipe to the engine's child process (`process.py` / `child.py`) as numpy arrays (`to_pipe`,
 `from_pipe`): pickled through the pipe by value, where tensors would go through torch's shared-memory file
