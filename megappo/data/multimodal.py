@@ -78,3 +78,43 @@ def batch_images(per_sample: Sequence[Optional[MultiModalInputs]],
     """A model batch's `multi_modal` for the samples at `rows`: their images, one entry per row, when any sample
     has images (each row keeps its prompt's images through micro-batching); None for text samples."""
     return [per_sample[r] for r in rows] if any(m is not None for m in per_sample) else None
+
+
+def refuse_images(multi_modal: Optional[Sequence[Optional[MultiModalInputs]]]) -> None:
+    """ValueError for a batch with images given to a text-only model."""
+    if multi_modal is not None:
+        raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
+
+
+# -- a checkpoint's not-yet-trained samples (trainer_state.json) carry their images as JSON ------------------------
+
+def _tensor_to_json(t: torch.Tensor) -> dict:
+    import base64
+
+    a = t.detach().cpu().contiguous().numpy()
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def _tensor_from_json(d: dict) -> torch.Tensor:
+    import base64
+
+    import numpy as np
+    import torch
+
+    a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+    return torch.from_numpy(a.copy())
+
+
+def multi_modal_to_json(m: Optional[MultiModalInputs]) -> Optional[dict]:
+    """A JSON-able form of one sample's images, bit for bit (the decoded PIL images, for engines only, are not kept:
+    a saved sample is already generated)."""
+    if m is None:
+        return None
+    return {"pixel_values": _tensor_to_json(m.pixel_values), "image_grid_thw": _tensor_to_json(m.image_grid_thw)}
+
+
+def multi_modal_from_json(d: Any) -> Optional[MultiModalInputs]:
+    if d is None or isinstance(d, MultiModalInputs):
+        return d
+    return MultiModalInputs(pixel_values=_tensor_from_json(d["pixel_values"]),
+                            image_grid_thw=_tensor_from_json(d["image_grid_thw"]))

@@ -79,3 +79,29 @@ def test_an_import_up_the_order_is_found_and_a_module_string_counts():
     graph = structure.import_graph(strings=True)
     assert "megappo.rollout.hf.deploy" in graph["megappo.rollout.registry"]  # "megappo.rollout.hf.deploy:deploy"
     assert "megappo.rollout.hf.deploy" not in structure.import_graph()["megappo.rollout.registry"]
+
+
+def test_text_families_are_told_apart_only_by_their_table():
+    """The config reader, the conversion and the export read `megappo.models.families.FAMILIES`; no other module
+    compares a `family` against a family's name."""
+    assert structure.family_tests() == []
+
+
+def test_a_family_test_is_found():
+    import ast
+
+    tree = ast.parse('if spec.family == "mixtral":\n    pass\nok = family in ("qwen3", "qwen3_moe")\n'
+                     'fine = family in FAMILIES\n')
+    assert structure.family_tests_in(tree) == [1, 3]
+
+
+def test_only_kinds_import_a_kind():
+    """Outside `megappo.kinds` (and the test helpers) code asks the kind object, never imports a kind's modules."""
+    assert structure.kind_imports() == []
+
+
+def test_a_kind_import_is_found():
+    graph = {"megappo.models.compute": {"megappo.kinds.qwen2_vl.inputs", "megappo.kinds"},
+             "megappo.kinds.qwen2_vl.model": {"megappo.kinds.qwen2_vl.inputs"},
+             "megappo.testing.vlm_models": {"megappo.kinds.qwen2_vl.verify"}}
+    assert structure.kind_imports(graph) == ["megappo.models.compute -> megappo.kinds.qwen2_vl.inputs"]
