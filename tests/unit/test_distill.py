@@ -11,7 +11,7 @@ import torch
 from megappo.algos import distillation as d
 from megappo.config import load_config
 from megappo.config.fields import ConfigError
-from megappo.config.validate import validate
+from megappo.checks import validate
 from megappo.models.topk import vocab_parallel_log_probs_at, vocab_parallel_topk
 
 RECIPE = "recipes/cpu/tiny_distill.yaml"

@@ -37,6 +37,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor, nn
 
 from megappo.models.batch import ModelBatch
+from megappo.models.layout import prefix_sharing_refusal
 
 __all__ = ["SharedPack", "SharedPrefixParams", "Tree", "prompt_groups", "share_micro_batch",
            "attend_shared", "install_prefix_positions", "can_share", "sharing_on", "sharing_pays"]
@@ -259,9 +260,8 @@ def can_share(inner: nn.Module, replaying: bool = False) -> Optional[str]:
     """Why an (unwrapped) chunk cannot run shared micro-batches (packs, or tree rows under context parallelism),
     or None: it needs megappo's SDPAttention, its positions installed, and no router replay (`replaying`: its MoE
     routers replay or record routes, `megappo.models.router_replay`)."""
-    if replaying:  # router replay lays its routes out per row (`router_replay.token_sources`), not per shared tree
-        return ("prefix sharing does not run with MoE router replay: set actor_rollout_ref.model."
-                "use_prefix_sharing=false or actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
+    if replaying:
+        return prefix_sharing_refusal(packed=True, cp_size=1, replaying=True)
     if not getattr(inner, "megappo_sdpa_attention", False):
         return ("prefix sharing needs megappo's SDPAttention (the local spec; transformer-engine's attention takes "
                 "no tree mask): set actor_rollout_ref.model.use_prefix_sharing=false")
@@ -313,9 +313,7 @@ def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, pac
     first chunk; `replaying`: as `can_share`."""
     if share_prefix is False:
         return False
-    refusal = can_share(inner, replaying) or (None if packed or cp_size > 1 else (
-        "prefix sharing runs packed micro-batches (or context-parallel ones): set "
-        "actor_rollout_ref.model.use_remove_padding=true (or use_prefix_sharing=false)"))
+    refusal = can_share(inner, replaying) or prefix_sharing_refusal(packed, cp_size, replaying)
     if refusal is not None:
         if share_prefix:
             raise ValueError(refusal)
