@@ -9,8 +9,8 @@ import json
 import os
 from typing import Any
 
-from megappo.config.schema_distill import TeacherModelConfig
-from megappo.config.schema_rollout import InferenceConfig
+from megappo.config.schema.distill import TeacherModelConfig
+from megappo.config.schema.rollout import InferenceConfig
 from megappo.models.layout import per_position_topk_refusal
 
 KEY = "distillation"

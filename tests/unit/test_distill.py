@@ -158,7 +158,7 @@ def test_the_gpu_distillation_recipe_fits_its_models(tmp_path):
 
 
 def test_a_fixed_model_engine_takes_the_policy_rollout_under_its_own_keys():
-    from megappo.config.schema_rollout import InferenceConfig
+    from megappo.config.schema.rollout import InferenceConfig
     from megappo.rollout.fixed import fixed_settings
     from megappo.trainer.settings import rollout_settings
 
