@@ -93,12 +93,10 @@ def _check_trainer(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, g.max_retries >= 0, "trainer.guard.max_retries", f"must be >= 0, got {g.max_retries}",
           "use e.g. 3 (0: stop at the first tripped step)")
     if t.save_before_deadline is not None:
-        from megappo.config.deadline import parse_deadline
+        from megappo.config.deadline import deadline_refusal
 
-        try:
-            parse_deadline(t.save_before_deadline, environ={"SLURM_JOB_END_TIME": "0"})
-        except ValueError as e:
-            errors.append(f"trainer.save_before_deadline: {e}")
+        refusal = deadline_refusal(t.save_before_deadline, environ={"SLURM_JOB_END_TIME": "0"})
+        errors += [refusal] if refusal else []
     rm = cfg.reward_model
     _need(errors, 0.0 <= rm.max_failure_fraction <= 1.0, "reward_model.max_failure_fraction",
           f"must be in [0, 1], got {rm.max_failure_fraction}", "use e.g. 0.5 (1.0: never stop)")

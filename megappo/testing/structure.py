@@ -6,6 +6,10 @@ The package view: the top-level packages in their declared order (PACKAGE_ORDER,
 them and every file-level import that reaches up the order. There a string constant naming a megappo module
 ("megappo.x.y", "megappo.x.y:attr", an `-m` entry point) counts as an import: registries import what they name.
 
+A message written twice is a rule written twice: the literal start (MESSAGE_PREFIX characters, each formatted value
+read as "{}") of every exception raised with a message and every message appended to an `errors` list must occur in
+one place only; a rule stated twice is a function both places ask.
+
 A branch point is a test of an `if`/`elif`/`while`, a conditional expression or a comprehension's `if` that names
 the capability (an identifier, attribute, keyword or string matching its pattern). A capability with one home is
 asked, not tested for: its branch points gather in its own files.
@@ -35,6 +39,8 @@ CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "packing": (r"pack|remove_padding|cu_seqlens", ("models/layout/", "testing/")),
     "context_parallel": (r"context_parallel|\bcp\b|\bcp_|_cp\b", ("models/layout/", "testing/")),
 }
+MESSAGE_PREFIX = 40  # characters of a message's literal start that name it
+MESSAGE_MIN_LITERAL = 25  # a start with fewer literal characters ("{}: {}") names no rule
 BRANCH_BOUNDS = {"vlm": 8, "lora": 6, "packing": 4, "context_parallel": 4}
 
 # (importer prefix, imported prefixes it must not reach), as module names
@@ -306,6 +312,46 @@ def branch_points() -> dict[str, Counter]:
     return out
 
 
+def _template(node: ast.AST) -> str | None:
+    """A message's text with each formatted value as "{}" (a constant, an f-string, or a sum of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left), _template(node.right)
+        return None if left is None else left + ("{}" if right is None else right)
+    return None
+
+
+def _messages(tree: ast.AST):
+    """(line, text) of each exception raised with a message and each message appended to an `errors` list."""
+    for n in ast.walk(tree):
+        arg = None
+        if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and n.exc.args:
+            f = n.exc.func
+            if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")).endswith(("Error", "Exception")):
+                arg = n.exc.args[0]
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append"
+              and isinstance(n.func.value, ast.Name) and "error" in n.func.value.id and n.args):
+            arg = n.args[0]
+        text = None if arg is None else _template(arg)
+        if text is not None:
+            yield n.lineno, text
+
+
+def repeated_messages(files: list[Path] | None = None) -> dict[str, list[str]]:
+    """A message's literal start -> its places ("file:line"), for each start written in more than one place."""
+    places: dict[str, list[str]] = defaultdict(list)
+    for path in files if files is not None else sorted(PACKAGE.rglob("*.py")):
+        for line, text in _messages(ast.parse(path.read_text())):
+            start = " ".join(text.split())[:MESSAGE_PREFIX]
+            if len(start.replace("{}", "")) >= MESSAGE_MIN_LITERAL:
+                where = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path
+                places[start].append(f"{where}:{line}")
+    return {start: where for start, where in places.items() if len(where) > 1}
+
+
 def _package_report() -> int:
     """Print the package view; the number of its bounds exceeded."""
     packages = package_graph()
@@ -331,7 +377,9 @@ def main() -> int:
     problems = _package_report()
     for title, lines in (("import cycles", [" <-> ".join(c) for c in cycles(graph)]),
                          ("layering", layering_violations(graph)), ("files over 500 lines", long_files()),
-                         ("functions over 80 lines", long_functions())):
+                         ("functions over 80 lines", long_functions()),
+                         ("messages written twice", [f"{start!r}: {', '.join(where)}"
+                                                     for start, where in repeated_messages().items()])):
         print(f"{title}: {len(lines)}")
         print("".join(f"  {line}\n" for line in lines), end="")
         problems += len(lines)

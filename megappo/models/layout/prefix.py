@@ -197,8 +197,7 @@ def attend_shared(attn: Any, query: Tensor, key: Tensor, value: Tensor, attentio
     if attention_mask is not None or attn.attn_mask_type != AttnMaskType.causal:
         raise NotImplementedError("a shared-prefix pack is causal self attention without an attention_mask")
     t, nq, hn = query.shape
-    if nq % key.size(1):
-        raise ValueError(f"{nq} query heads are not a multiple of {key.size(1)} key/value heads")
+    attn.check_heads(nq, key.size(1))
     if params._plan is None or params._plan[0] != (t, str(query.device)):
         params._plan = ((t, str(query.device)), [_tree_plan(tree, query.device) for tree in params.trees])
     plans = params._plan[1]
