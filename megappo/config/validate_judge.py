@@ -1,4 +1,4 @@
-"""The rules of `reward_model.judge` (megappo/config/schema/judge.py), called by `megappo.config.validate`: each
+"""The rules of `reward_model.judge` (megappo/config/schema/judge.py), run by `megappo.checks`: each
 message names the key, what is wrong and the fix."""
 from __future__ import annotations
 

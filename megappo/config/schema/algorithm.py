@@ -34,8 +34,9 @@ class RolloutCorrectionConfig:
     # true: no recompute, old log-probs are the rollout's and the correction runs inside the loss (loss_type)
     bypass_mode: bool = False
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass_mode only
-    # one of verl's named presets (README; megappo/config/rollout_presets.py), e.g. decoupled_geo_rs_seq_tis: the
-    # section starts from its fields, and the keys above set in the same recipe or command line override them
+    # one of verl's named presets (docs/algorithms.md; megappo/config/rollout_presets.py), e.g.
+    # decoupled_geo_rs_seq_tis: the section starts from its fields, and the keys above set in the same recipe or
+    # command line override them
     preset: Optional[str] = None
 
 
@@ -67,10 +68,10 @@ class FilterGroupsConfig:
 class AlgorithmConfig:
     gamma: float = 1.0  # discount factor for GAE
     lam: float = 1.0  # GAE lambda (bias/variance trade-off)
-    # a name of megappo.algos.estimators (README's table): gae (needs a critic), grpo, rloo, reinforce_plus_plus,
-    # reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, grpo_vectorized, rloo_vectorized, gdpo (with
-    # gdpo_reward_keys), optimal_token_baseline, tir_optimal_token_baseline (not with rollout_correction's
-    # bypass_mode); or custom_adv_estimator.name
+    # a name of megappo.algos.estimators (docs/algorithms.md's table): gae (needs a critic), grpo, rloo,
+    # reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, grpo_vectorized,
+    # rloo_vectorized, gdpo (with gdpo_reward_keys), optimal_token_baseline, tir_optimal_token_baseline (not with
+    # rollout_correction's bypass_mode); or custom_adv_estimator.name
     adv_estimator: str = "gae"
     # grpo / grpo_passk: divide by the group std (false + loss_agg_mode=seq-mean-token-sum-norm: Dr. GRPO)
     norm_adv_by_std_in_grpo: bool = True
