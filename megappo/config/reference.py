@@ -33,7 +33,7 @@ _NONE = type(None)
 
 HEADER = f"""# Configuration reference
 
-<!-- Generated from megappo/config/schema*.py by `{REGENERATE}`; do not edit. -->
+<!-- Generated from megappo/config/schema/ by `{REGENERATE}`; do not edit. -->
 
 Every key megappo reads, as a dotted path (`key=value` on the command line, or nested in a recipe's YAML), with its
 type, its default and what the schema's source says of it (the comment on the field's line and the comment lines
@@ -41,7 +41,7 @@ above it; a comment above a run of fields is shown with the first of them). A de
 is filled from another key by `megappo.config.derived.resolve`. How recipes and overrides are read and checked:
 [Training, Configuration](training.md#configuration).
 
-This page is generated from the config dataclasses (`megappo/config/schema*.py`, root `MegappoConfig`); regenerate
+This page is generated from the config dataclasses (`megappo/config/schema/`, root `MegappoConfig`); regenerate
 it with `{REGENERATE}` (`tests/unit/test_config_reference.py` fails when it is stale).
 """
 

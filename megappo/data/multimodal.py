@@ -18,6 +18,12 @@ if TYPE_CHECKING:  # light to import: the Parquet schema checks read this module
     import torch
 
 
+def check_entries(multi_modal: Sequence[Any], num_prompts: int) -> None:
+    """Refuse images that are not one entry (None: a text prompt) per prompt."""
+    if len(multi_modal) != num_prompts:
+        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {num_prompts} prompts")
+
+
 @dataclass
 class MultiModalInputs:
     """One prompt's images after the image processor (the prompt's ids already hold their image tokens)."""
@@ -36,8 +42,7 @@ def collapse_image_runs(prompts: Sequence[Sequence[int]], multi_modal: Sequence[
     """The prompts as an engine that runs the model's image processor itself takes them (SGLang, vLLM): each run of
     image tokens collapsed to the one `<|image_pad|>` the engine expands again from the image it processes. Each
     prompt with images must hold one run per decoded image (`MultiModalInputs.images`), a text prompt none."""
-    if len(multi_modal) != len(prompts):
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+    check_entries(multi_modal, len(prompts))
     if image_token_id is None:
         raise ValueError(f"prompts with images need the {engine} engine's image_token_id (the model config's)")
     out = []

@@ -6,6 +6,10 @@ The package view: the top-level packages in their declared order (PACKAGE_ORDER,
 them and every file-level import that reaches up the order. There a string constant naming a megappo module
 ("megappo.x.y", "megappo.x.y:attr", an `-m` entry point) counts as an import: registries import what they name.
 
+A message written twice is a rule written twice: the literal start (MESSAGE_PREFIX characters, each formatted value
+read as "{}") of every exception raised with a message and every message appended to an `errors` list must occur in
+one place only; a rule stated twice is a function both places ask.
+
 A branch point is a test of an `if`/`elif`/`while`, a conditional expression or a comprehension's `if` that names
 the capability (an identifier, attribute, keyword or string matching its pattern). A capability with one home is
 asked, not tested for: its branch points gather in its own files.
@@ -35,6 +39,8 @@ CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "packing": (r"pack|remove_padding|cu_seqlens", ("models/layout/", "testing/")),
     "context_parallel": (r"context_parallel|\bcp\b|\bcp_|_cp\b", ("models/layout/", "testing/")),
 }
+MESSAGE_PREFIX = 40  # characters of a message's literal start that name it
+MESSAGE_MIN_LITERAL = 25  # a start with fewer literal characters ("{}: {}") names no rule
 BRANCH_BOUNDS = {"vlm": 8, "lora": 6, "packing": 4, "context_parallel": 4}
 
 # (importer prefix, imported prefixes it must not reach), as module names
@@ -49,15 +55,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # megappo's top-level packages and modules, bottom to top: each may import only those on its own level (a tuple) or
 # below. `testing` stands outside: it may import anything, and only tests import it. The config tree stands above
-# the engines, models and algorithms: they take plain settings built from it (LAYERS), and its rules ask them what
-# they support.
+# the engines, models and algorithms: they take plain settings built from it (LAYERS). Each capability's config
+# rules live beside it (`checks.py`) and read the tree without importing it; `checks`, the one table of them, stands
+# above every capability it asks.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
     "platform", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config", "multi_turn",
-    "rewards", "envs", ("tasks", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"), "cli",
+    "rewards", "envs", ("tasks", "agents"), "distill", "checks", "trainer", ("train_cli", "rollout_server_cli"), "cli",
 )
 OUTSIDE_ORDER = ("testing",)
 # ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
-LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 17}
+LAYER_BOUNDS = {"package cycles": 2, "packages in cycles": 9, "upward imports": 14}
 
 
 def _files() -> dict[str, Path]:
@@ -353,6 +360,46 @@ def branch_points() -> dict[str, Counter]:
     return out
 
 
+def _template(node: ast.AST) -> str | None:
+    """A message's text with each formatted value as "{}" (a constant, an f-string, or a sum of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left), _template(node.right)
+        return None if left is None else left + ("{}" if right is None else right)
+    return None
+
+
+def _messages(tree: ast.AST):
+    """(line, text) of each exception raised with a message and each message appended to an `errors` list."""
+    for n in ast.walk(tree):
+        arg = None
+        if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and n.exc.args:
+            f = n.exc.func
+            if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")).endswith(("Error", "Exception")):
+                arg = n.exc.args[0]
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append"
+              and isinstance(n.func.value, ast.Name) and "error" in n.func.value.id and n.args):
+            arg = n.args[0]
+        text = None if arg is None else _template(arg)
+        if text is not None:
+            yield n.lineno, text
+
+
+def repeated_messages(files: list[Path] | None = None) -> dict[str, list[str]]:
+    """A message's literal start -> its places ("file:line"), for each start written in more than one place."""
+    places: dict[str, list[str]] = defaultdict(list)
+    for path in files if files is not None else sorted(PACKAGE.rglob("*.py")):
+        for line, text in _messages(ast.parse(path.read_text())):
+            start = " ".join(text.split())[:MESSAGE_PREFIX]
+            if len(start.replace("{}", "")) >= MESSAGE_MIN_LITERAL:
+                where = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path
+                places[start].append(f"{where}:{line}")
+    return {start: where for start, where in places.items() if len(where) > 1}
+
+
 def _package_report() -> int:
     """Print the package view; the number of its bounds exceeded."""
     packages = package_graph()
@@ -380,7 +427,9 @@ def main() -> int:
                          ("layering", layering_violations(graph)), ("files over 500 lines", long_files()),
                          ("family tests outside the family table", family_tests()),
                          ("kind imports outside kinds", kind_imports()),
-                         ("functions over 80 lines", long_functions())):
+                         ("functions over 80 lines", long_functions()),
+                         ("messages written twice", [f"{start!r}: {', '.join(where)}"
+                                                     for start, where in repeated_messages().items()])):
         print(f"{title}: {len(lines)}")
         print("".join(f"  {line}\n" for line in lines), end="")
         problems += len(lines)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megappo.config import ConfigError, load_config, validate
+from megappo.checks import validate
+from megappo.config import ConfigError, load_config
 from megappo.config.schema import RolloutConfig
 
 ENGINES_PAGE = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()

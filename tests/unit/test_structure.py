@@ -1,7 +1,7 @@
 """The code's structure holds (megappo/testing/structure.py measures it from the source): no import cycle between
 files (function-local imports included), the layering rules, files under 500 lines and functions under 80, and
 each capability asked of its own object rather than tested for in other files (at most a few branch points
-outside its home), and the packages' layers: PACKAGE_ORDER names every top-level package, only tests import
+outside its home), no rule's message written in two places, and the packages' layers: PACKAGE_ORDER names every top-level package, only tests import
 `megappo.testing`, and the package loops and the imports that reach up the order do not grow."""
 from __future__ import annotations
 
@@ -34,6 +34,20 @@ def test_files_and_functions_are_short():
 def test_each_capability_is_asked_not_tested_for(capability):
     counts = structure.branch_points()[capability]
     assert sum(counts.values()) <= structure.BRANCH_BOUNDS[capability], dict(counts)
+
+
+def test_no_rule_is_written_twice():
+    assert structure.repeated_messages() == {}
+
+
+def test_a_message_written_twice_is_found(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text('def f(x):\n    raise ValueError(f"model.path {x} has no config.json; point it at a model")\n')
+    b.write_text('def g(errors, y):\n    errors.append(f"model.path {y} has no config.json; point it elsewhere")\n'
+                 '    raise KeyError(f"{y}: {y}")  # too little text to name a rule\n')
+    found = structure.repeated_messages([a, b])
+    assert list(found) == ["model.path {} has no config.json; point "]
+    assert [w.rsplit(":", 1)[1] for w in found["model.path {} has no config.json; point "]] == ["2", "2"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megappo.data.multimodal import MultiModalInputs
+from megappo.data.multimodal import MultiModalInputs, check_entries
 
 MultiModal = Optional[Sequence[Optional[MultiModalInputs]]]  # per prompt: its images, or None (a text prompt)
 Rows = list[tuple[int, list[int]]]  # a forward batch's (prompt index, prompt ids)
@@ -27,8 +27,7 @@ def _checked(prompts: Sequence[Sequence[int]], multi_modal: MultiModal) -> Optio
     """`multi_modal` as a list when some prompt has images (None: none has), of one entry per prompt."""
     if multi_modal is None or all(m is None for m in multi_modal):
         return None
-    if len(multi_modal) != len(prompts):
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+    check_entries(multi_modal, len(prompts))
     return list(multi_modal)
 
 
@@ -109,8 +108,7 @@ def to_pipe(multi_modal: MultiModal, num_prompts: int) -> Optional[list]:
     """Prompts' images as numpy arrays, per prompt None or (pixel_values, image_grid_thw)."""
     if multi_modal is None:
         return None
-    if len(multi_modal) != num_prompts:
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {num_prompts} prompts")
+    check_entries(multi_modal, num_prompts)
     return [None if m is None else (m.pixel_values.detach().cpu().numpy(), m.image_grid_thw.cpu().numpy())
             for m in multi_modal]
 
