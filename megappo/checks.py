@@ -1,7 +1,8 @@
 """The one table of the configuration's rule sets, and `validate`, which runs it.
 
 Each capability states its rules once, beside its code (`checks.py` in algos, models.layout, models.lora, rollout,
-distill; the tree's own ranges in `megappo.config.validate`), and its refusal at run time asks the same function.
+rewards.judge, distill; the tree's own ranges in `megappo.config.validate`), and its refusal at run time asks the
+same function.
 A rule set is `rules(cfg, check_files) -> list[str]`, each message naming the key, what is wrong and the fix. This
 module stands above every capability it asks (`megappo.testing.structure.PACKAGE_ORDER`); `megappo.trainer.preflight`
 runs the table first, then the checks that need the files and the world (layouts, batches, config.json, Parquet).
@@ -18,7 +19,6 @@ from megappo.config.fields import ConfigError
 from megappo.config.schema import MegappoConfig
 from megappo.config.validate import config_errors, plan, type_errors
 from megappo.config.validate_episodes import episode_errors
-from megappo.config.validate_judge import judge_errors
 from megappo.config.validate_replay import replay_errors
 from megappo.distill.checks import distillation_errors
 from megappo.models.layout.checks import layout_errors
@@ -33,6 +33,14 @@ def _algorithm(cfg: Any, check_files: bool) -> list[str]:
     return algorithm_errors(cfg, check_files)
 
 
+def _judge(cfg: Any, check_files: bool) -> list[str]:
+    # the judge's rules are the rewards package's; the built-in judges the tasks' (above rewards): their names here
+    from megappo.rewards.judge.checks import judge_errors  # the judge package loads numpy: only when checked
+    from megappo.tasks.digit_judge import JUDGES
+
+    return judge_errors(cfg, check_files, JUDGES)
+
+
 def _lora(cfg: Any, check_files: bool) -> list[str]:
     # LoRA stands below the engines: the registry answers whether this one serves adapters on this device
     refusal = lora_adapter_refusal(cfg.actor_rollout_ref.rollout.name, cfg.trainer.device)
@@ -44,7 +52,7 @@ RULE_SETS: tuple[tuple[str, RuleSet], ...] = (
     ("config", config_errors),  # the tree's own ranges and cross-field rules
     ("algorithm", _algorithm),
     ("layout", layout_errors),
-    ("judge", judge_errors),
+    ("judge", _judge),
     ("episodes", episode_errors),
     ("router replay", replay_errors),
     ("rollout engine", engine_errors),

@@ -7,12 +7,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from megappo.platform.rules import need as _need
+
 P = "actor_rollout_ref.actor"
-
-
-def _need(errors: list[str], ok: bool, key: str, problem: str, fix: str) -> None:
-    if not ok:
-        errors.append(f"{key}: {problem}; {fix}")
 
 
 def algorithm_errors(cfg, check_files: bool = False) -> list[str]:

@@ -30,12 +30,6 @@ class ConfigError(ValueError):
         super().__init__(head + ":\n" + "\n".join(f"  - {e}" for e in self.errors))
 
 
-def need(errors: list[str], ok: bool, key: str, problem: str, fix: str) -> None:
-    """Unless `ok`, one ConfigError line: the key, what is wrong with it, the fix."""
-    if not ok:
-        errors.append(f"{key}: {problem}; {fix}")
-
-
 class CoerceError(ValueError):
     """A value that does not fit a field's type; the message is the expected type in words."""
 

@@ -12,9 +12,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from megappo.config.fields import check_type, iter_leaves, need as _need, type_name
+from megappo.config.fields import check_type, iter_leaves, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
+from megappo.platform.rules import need as _need
 
 
 def plan(cfg: MegappoConfig, world_size: Optional[int] = None,

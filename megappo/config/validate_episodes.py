@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from megappo.config.fields import need as _need
+from megappo.platform.rules import need as _need
 from megappo.config.schema import MegappoConfig
 
 

@@ -27,6 +27,7 @@ from megappo.config import ConfigError, MegappoConfig
 from megappo.checks import rule_errors
 from megappo.config.validate import plan, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
+from megappo.platform.rules import need as _need
 from megappo.rollout.registry import unknown_engine
 from megappo.trainer.preflight_agents import check_agents
 from megappo.trainer.preflight_tools import check_multi_turn_tools
@@ -78,11 +79,6 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
             errors += teacher_model_problems(cfg, meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size)
     if errors:
         raise ConfigError(errors)
-
-
-def _need(errors: list[str], ok: bool, key: str, problem: str, fix: str) -> None:
-    if not ok:
-        errors.append(f"{key}: {problem}; {fix}")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -1,26 +1,27 @@
 """The rules of `reward_model.judge` (megappo/config/schema/judge.py), run by `megappo.checks`: each
-message names the key, what is wrong and the fix."""
+message names the key, what is wrong and the fix. The built-in templates are this package's own (`templates.py`);
+the built-in judges are the tasks' (`megappo.tasks.digit_judge.JUDGES`), which stand above rewards, so
+`megappo.checks` passes their names in."""
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 from megappo.config.schema import MegappoConfig
 from megappo.config.schema.judge import BUILTIN_PARSERS
-
-# built-in template names (megappo/rewards/judge/templates.py holds their text; the config imports nothing else)
-BUILTIN_TEMPLATES = ("default", "score", "digit_max", "pairwise")
-BUILTIN_JUDGES = ("digit_max_judge",)  # megappo/tasks/digit_judge.py
+from megappo.platform.rules import need as need_in
+from megappo.rewards.judge.templates import TEMPLATES
 
 
-def judge_errors(cfg: MegappoConfig, check_files: bool) -> list[str]:
-    """Every violation of reward_model.judge's rules (none when the judge is off)."""
+def judge_errors(cfg: MegappoConfig, check_files: bool, builtin_judges: Collection[str]) -> list[str]:
+    """Every violation of reward_model.judge's rules (none when the judge is off); `builtin_judges`: the names
+    reward_model.judge.builtin may take."""
     j, errors = cfg.reward_model.judge, []
 
     def need(ok: bool, key: str, problem: str, fix: str) -> None:
-        if not ok:
-            errors.append(f"reward_model.judge.{key}: {problem}; {fix}")
+        need_in(errors, ok, f"reward_model.judge.{key}", problem, fix)
 
     if not j.enable:
         return errors
@@ -28,8 +29,8 @@ def judge_errors(cfg: MegappoConfig, check_files: bool) -> list[str]:
          "model); a run has one reward model", "set reward_model.enable=false to judge with the generative model")
     need(bool(j.path) or bool(j.builtin), "path", "is missing (the judge model's directory)",
          "set reward_model.judge.path=HF_MODEL_DIR (or reward_model.judge.builtin=digit_max_judge)")
-    need(j.builtin is None or j.builtin in BUILTIN_JUDGES, "builtin", f"unknown built-in judge {j.builtin!r}",
-         f"use one of {', '.join(BUILTIN_JUDGES)} or null")
+    need(j.builtin is None or j.builtin in builtin_judges, "builtin", f"unknown built-in judge {j.builtin!r}",
+         f"use one of {', '.join(sorted(builtin_judges))} or null")
     if check_files and j.path and not j.builtin:
         folder = Path(os.path.expanduser(j.path))
         need((folder / "config.json").is_file(), "path", f"'{j.path}' " + ("has no config.json (not a Hugging Face "
@@ -54,7 +55,7 @@ def judge_errors(cfg: MegappoConfig, check_files: bool) -> list[str]:
 
 
 def _template_errors(j, need) -> None:
-    if j.template in BUILTIN_TEMPLATES:
+    if j.template in TEMPLATES:
         pairwise_template = j.template == "pairwise"
         need(pairwise_template == (j.parser == "pairwise"), "template", f"the built-in {j.template!r} template "
              f"does not fit parser={j.parser}", "use template=pairwise with parser=pairwise, else default or your own")
@@ -66,6 +67,6 @@ def _template_errors(j, need) -> None:
     need(wanted <= fields, "template", f"{j.template[:80]!r} has no {missing} (the judge would never see the "
          "response)",
          f"put {', '.join('{' + w + '}' for w in sorted(wanted))} in it, or name a built-in template "
-         f"({', '.join(BUILTIN_TEMPLATES)})")
+         f"({', '.join(TEMPLATES)})")
     need(fields <= allowed, "template", f"names {sorted(fields - allowed)}, which are not filled",
          f"use only {', '.join('{' + a + '}' for a in sorted(allowed))} (write {{{{ and }}}} for literal braces)")
