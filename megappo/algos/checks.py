@@ -1,6 +1,6 @@
 """The config's rules of the advantage estimator and the policy loss (`algorithm.adv_estimator`,
-`actor.policy_loss`), asked of their registries; each message names the key, what is wrong and the fix. The loss's
-own refusals ask the same functions (`policy_losses.dro_beta_refusal`). `megappo.checks` runs them with the rest."""
+`actor.policy_loss`), asked of their registries; each message names the key, what is wrong and the fix. Each loss's
+own rule is the check it registered (`register_policy_loss(name, check=...)`), which the loss asks too. `megappo.checks` runs them with the rest."""
 from __future__ import annotations
 
 import os
@@ -82,7 +82,7 @@ def _check_estimator(cfg, errors: list[str]) -> None:
 
 
 def _check_policy_loss(cfg, errors: list[str]) -> None:
-    from megappo.algos.policy_losses import dro_beta_refusal, get_policy_loss
+    from megappo.algos.policy_losses import get_policy_loss, loss_params, loss_refusal
 
     a, p = cfg.actor_rollout_ref.actor, P
     pl = a.policy_loss
@@ -103,7 +103,8 @@ def _check_policy_loss(cfg, errors: list[str]) -> None:
     _need(errors, pl.loss_mode != "sapo" or a.loss_agg_mode == "seq-mean-token-mean", f"{p}.loss_agg_mode",
           f"is {a.loss_agg_mode} but policy_loss.loss_mode=sapo always aggregates seq-mean-token-mean (as verl's "
           "sapo does, whatever loss_agg_mode says)", f"set {p}.loss_agg_mode=seq-mean-token-mean with sapo")
-    if pl.loss_mode == "dro" and (refusal := dro_beta_refusal(pl.dro_beta)):
+    # the loss's settings as the trainer reads them (by field name); the clip ratios are the actor's own rules
+    if refusal := loss_refusal(pl.loss_mode, loss_params(pl.loss_mode, pl, a)):
         errors.append(refusal)
     bypass = cfg.algorithm.rollout_correction.bypass_mode
     _need(errors, not bypass or pl.loss_mode == "vanilla", f"{p}.policy_loss.loss_mode",

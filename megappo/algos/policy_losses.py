@@ -12,20 +12,28 @@ micro-batches. is_weights (rollout correction) multiply each token's loss before
 ``rollout_is_weights`` (GMPO: their per-sequence geometric mean). Metrics are detached token means of the batch:
 ``ppo_kl`` always, ``pg_clipfrac`` and ``pg_clipfrac_lower`` (0 where a loss has no such clip).
 
+A loss's settings are read from the config by field name (`loss_params`: ``actor.policy_loss``'s keys, then
+``actor``'s), so a loss with a coefficient of its own adds a `PolicyLossParams` field (or registers a subclass of
+its own, ``params=``) and the key of the same name in the schema's `PolicyLossConfig`. Its config rule registers
+beside it (``check=``: the params -> why the loss cannot run, or None); the config's validation
+(`megappo.algos.checks`) and the loss both ask it.
+
 A user's loss registers from a file: ``actor_rollout_ref.actor.policy_loss.{path,name}``.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from megappo.algos import _as_bool, aggregate_loss, masked_mean, policy_loss
 from megappo.algos.estimators import load_custom, suggest
+from megappo.platform.rules import by_name
 
-__all__ = ["POLICY_LOSSES", "PolicyLossParams", "get_policy_loss", "register_policy_loss"]
+__all__ = ["POLICY_LOSSES", "PolicyLossParams", "get_policy_loss", "loss_params", "loss_refusal",
+           "register_policy_loss"]
 
 
 @dataclass(frozen=True)
@@ -47,14 +55,38 @@ class PolicyLossParams:
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+LossCheck = Callable[[PolicyLossParams], Optional[str]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+LOSS_PARAMS: dict[str, type[PolicyLossParams]] = {}  # a loss's own settings class, where it has one
+LOSS_CHECKS: dict[str, LossCheck] = {}  # a loss's config rule, where it has one
 
 
-def register_policy_loss(name: str):
+def register_policy_loss(name: str, *, params: Optional[type[PolicyLossParams]] = None,
+                         check: Optional[LossCheck] = None):
+    """Register the decorated loss as `name`; `params`: a `PolicyLossParams` subclass holding its own settings
+    (read by field name from the config); `check`: its config rule, the params -> a message naming the key, what
+    is wrong and the fix, or None."""
     def add(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES[name] = fn
+        for table, entry in ((LOSS_PARAMS, params), (LOSS_CHECKS, check)):
+            if entry is not None:
+                table[name] = entry
+            else:
+                table.pop(name, None)
         return fn
     return add
+
+
+def loss_params(name: str, *sources: Any, **given: Any) -> PolicyLossParams:
+    """Loss `name`'s settings: each field from `given`, else the first of `sources` (config sections) with an
+    attribute of its name, else its default."""
+    return by_name(LOSS_PARAMS.get(name, PolicyLossParams), *sources, **given)
+
+
+def loss_refusal(name: str, params: PolicyLossParams) -> Optional[str]:
+    """Why loss `name` cannot run with `params` (its registered check), or None."""
+    check = LOSS_CHECKS.get(name)
+    return None if check is None else check(params)
 
 
 def get_policy_loss(name: str, custom_path: Optional[str] = None, custom_name: Optional[str] = None) -> PolicyLossFn:
@@ -278,21 +310,21 @@ def dppo_kl(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, 
     return _dppo(log_probs, old_log_probs, advantages, mask, p, agg_mode, num_tokens, num_seqs, is_weights, valid)
 
 
-def dro_beta_refusal(dro_beta: Optional[float]) -> Optional[str]:
+def dro_beta_refusal(p: PolicyLossParams) -> Optional[str]:
     """Why loss_mode=dro cannot run with `dro_beta` (its quadratic penalty's coefficient), or None; the config's
     rule (`megappo.algos.checks`) and the loss both ask it."""
-    if dro_beta is not None and dro_beta > 0:
+    if p.dro_beta is not None and p.dro_beta > 0:
         return None
-    return (f"actor_rollout_ref.actor.policy_loss.dro_beta: is {dro_beta} but policy_loss.loss_mode=dro needs a "
+    return (f"actor_rollout_ref.actor.policy_loss.dro_beta: is {p.dro_beta} but policy_loss.loss_mode=dro needs a "
             "positive coefficient; set it, e.g. 0.1")
 
 
-@register_policy_loss("dro")
+@register_policy_loss("dro", check=dro_beta_refusal)
 def dro(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, agg_mode="token-mean",
         num_tokens=None, num_seqs=None, is_weights=None):
     """DRO (direct reward optimisation): -(A * log-prob - dro_beta / 2 * (log-prob - old)^2), no ratio and no
     clip; the quadratic term keeps the policy near the old one. Needs dro_beta > 0."""
-    if refusal := dro_beta_refusal(p.dro_beta):
+    if refusal := dro_beta_refusal(p):
         raise ValueError(refusal)
     m, lp, old, adv, w = _prepare(log_probs, old_log_probs, advantages, mask, is_weights)
     log_ratio = lp - old

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from megappo import algos
 from megappo.algos.estimators import EstimatorParams
-from megappo.algos.policy_losses import PolicyLossParams
+from megappo.algos.policy_losses import loss_params
 from megappo.algos.rollout_correction import RolloutCorrection
 from megappo.config.schema import MegappoConfig
 from megappo.models.compute import MicroBatching
@@ -22,6 +22,7 @@ from megappo.models.lora.adapter import served_adapter
 from megappo.models.lora.layers import LoRASettings
 from megappo.models.optim import OptimSettings
 from megappo.envs.loop import EpisodeSettings
+from megappo.platform.rules import by_name
 from megappo.rollout.sampling import SamplingParams
 from megappo.rollout.settings import AdapterServing, RolloutSettings
 
@@ -32,15 +33,13 @@ def actor_loss(cfg: MegappoConfig, clip_scale: float = 1.0, kl_scale: float = 1.
     correction = rollout_correction(cfg)
     bypass = correction if correction.bypass_mode else None
     pl = a.policy_loss
-    params = PolicyLossParams(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb,
-                              clip_cov_ub=pl.clip_cov_ub, kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef,
-                              tau_pos=a.tau_pos, tau_neg=a.tau_neg, dro_beta=pl.dro_beta)
-    return ActorLossSettings(clip_low=a.clip_ratio_low * clip_scale, clip_high=a.clip_ratio_high * clip_scale,
-                             clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
-                             use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef * kl_scale,
-                             kl_loss_type=a.kl_loss_type, bypass=bypass, loss_mode=pl.loss_mode,
-                             loss_params=params, custom_loss=(pl.path, pl.name), norm_length=norm_length(cfg),
-                             distill=distill_loss(cfg))
+    # the loss's settings and the actor's loss terms named as their keys (entropy_coeff, use_kl_loss,
+    # kl_loss_type, dro_beta, ...) are read by name; the ones named otherwise, or scaled, are mapped here
+    return by_name(ActorLossSettings, a, clip_low=a.clip_ratio_low * clip_scale,
+                   clip_high=a.clip_ratio_high * clip_scale, clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode,
+                   kl_loss_coef=a.kl_loss_coef * kl_scale, bypass=bypass, loss_mode=pl.loss_mode,
+                   loss_params=loss_params(pl.loss_mode, pl, a), custom_loss=(pl.path, pl.name),
+                   norm_length=norm_length(cfg), distill=distill_loss(cfg))
 
 
 def distill_loss(cfg: MegappoConfig) -> Optional[DistillLossSettings]:
