@@ -1,6 +1,7 @@
 """The config's rules of the advantage estimator and the policy loss (`algorithm.adv_estimator`,
 `actor.policy_loss`), asked of their registries; each message names the key, what is wrong and the fix. Each loss's
-own rule is the check it registered (`register_policy_loss(name, check=...)`), which the loss asks too. `megappo.checks` runs them with the rest."""
+own rule is the check it registered (`register_policy_loss(name, check=...)`), which the loss asks too.
+`megappo.checks` runs them with the rest."""
 from __future__ import annotations
 
 import os
