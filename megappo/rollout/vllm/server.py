@@ -51,6 +51,9 @@ class VLLMServer(ManagedServer):
             self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             self.env.setdefault("VLLM_TARGET_DEVICE", "cpu")
             self.env.setdefault("OMP_NUM_THREADS", "1")
+            # its inductor kernels emit at::vec code that does not compile with ATEN's scalar kernels forced
+            # (measured: "'at::vec' has not been declared", the engine dies at its first request)
+            self.env.pop("ATEN_CPU_CAPABILITY", None)
         # --generation-config vllm: the sampling fields megappo leaves unset stay vLLM's defaults instead of the
         # model's generation_config.json (a repetition penalty there would change every sample)
         self._args = ["--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
