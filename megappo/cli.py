@@ -16,7 +16,7 @@ import warnings
 SUBCOMMANDS = [
     ("megappo.train_cli", "register"),
     ("megappo.data.cli", "register"),
-    ("megappo.convert.cli", "register"),
+    ("megappo.convert_cli", "register"),
     ("megappo.rollout_server_cli", "register"),
 ]
 

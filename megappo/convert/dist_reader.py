@@ -5,7 +5,7 @@ megatron saves every parameter under a layout-independent *global* tensor: decod
 (`decoder.layers.mlp.experts.experts.linear_fc1.weight` [L, E, 2F, H]), fused tensors in their TP-1 order (qkv
 interleaved per group, fc1 = [gate; up]) and the embedding with its padded rows. So the slice [layer i (, expert e)]
 of a global tensor is exactly the TP-1 megatron parameter, and `mapping.merge_to_hf` turns it into HF tensors: the
-same conversion `export.iter_hf_weights` applies to a live model after its gathers.
+same conversion `kinds.weights.iter_hf_weights` applies to a live model after its gathers.
 
 Reads go through torch.distributed.checkpoint with a planner that asks for one [1, ...] slice, so peak memory is one
 parameter (plus the stored chunk it is cut from), whatever the model size; no model is built.

@@ -1,6 +1,7 @@
 """Megatron -> Hugging Face tensors: THE one code path, used by `convert mcore-to-hf` and the trainer's weight sync.
 
-`iter_hf_weights(model_chunks, parallel_state, hf_config)` walks every parameter of the global model in a fixed
+`megappo.kinds.weights.iter_hf_weights(model_chunks, parallel_state, hf_config)` asks the model's kind; for a
+text model that is `iter_gpt_weights` here, which walks every parameter of the global model in a fixed
 order (embedding, layers 0..L-1, final norm, head) and yields buckets of (hf_name, full tensor):
 1. pipeline: the stage owning the parameter broadcasts this rank's shard over `pp_group` (every stage receives);
 2. experts: on the owning stage, the expert-parallel rank holding expert e broadcasts it over `ep_group`, before
@@ -30,7 +31,6 @@ from megappo.convert.collectives import (
 )
 from megappo.convert.mapping import ParamMap, merge_to_hf, model_spec_from_hf_config, param_maps
 from megappo.convert.params import local_params, model_role
-from megappo.kinds import kind_of
 from megappo.parallel import ParallelState
 
 
@@ -38,35 +38,12 @@ def _expert_index(canonical: str) -> int:
     return int(canonical.split(".local_experts.")[1].split(".")[0])
 
 
-def iter_hf_weights(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, *,
-                    bucket_bytes: int = 512 << 20, role: Optional[str] = None,
-                    dtype: Optional[torch.dtype] = None, copy: bool = True, only_adapted: bool = False,
-                    language_model_only: bool = False) -> Iterator[Bucket]:
-    """Yield buckets (lists of (hf_name, full tensor)) of about `bucket_bytes` covering the whole model, as the
-    model's kind (`megappo.kinds.kind_of(hf_config)`) exports it.
-
-    hf_config: the HF config (dict or transformers config) the model was built from. role: None reads the chunks'
-    `megappo_role`; critic/reward yield the value head as `score.weight` and no `lm_head`. dtype: cast each tensor.
-    Collective: every rank of the world calls it with the same arguments; see the module docstring for which
-    groups are used. Tensors are on the parameters' device; fresh copies (safe to keep) unless `copy=False`, which
-    may yield views of the parameters, valid until they next change (module docstring).
-
-    A LoRA model (`megappo.models.lora`) yields its merged weights (W + scaling * B A; adapters that are off
-    leave W); `only_adapted` yields only the adapted layers' weights, the ones a LoRA step changes (every rank
-    must pass the same value). `language_model_only`: a multi-modal model's language model alone (a frozen vision
-    tower never changes); the whole of a text model.
-    """
-    yield from kind_of(hf_config).iter_hf_weights(
-        model_chunks, parallel_state, hf_config, bucket_bytes=bucket_bytes, role=role, dtype=dtype, copy=copy,
-        only_adapted=only_adapted, language_model_only=language_model_only)
-
-
 @torch.no_grad()
 def iter_gpt_weights(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, *,
                      bucket_bytes: int = 512 << 20, role: Optional[str] = None,
                      dtype: Optional[torch.dtype] = None, copy: bool = True, only_adapted: bool = False,
                      language_model_only: bool = False) -> Iterator[Bucket]:
-    """`iter_hf_weights` of the text families (all of which is language model)."""
+    """`megappo.kinds.weights.iter_hf_weights` of the text families (all of which is language model)."""
     spec = model_spec_from_hf_config(hf_config)
     role = role or model_role(model_chunks)
     ordered = param_maps(spec, role)
@@ -119,8 +96,3 @@ def _fetch(pm: ParamMap, mine: dict, meta: Meta, src_stage: int, num_local: int,
     if pm.expert and group_size(ps.ep_group) > 1 and on_owner_stage:
         t = broadcast_from(t, meta, _expert_index(pm.mcore) // num_local, ps.ep_group, device)
     return broadcast_from(t, meta, src_stage, ps.pp_group, device)
-
-
-def hf_state_dict(model_chunks: list[nn.Module], parallel_state: ParallelState, hf_config: Any, **kw: Any) -> dict:
-    """All of `iter_hf_weights` in one dict (small models and tests only: it holds the whole model)."""
-    return {name: t for bucket in iter_hf_weights(model_chunks, parallel_state, hf_config, **kw) for name, t in bucket}

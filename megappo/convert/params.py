@@ -28,7 +28,7 @@ class LocalParam:
 
 
 def model_role(model_chunks: list[nn.Module]) -> str:
-    """The role recorded by `megappo.models.builder.build_model` (actor when built elsewhere)."""
+    """The role recorded by `megappo.kinds.build.build_model` (actor when built elsewhere)."""
     return getattr(unwrap(model_chunks[0]), "megappo_role", "actor")
 
 

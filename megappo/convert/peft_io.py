@@ -1,10 +1,10 @@
 """LoRA adapters <-> Hugging Face: merged exports and PEFT adapter directories (`megappo.models.lora`).
 
-- `lora_to_hf(ckpt, out, lora_only=False)`: `megappo convert mcore-to-hf --merge-lora` (a complete HF model with
-  `W + alpha/r * B A` in every adapted layer) or `--lora-only` (a PEFT directory: `adapter_config.json` and
-  `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained(base, dir)` loads onto the base). The
-  checkpoint is a LoRA role's trainer checkpoint (`global_step_N/actor`): adapters only, with `lora_base.json`
-  naming the base model, its checksum and the adapter shape.
+- `megappo.kinds.commands.lora_to_hf(ckpt, out, lora_only=False)`: `megappo convert mcore-to-hf --merge-lora` (a
+  complete HF model with `W + alpha/r * B A` in every adapted layer) or `--lora-only` (a PEFT directory:
+  `adapter_config.json` and `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained(base, dir)` loads
+  onto the base). The checkpoint is a LoRA role's trainer checkpoint (`global_step_N/actor`): adapters only, with
+  `lora_base.json` naming the base model, its checksum and the adapter shape.
 - `load_peft_adapter(chunks, dir, ps, hf_config)`: the reverse, `model.lora.adapter_path`.
 
 PEFT names adapters per HF linear layer; megatron fuses q/k/v (`linear_qkv`) and gate/up (`linear_fc1`). A fused
@@ -186,54 +186,23 @@ def read_lora_base(ckpt_dir: str) -> dict:
     return record
 
 
-def lora_to_hf(ckpt_dir: str, out_dir: str, *, lora_only: bool = False, base: Optional[str] = None,
-               dtype: Optional[str] = None, force: bool = False, tp: int = 1, pp: int = 1, ep: int = 1,
-               max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> str:
-    """Export a LoRA checkpoint merged into its base (a complete HF directory) or as a PEFT adapter directory.
-    base: the base HF directory (default: the one the checkpoint names, which must still have its checksum)."""
-    from megappo.convert.hf_io import check_output_dir
-    from megappo.convert.hf_to_mcore import load_hf_weights
+def write_lora_export(chunks: list[nn.Module], ps: Any, hf_config: dict, merged: Any, lora: dict, base: str,
+                      out_dir: str, *, lora_only: bool, dtype: torch.dtype, force: bool, max_shard_bytes: int,
+                      progress: bool) -> None:
+    """Write `lora_to_hf`'s output from the loaded LoRA `chunks`: the PEFT adapter directory (`lora_only`), else the
+    merged model, `merged` ((HF name, tensor) pairs of the model's kind, only drawn here); collective."""
     from megappo.convert.mcore_to_hf import output_config, write_hf_dir
-    from megappo.models.builder import build_model
-    from megappo.models.checkpoint import load_model_checkpoint
-    from megappo.models.hf_config import load_hf_config_dict
-    from megappo.models.lora import LoRASettings, apply_lora, base_checksum
-    from megappo.parallel import init_parallel
-    from megappo.platform import detect_platform, parse_dtype
-    from megappo.platform.layout import ParallelLayout
 
-    info = read_lora_base(ckpt_dir)
-    base = os.path.abspath(base or info["path"])
-    if base_checksum(base) != info["sha256"]:
-        raise ConversionError(f"{base} is not the base model the adapters in {ckpt_dir} were trained on "
-                              f"(sha256 differs from {info['sha256'][:12]}...); pass --base with that model")
-    check_output_dir(out_dir, {"--mcore": ckpt_dir, "--base": base}, force)
-    lora = info["lora"]
-    hf_config = load_hf_config_dict(base)
-    out_dtype = parse_dtype(dtype) if dtype else torch.float32
-    platform = detect_platform(dtype=torch.float32)
-    ps = init_parallel(ParallelLayout(tp=tp, pp=pp, ep=ep), platform)
-    chunks = build_model(base, "actor", ps, platform, config_overrides={"use_transformer_engine": False})
-    load_hf_weights(chunks, base, ps)
-    # the adapters' shape as the checkpoint recorded it; their values come from the checkpoint, not an initialisation
-    apply_lora(chunks, LoRASettings(rank=lora["rank"], alpha=lora["alpha"], dropout=0.0,
-                                    target_modules=lora["target_modules"], exclude_modules=lora["exclude_modules"],
-                                    a_init="xavier"))
-    load_model_checkpoint(chunks, ckpt_dir)
     rank0 = ps.rank == 0
     if lora_only:
-        tensors = peft_state_dict(chunks, ps, hf_config, dtype=out_dtype)
+        tensors = peft_state_dict(chunks, ps, hf_config, dtype=dtype)
         if rank0:
             write_peft_dir(tensors, adapter_config(tensors, lora["rank"], lora["alpha"], base,
                                                    all_layers=not lora["exclude_modules"]), out_dir)
             if progress:
                 print(f"mcore-to-hf --lora-only: {len(tensors)} adapter tensors -> {out_dir}", flush=True)
     else:
-        from megappo.convert.export import iter_hf_weights
-
-        items = (item for bucket in iter_hf_weights(chunks, ps, hf_config, dtype=out_dtype) for item in bucket)
-        write_hf_dir(items, base, out_dir, rank0, force, max_shard_bytes, progress,
-                     output_config(hf_config, "actor", out_dtype))
+        write_hf_dir(merged, base, out_dir, rank0, force, max_shard_bytes, progress,
+                     output_config(hf_config, "actor", dtype))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-    return out_dir

@@ -1,5 +1,6 @@
-"""`megappo convert verify`: run the same tokens through the Hugging Face model (transformers) and the converted
-megatron checkpoint (any layout) and compare the outputs.
+"""`megappo convert verify` (`megappo.kinds.commands.verify`, which asks the model's kind): run the same tokens
+through the Hugging Face model (transformers) and the converted megatron checkpoint (any layout) and compare the
+outputs. Here: the text families' comparison (`verify_gpt`) and the forwards every kind shares.
 
 Causal LMs compare logits [B, T, vocab] (megatron's padded vocabulary columns dropped); critic / reward models
 compare the value head on every token ([B, T]: HF `score(model(x).last_hidden_state)`). Both models run in
@@ -15,7 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megappo.convert.collectives import last_stage_output
-from megappo.kinds import kind_of
 
 if TYPE_CHECKING:  # megappo modules load when a command runs
     from megappo.parallel import ParallelState
@@ -113,34 +113,6 @@ def hf_forward(hf_dir: str, input_ids: torch.Tensor, value: bool, dtype: torch.d
         hidden = model.model(input_ids=input_ids).last_hidden_state
         return model.score(hidden).squeeze(-1).float()
     return model(input_ids=input_ids).logits.float()
-
-
-def verify(hf_dir: str, mcore_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
-           vpp: Optional[int] = None, atol: float = DEFAULT_ATOL, batch: int = 2, seq_len: int = 16,
-           dtype: str = "float32", seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Build the megatron model at the given layout from `mcore_dir` and compare with `hf_dir` (a local directory).
-
-    Collective (every rank of the launch). Returns {max_abs_diff, atol, ok, shape}; rank 0 ran the HF model.
-    """
-    from megappo.convert.hf_to_mcore import build_for_conversion
-    from megappo.models.checkpoint import load_model_checkpoint, verify_checkpoint
-    from megappo.platform.layout import ParallelLayout
-    from megappo.parallel import init_parallel
-    from megappo.platform import detect_platform, parse_dtype
-
-    from megappo.convert.hf_io import read_json_object
-
-    require_local_hf_dir(hf_dir)
-    info = verify_checkpoint(mcore_dir)
-    role = info.get("role") or "actor"
-    mcfg = read_json_object(os.path.join(mcore_dir, "config.json"), "the model's Hugging Face config.json")
-    platform = detect_platform(dtype=dtype)
-    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp)
-    ps = init_parallel(layout, platform)
-    chunks = build_for_conversion(mcore_dir, role, ps, platform)
-    load_model_checkpoint(chunks, mcore_dir)
-    return kind_of(mcfg).verify(hf_dir, chunks, ps, mcfg, atol=atol, dtype=parse_dtype(dtype), seed=seed,
-                                batch=batch, seq_len=seq_len, trust_remote_code=trust_remote_code)
 
 
 def verify_gpt(hf_dir: str, chunks: list[nn.Module], ps: ParallelState, mcfg: dict, *, atol: float,

@@ -9,6 +9,9 @@ them asks which model it has.
 Light to import (no torch): the table names each kind's implementations as "module:function" strings, imported when
 called, so the preflight checks and the SGLang launcher can ask a model directory's kind before torch loads.
 
+The front doors ask it for everyone: `megappo.kinds.build.build_model`, `megappo.kinds.weights`' `load_hf_weights`
+and `iter_hf_weights`, and the `megappo convert` commands (`megappo.kinds.commands`).
+
 Adding a kind is one folder (`megappo/kinds/<name>/`, its model, conversion and verification) and one entry in
 `KINDS`.
 """

@@ -1,8 +1,8 @@
-"""Build the trainer's megatron-core models: actor, reference, critic and reward model.
+"""Build the trainer's megatron-core models of the text families: actor, reference, critic and reward model.
 
-`build_model(...)` returns one GPTModel per virtual pipeline stage held by this rank (a list of length 1 without
-VPP). Chunks are not wrapped in DDP: the training-step code does that. Parameters live on `platform.device` in
-`platform.dtype`.
+`build_gpt_model(...)` (which `megappo.kinds.build.build_model` calls for a text model) returns one GPTModel per
+virtual pipeline stage held by this rank (a list of length 1 without VPP). Chunks are not wrapped in DDP: the
+training-step code does that. Parameters live on `platform.device` in `platform.dtype`.
 
 Roles:
 - actor:  trainable, LM head; forward(input_ids, position_ids, attention_mask) on the last stage returns
@@ -28,13 +28,11 @@ See `megappo.models.chunk` for the layer spec and attention of each chunk.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from megappo.kinds import kind_of
 from megappo.models.chunk import build_chunk
 from megappo.models.hf_config import ModelSpecArgs, transformer_config_from_hf
 from megappo.parallel import ParallelState
@@ -49,38 +47,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
-
-
-def build_model(
-    hf_dir_or_config: Union[str, os.PathLike, Mapping[str, Any], Any],
-    role: str,
-    parallel_state: ParallelState,
-    platform: Platform,
-    *,
-    layout: Optional[ParallelLayout] = None,
-    seed: int = 0,
-    config_overrides: Optional[Mapping[str, Any]] = None,
-    make_vocab_size_divisible_by: int = 128,
-    freeze_vision_tower: bool = True,
-) -> list[nn.Module]:
-    """Build this rank's model chunks for `role` ("actor", "ref", "critic", "reward"), as the model's kind builds
-    them (`megappo.kinds.kind_of`): GPTModels for the text families (`build_gpt_model`), `VLMModel`s for
-    Qwen2.5-VL / Qwen2-VL (`megappo.kinds.qwen2_vl.model`; vision tower frozen when `freeze_vision_tower`, which
-    a text model has no use for).
-
-    Weights are randomly initialised by megatron from `seed` (this re-seeds torch's and megatron's model-parallel
-    RNGs; same seed and layout give the same weights); load real ones with the conversion code or
-    `checkpoint.load_model_checkpoint`. `layout` defaults to `parallel_state.layout`. Each chunk gets
-    `.megappo_config` (TransformerConfig), `.megappo_spec` (ModelSpecArgs) and `.megappo_role` attributes.
-    """
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; choose one of {ROLES}")
-    layout = layout or parallel_state.layout
-    if layout != parallel_state.layout:
-        raise ValueError(f"layout {layout} differs from the initialised parallel layout {parallel_state.layout}")
-    return kind_of(hf_dir_or_config).build(
-        hf_dir_or_config, role, parallel_state, platform, seed=seed, config_overrides=config_overrides,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by, freeze_vision_tower=freeze_vision_tower)
 
 
 def check_model_layout(layout: ParallelLayout, config: Any, spec: ModelSpecArgs, role: str) -> None:

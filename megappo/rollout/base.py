@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # light to import: the trainer's preflight reads the SGLang d
     from megappo.data.multimodal import MultiModalInputs
     from megappo.rollout.sampling import Completion, SamplingParams
 
-Bucket = list  # [(name, torch.Tensor)]: checkpoint-named tensors, as `convert.export.iter_hf_weights` yields them
+Bucket = list  # [(name, torch.Tensor)]: checkpoint-named tensors, as `kinds.weights.iter_hf_weights` yields them
 
 
 class RolloutEngine(ABC):

@@ -21,8 +21,8 @@ class LayoutRole(NamedTuple):
 def layout_roles(layout_kw: dict, hf_dir: str, full_batch) -> Iterator[LayoutRole]:
     """The actor, then the critic, of `hf_dir` in `layout_kw` (ParallelLayout's fields; `recompute: True` for full
     activation recompute) on this rank's rows of `full_batch`; the parallel state is destroyed after the last."""
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.losses import ActorLossSettings, CriticLossSettings, actor_loss_fn, critic_loss_fn
     from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel

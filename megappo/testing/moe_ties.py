@@ -54,15 +54,15 @@ def engine_vs_trainer(rank: int, world_size: int, hf_dir: str, prompts: list[lis
     """On every rank: the engine's samples (rank 0's, broadcast), the trainer's log-probs of them replaying the
     engine's routes (R3) and not, the trainer's own routes (recorded) and its log-probs replaying those (R2).
     Tensors are this rank's data-parallel share's."""
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models import router_replay
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs
+    from megappo.models.router_replay import batch_routes
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
-    from megappo.models.router_replay import batch_routes
 
     responses, engine_lp, routes = _shared_engine_samples(rank, world_size, hf_dir, prompts)
     plat = detect_platform()
@@ -130,11 +130,10 @@ def replay_grads(rank: int, world_size: int, hf_dir: str, prompts: list[list[int
     without and with activation recompute (full, one layer at a time): they must be the same."""
     import torch.distributed as dist
 
-    from megappo.convert.export import hf_state_dict
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import hf_state_dict, load_hf_weights
     from megappo.models import router_replay
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, train_step
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp

@@ -75,8 +75,8 @@ def hf_log_probs(hf_dir: str, rows) -> list[torch.Tensor]:
 
 
 def _job(rank, world_size, hf_dir, layout_kw):
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values, train_step
     from megappo.models.losses import ActorLossSettings, actor_loss_fn
     from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp

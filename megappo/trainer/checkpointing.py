@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megappo.convert.export import iter_hf_weights
 from megappo.convert.mcore_to_hf import output_config, write_hf_dir
+from megappo.kinds.weights import iter_hf_weights
 from megappo.models.checkpoint import (CheckpointError, SaveAbandoned, load_model_checkpoint, rank0_step,
                                       save_model_checkpoint)
 from megappo.parallel import leave_run, reduce_over_ranks

@@ -12,9 +12,10 @@ from typing import Any, Optional
 from torch import nn
 
 from megappo.config.schema import MegappoConfig, ModelConfig
-from megappo.convert.hf_to_mcore import load_hf_weights
 from megappo.convert.peft_io import load_peft_adapter
-from megappo.models.builder import build_model, model_config_summary, offload_to_cpu, reload
+from megappo.kinds.build import build_model
+from megappo.kinds.weights import load_hf_weights
+from megappo.models.builder import model_config_summary, offload_to_cpu, reload
 from megappo.models.hf_config import load_hf_config_dict
 from megappo.models.lora.adapter import AdaptersOff, FullParameters, for_role
 from megappo.models.optim import build_optimizer, build_scheduler, release_grad_buffers, wrap_ddp

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch.distributed as dist
 
-from megappo.convert.export import iter_hf_weights
+from megappo.kinds.weights import iter_hf_weights
 from megappo.models.lora.adapter import ADAPTED_LAYERS, ADAPTER_DIR, FullParameters
 from megappo.rollout import registry
 from megappo.rollout.base import Bucket, RolloutEngine

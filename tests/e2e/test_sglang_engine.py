@@ -50,13 +50,12 @@ def test_weights_stream_from_a_megatron_actor_into_sglang(sglang_python, hf_mode
     """The trainer's sync: a megatron actor's `iter_hf_weights` buckets, broadcast over a gloo group that the
     server's ranks joined, replace the server's (other) weights; it then generates what HFEngine does on the actor's
     weights."""
-    from megappo.convert.export import iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights, load_hf_weights
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
     from megappo.testing.hf_models import make_hf_model
 
     actor_dir = hf_model_dir("qwen2")

@@ -18,8 +18,7 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools" / "sglang"
 # the MoE conversion itself is tested without SGLang (tests/unit/test_convert*.py, multirank); here qwen2 by default
 @pytest.mark.parametrize("family", ["qwen2", pytest.param("qwen3_moe", marks=pytest.mark.long)])
 def test_sglang_serves_the_exported_checkpoint(sglang_python, hf_model_dir, tmp_path, family):
-    from megappo.convert.hf_to_mcore import hf_to_mcore
-    from megappo.convert.mcore_to_hf import mcore_to_hf
+    from megappo.kinds.commands import hf_to_mcore, mcore_to_hf
 
     hf_to_mcore(hf_model_dir(family), str(tmp_path / "mcore"), progress=False)
     export = str(tmp_path / "export")

@@ -93,9 +93,8 @@ def test_streamed_buckets_are_served_as_transformers_serves_them_and_the_group_i
 
 def test_a_megatron_actors_export_streams_in_as_the_trainer_sends_it(served):
     """The trainer's buckets: `iter_hf_weights` of a megatron actor (views of its parameters, 64 KiB buckets)."""
-    from megappo.convert.export import iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights, load_hf_weights
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform

@@ -15,9 +15,10 @@ def _job(rank, world_size, hf_dir, port):
     import torch
     import torch.distributed as dist
 
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model, unwrap
+    from megappo.models.builder import unwrap
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform

@@ -54,7 +54,8 @@ def test_cuda_platform_defaults(cuda_state):
 def test_bf16_actor_forward_backward_and_spec(cuda_state, hf_model_dir, family):
     import torch
 
-    from megappo.models.builder import build_model, unwrap
+    from megappo.kinds.build import build_model
+    from megappo.models.builder import unwrap
     from megappo.models.hf_config import transformer_engine_available
 
     platform, ps = cuda_state
@@ -73,7 +74,8 @@ def test_bf16_actor_forward_backward_and_spec(cuda_state, hf_model_dir, family):
 def test_ref_offload_and_reload(cuda_state, hf_model_dir):
     import torch
 
-    from megappo.models.builder import build_model, offload_to_cpu, reload
+    from megappo.kinds.build import build_model
+    from megappo.models.builder import offload_to_cpu, reload
 
     platform, ps = cuda_state
     ref = build_model(hf_model_dir("llama"), "ref", ps, platform)
@@ -93,7 +95,7 @@ def test_ref_offload_and_reload(cuda_state, hf_model_dir):
 def test_checkpoint_round_trip_on_gpu(cuda_state, hf_model_dir, tmp_path):
     import torch
 
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
     from megappo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
 
     platform, ps = cuda_state
@@ -112,9 +114,9 @@ def test_padded_log_probs_match_transformers_with_the_gpu_attention(cuda_state, 
     import torch
     import transformers
 
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs
     from megappo.platform import detect_platform
 

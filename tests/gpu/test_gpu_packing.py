@@ -29,9 +29,10 @@ def cuda_ps():
 def test_packed_matches_padded_with_transformer_engine(cuda_ps, hf_model_dir):
     import torch
 
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model, unwrap
+    from megappo.models.builder import unwrap
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values
     from megappo.models.layout.plan import can_pack
 

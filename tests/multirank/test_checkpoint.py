@@ -17,7 +17,7 @@ def _train_setup(hf_dir, ps, platform):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
 
     chunks = build_model(hf_dir, "actor", ps, platform, seed=3)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
@@ -57,9 +57,9 @@ def _weights(model):
 
 def _layout_errors(hf_dir, moe_dir, platform):
     """Layouts that pass the size checks but that this build cannot run fail before any weight is allocated."""
-    from megappo.models.builder import build_model
-    from megappo.platform.layout import LayoutError, ParallelLayout
+    from megappo.kinds.build import build_model
     from megappo.parallel import init_parallel
+    from megappo.platform.layout import LayoutError, ParallelLayout
 
     errors = {}
     for name, layout, model_dir in [("cp2", ParallelLayout(cp=2), hf_dir),
@@ -94,11 +94,11 @@ def _save_job(rank, world_size, hf_dir, moe_dir, ckpt):
 def _resume_and_failures_job(rank, world_size, hf_dir, ckpt, scratch):
     import shutil
 
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
     from megappo.models.checkpoint import CheckpointError, load_model_checkpoint, save_model_checkpoint
-    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
 
     platform = detect_platform()
     ps = init_parallel(ParallelLayout(), platform, seed=0)  # DP1

@@ -27,12 +27,12 @@ def _loss(out, ctx):
 
 
 def _setup(hf_dir, layout_kw):
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
-    from megappo.platform.layout import ParallelLayout
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)
@@ -53,7 +53,7 @@ def _step(plat, ps, model, opt, sched):
 
 
 def _weights(model, ps, hf_dir):
-    from megappo.convert.export import hf_state_dict
+    from megappo.kinds.weights import hf_state_dict
     from megappo.models.hf_config import load_hf_config_dict
 
     return {k: v.clone() for k, v in hf_state_dict(model, ps, load_hf_config_dict(hf_dir)).items()}
@@ -75,7 +75,7 @@ def _save_then_step(rank, world_size, hf_dir, ckpt, layout_kw):
 
 
 def _load_then_step(rank, world_size, hf_dir, ckpt, qk_norm_dir, layout_kw):
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
     from megappo.models.checkpoint import CheckpointError, load_model_checkpoint
     from megappo.parallel import destroy_parallel
 

@@ -58,7 +58,7 @@ def _critic_loss(out, ctx):
 
 def _grads_hf(chunks, ps, hf_cfg):
     """The DDP grad buffers (param.main_grad) under HF names, merged over TP/PP (collective)."""
-    from megappo.convert.export import hf_state_dict
+    from megappo.kinds.weights import hf_state_dict
 
     params = [p for c in chunks for p in c.parameters()]
     saved = [p.data for p in params]
@@ -74,15 +74,14 @@ def _grads_hf(chunks, ps, hf_cfg):
 def _run_layout(layout_kw, hf_dir, micro_kw, dist_opt, check_dynamic):
     import torch.distributed as dist
 
-    from megappo.convert.export import hf_state_dict
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import hf_state_dict, load_hf_weights
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values, train_step
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.platform.layout import ParallelLayout
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout_kw), plat, seed=0)

@@ -24,13 +24,13 @@ def _token_lists():
 
 
 def _job(rank, world_size, hf_dir):
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_values
-    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(), plat, seed=0)

@@ -18,8 +18,8 @@ def _check_export_matches(chunks, ps, hf_dir) -> int:
     """iter_hf_weights on this rank == the HF files, bit for bit; returns the tensor count."""
     from safetensors.torch import load_file
 
-    from megappo.convert.export import hf_state_dict
     from megappo.convert.hf_io import HFCheckpoint
+    from megappo.kinds.weights import hf_state_dict
 
     ckpt = HFCheckpoint.open(hf_dir)
     ours = hf_state_dict(chunks, ps, ckpt.config, bucket_bytes=64 << 10)
@@ -31,11 +31,12 @@ def _check_export_matches(chunks, ps, hf_dir) -> int:
 
 
 def _job(rank, world_size, dense_dir, moe_dir, work):
-    from megappo.convert.hf_to_mcore import build_for_conversion, hf_to_mcore, load_hf_weights
-    from megappo.convert.verify import verify
-    from megappo.platform.layout import ParallelLayout
+    from megappo.kinds.build import build_for_conversion
+    from megappo.kinds.commands import hf_to_mcore, verify
+    from megappo.kinds.weights import load_hf_weights
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
 
     out = {}
     # dense, tied embeddings: convert at TP2xPP2, verify there, export is bit-identical on every rank
@@ -81,6 +82,6 @@ def test_convert_tp2_pp2_ep2(hf_model_dir, tmp_path):
         assert r["moe_reshard_verify"] < 1e-4, r
         assert r["dense_export"] == r["vpp_export"] > 0 and r["moe_export"] == r["moe_etp_export"] > 0, r
     # the TP2xPP2xEP2 checkpoint loads at TP1 in this (single) process with the same outputs as HF
-    from megappo.convert.verify import verify
+    from megappo.kinds.commands import verify
 
     assert verify(moe, str(tmp_path / "moe_tp2pp2ep2"))["max_abs_diff"] < 1e-4

@@ -27,9 +27,10 @@ def _tokens(student_dir):
 
 
 def _job(rank, world_size, student_dir, teacher_dir):
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch, TrainInputs
-    from megappo.models.builder import build_model, unwrap
+    from megappo.models.builder import unwrap
     from megappo.models.compute import MicroBatching, compute_log_probs, compute_topk_log_probs
     from megappo.models.topk import vocab_parallel_log_probs_at
     from megappo.parallel import destroy_parallel, init_parallel

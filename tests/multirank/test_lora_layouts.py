@@ -39,20 +39,19 @@ def _job(rank, world_size, hf_dir, tmp, layout):
 
     import torch.distributed as dist
 
-    from megappo.convert.export import hf_state_dict, iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.config.schema import LoRAConfig
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import hf_state_dict, iter_hf_weights, load_hf_weights
     from megappo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megappo.models.compute import compute_log_probs, train_step
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.config.schema import LoRAConfig
     from megappo.models.lora import adapters, adapters_disabled, apply_lora
-    from megappo.trainer.settings import lora_settings
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
     from megappo.trainer.checkpointing import write_actor_hf_dir
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout), plat, seed=0)
@@ -154,19 +153,18 @@ def _moe_job(rank, world_size, hf_dir, tmp, ep, extra=None):
     model gives the LoRA log-probs."""
     import os
 
-    from megappo.convert.export import hf_state_dict, iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.config.schema import LoRAConfig
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import hf_state_dict, iter_hf_weights, load_hf_weights
     from megappo.models.compute import compute_log_probs, train_step
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.config.schema import LoRAConfig
     from megappo.models.lora import adapters, apply_lora
-    from megappo.trainer.settings import lora_settings
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
     from megappo.trainer.checkpointing import write_actor_hf_dir
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(ep=ep, **(extra or {})), plat, seed=0)
@@ -201,17 +199,16 @@ def _moe_job(rank, world_size, hf_dir, tmp, ep, extra=None):
 
 
 def _moe_load_job(rank, world_size, hf_dir, ckpt):
-    from megappo.convert.export import hf_state_dict
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.config.schema import LoRAConfig
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import hf_state_dict, load_hf_weights
     from megappo.models.checkpoint import load_model_checkpoint
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.config.schema import LoRAConfig
     from megappo.models.lora import apply_lora
-    from megappo.trainer.settings import lora_settings
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(), plat, seed=0)

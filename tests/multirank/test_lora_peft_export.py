@@ -24,19 +24,19 @@ def _job(rank, world_size, hf_dir, tmp):
     import json
     import os
 
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.convert.peft_io import load_peft_adapter, lora_to_hf
-    from megappo.models.builder import build_model
+    from megappo.config.schema import LoRAConfig
+    from megappo.convert.peft_io import load_peft_adapter
+    from megappo.kinds.build import build_model
+    from megappo.kinds.commands import lora_to_hf
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.checkpoint import save_model_checkpoint
     from megappo.models.compute import compute_log_probs
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.config.schema import LoRAConfig
-    from megappo.models.lora import adapters, apply_lora, base_checksum
-    from megappo.trainer.settings import lora_settings
+    from megappo.models.lora import LORA_BASE_FILE, adapters, apply_lora, base_checksum
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
-    from megappo.models.lora import LORA_BASE_FILE
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
@@ -132,18 +132,17 @@ def _layout_job(rank, world_size, hf_dir, tmp, layout):
 
     import torch.distributed as dist
 
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.convert.peft_io import lora_to_hf
-    from megappo.models.builder import build_model
+    from megappo.config.schema import LoRAConfig
+    from megappo.kinds.build import build_model
+    from megappo.kinds.commands import lora_to_hf
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.checkpoint import save_model_checkpoint
     from megappo.models.compute import compute_log_probs
-    from megappo.config.schema import LoRAConfig
-    from megappo.models.lora import adapters, apply_lora, base_checksum
-    from megappo.trainer.settings import lora_settings
+    from megappo.models.lora import LORA_BASE_FILE, adapters, apply_lora, base_checksum
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
-    from megappo.models.lora import LORA_BASE_FILE
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(**layout), plat, seed=0)

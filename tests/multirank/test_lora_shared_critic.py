@@ -51,17 +51,18 @@ def _job(rank, world_size, hf_dir, tmp):
     import os
 
     from megappo.config import load_config
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model, unwrap
+    from megappo.config.schema import LoRAConfig
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
+    from megappo.models.builder import unwrap
     from megappo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megappo.models.compute import compute_values, train_step
-    from megappo.config.schema import LoRAConfig
     from megappo.models.lora import adapters, apply_lora, is_adapter_param
-    from megappo.trainer.settings import lora_settings
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
     from megappo.trainer.roles import build_roles, describe
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(), plat, seed=0)

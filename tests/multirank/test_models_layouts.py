@@ -78,9 +78,10 @@ def _reference_job(rank, world_size, hf_dirs, ckpt_root):
     """World 1: build, save, record outputs. Returns {(family, role): output} and timings."""
     import torch
 
-    from megappo.models.builder import build_model, offload_to_cpu, reload, unwrap
-    from megappo.models.value_head import last_token_values
+    from megappo.kinds.build import build_model
+    from megappo.models.builder import offload_to_cpu, reload, unwrap
     from megappo.models.checkpoint import save_model_checkpoint
+    from megappo.models.value_head import last_token_values
     from megappo.parallel import destroy_parallel
 
     t0 = time.perf_counter()
@@ -115,7 +116,7 @@ def _reference_job(rank, world_size, hf_dirs, ckpt_root):
 def _layouts_job(rank, world_size, hf_dirs, ckpt_root, layouts):
     """For each (name, layout, cases, load_tag, save_tag): load the `load_tag` checkpoints at that layout (and save
     them again under `save_tag` when set); return outputs per (layout name, family, role) and seconds per layout."""
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
     from megappo.models.checkpoint import load_model_checkpoint, save_model_checkpoint
     from megappo.parallel import destroy_parallel
 

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.multirank
 
 
 def _job(rank, world_size, hf_dir):
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, train_step
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import destroy_parallel, init_parallel

@@ -16,15 +16,14 @@ TEMPERATURE = 0.8
 
 
 def _job(rank, world_size, actor_dir, stale_dir):
-    from megappo.convert.export import iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights, load_hf_weights
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs
     from megappo.models.hf_config import load_hf_config_dict
-    from megappo.platform.layout import ParallelLayout
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
     from megappo.rollout import HFEngine, SamplingParams
 
     plat = detect_platform()

@@ -19,11 +19,11 @@ def _job(rank, world_size, hf_dir, local_dir):
 
     import torch
 
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.models.lora import FullParameters
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
-    from megappo.models.lora import FullParameters
     from megappo.trainer import checkpointing
 
     platform = detect_platform()
@@ -76,8 +76,8 @@ def _export_job(rank, world_size, hf_dir, out_dir):
     import errno
 
     from megappo.convert import hf_io
-    from megappo.convert.export import iter_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights
     from megappo.models.checkpoint import CheckpointError
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.parallel import init_parallel

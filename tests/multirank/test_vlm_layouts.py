@@ -16,11 +16,11 @@ pytestmark = pytest.mark.multirank
 
 
 def _job(rank, world_size, hf_dir, mcore_dir, batch, tp, pp):
-    from megappo.convert.export import hf_state_dict
     from megappo.convert.hf_io import read_json_object
-    from megappo.convert.hf_to_mcore import hf_to_mcore, load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.commands import hf_to_mcore
     from megappo.kinds.qwen2_vl.verify import vlm_mcore_forward
-    from megappo.models.builder import build_model
+    from megappo.kinds.weights import hf_state_dict, load_hf_weights
     from megappo.models.checkpoint import load_model_checkpoint
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
@@ -63,7 +63,7 @@ def _check(tmp_path, family, via_commands):
     assert set(exported) == set(saved)
     assert all(torch.equal(exported[k], saved[k]) for k in saved), "TP2 x PP2 export is not bit-exact"
     if via_commands:
-        from megappo.convert.mcore_to_hf import mcore_to_hf
+        from megappo.kinds.commands import mcore_to_hf
 
         mcore_to_hf(mcore_dir, str(tmp_path / "hf_out"), progress=False)
         written = {}

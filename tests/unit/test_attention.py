@@ -135,10 +135,10 @@ PLENS, RLENS = [3, 9, 1, 5], [6, 2, 7, 1]
 def _model_job(rank, world_size, hf_dir):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.attention import SDPAttention
     from megappo.models.batch import ModelBatch
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform

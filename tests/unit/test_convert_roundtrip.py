@@ -43,9 +43,8 @@ def _leftovers(parent) -> list[str]:
 def test_roundtrip_bit_identical_and_same_logits(family, hf_model_dir, tmp_path):
     import transformers
 
-    from megappo.convert.hf_to_mcore import hf_to_mcore
-    from megappo.convert.mcore_to_hf import mcore_to_hf
-    from megappo.convert.verify import verify, verify_tokens
+    from megappo.convert.verify import verify_tokens
+    from megappo.kinds.commands import hf_to_mcore, mcore_to_hf, verify
 
     src = hf_model_dir(family)
     mc, out = str(tmp_path / "mcore"), str(tmp_path / "hf")
@@ -78,9 +77,7 @@ def test_critic_from_causal_lm_and_reward_from_seq_cls(hf_model_dir, tmp_path):
     <-> value head, bit-identical both ways; verify compares per-token values."""
     import transformers
 
-    from megappo.convert.hf_to_mcore import hf_to_mcore
-    from megappo.convert.mcore_to_hf import mcore_to_hf
-    from megappo.convert.verify import verify
+    from megappo.kinds.commands import hf_to_mcore, mcore_to_hf, verify
 
     lm = hf_model_dir("llama")
     hf_to_mcore(lm, str(tmp_path / "critic"), role="critic", progress=False)
@@ -120,7 +117,7 @@ def _copy(hf_model_dir, tmp_path, family="llama"):
 
 def test_bad_inputs_fail_naming_file_and_tensor_and_leave_nothing(hf_model_dir, tmp_path):
     from megappo.cli import main
-    from megappo.convert.hf_to_mcore import hf_to_mcore
+    from megappo.kinds.commands import hf_to_mcore
 
     out = tmp_path / "out"
     # unsupported architecture
@@ -163,7 +160,7 @@ def test_bad_inputs_fail_naming_file_and_tensor_and_leave_nothing(hf_model_dir, 
     with open(out / distcp, "r+b") as fh:
         fh.truncate(10)
     with pytest.raises(Exception, match=rf"{distcp} is truncated"):
-        from megappo.convert.mcore_to_hf import mcore_to_hf
+        from megappo.kinds.commands import mcore_to_hf
 
         mcore_to_hf(str(out), str(tmp_path / "hf_out2"), progress=False)
     assert not (tmp_path / "hf_out2").exists() and not _leftovers(tmp_path)

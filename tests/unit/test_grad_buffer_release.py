@@ -9,9 +9,9 @@ from megappo.testing.dist import run_distributed
 
 
 def _updates_job(rank, world_size, hf_dir):
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.batch import ModelBatch, TrainInputs
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, train_step
     from megappo.models.optim import (OptimSettings, build_optimizer, build_scheduler, gradients_allocated,
                                       release_grad_buffers, wrap_ddp)

@@ -18,8 +18,8 @@ torch.set_num_threads(1)
 
 def _one_family(rank, world_size, hf_dir, dense_dir, prompts, micro_kw):
     """The engine-vs-trainer check (`engine_vs_trainer`); and a dense model's chunks get no replay."""
+    from megappo.kinds.build import build_model
     from megappo.models import router_replay
-    from megappo.models.builder import build_model
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout

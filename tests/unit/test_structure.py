@@ -119,3 +119,9 @@ def test_a_kind_import_is_found():
              "megappo.kinds.qwen2_vl.model": {"megappo.kinds.qwen2_vl.inputs"},
              "megappo.testing.vlm_models": {"megappo.kinds.qwen2_vl.verify"}}
     assert structure.kind_imports(graph) == ["megappo.models.compute -> megappo.kinds.qwen2_vl.inputs"]
+
+
+def test_a_front_door_import_is_no_kind_import():
+    """The modules directly in megappo/kinds/ ask the kind for everyone: importing them is asking the kind."""
+    graph = {"megappo.trainer.roles": {"megappo.kinds.build", "megappo.kinds.weights"}}
+    assert structure.kind_imports(graph) == []

@@ -17,11 +17,10 @@ from megappo.testing.dist import run_distributed
 
 
 def _job(rank, world_size, hf_dir, mcore_dir, batch):
-    from megappo.convert.export import hf_state_dict
     from megappo.convert.hf_io import read_json_object
-    from megappo.convert.hf_to_mcore import load_hf_weights
+    from megappo.kinds.build import build_model
     from megappo.kinds.qwen2_vl.verify import vlm_mcore_forward
-    from megappo.models.builder import build_model
+    from megappo.kinds.weights import hf_state_dict, load_hf_weights
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
@@ -45,8 +44,7 @@ def _job(rank, world_size, hf_dir, mcore_dir, batch):
     load_hf_weights(critic, hf_dir, ps)
     values = vlm_mcore_forward(critic, ps, batch)
     # the conversion commands: streaming hf-to-mcore into a dist_checkpoint, then verify runs images through both
-    from megappo.convert.hf_to_mcore import hf_to_mcore
-    from megappo.convert.verify import verify
+    from megappo.kinds.commands import hf_to_mcore, verify
 
     hf_to_mcore(hf_dir, mcore_dir, progress=False)
     verified = verify(hf_dir, mcore_dir)

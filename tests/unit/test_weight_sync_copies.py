@@ -10,9 +10,8 @@ from megappo.testing.dist import run_distributed
 
 
 def _export_job(rank, world_size, hf_dir):
-    from megappo.convert.export import iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights, load_hf_weights
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform

@@ -23,13 +23,13 @@ def _peak_mb() -> float:
 
 
 def _rank(rank: int, world_size: int, tp: int, args: dict):
+    from megappo.kinds.build import build_model
     from megappo.models.batch import ModelBatch, TrainInputs
-    from megappo.models.builder import build_model
     from megappo.models.compute import MicroBatching, compute_log_probs, train_step
-    from megappo.platform.layout import ParallelLayout
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
+    from megappo.platform.layout import ParallelLayout
     from megappo.testing.hf_models import tiny_hf_config
 
     plat = detect_platform()

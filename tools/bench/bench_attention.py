@@ -38,8 +38,9 @@ def main() -> None:
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from megappo.kinds.build import build_model
     from megappo.models.attention import SDPAttention
-    from megappo.models.builder import build_model, count_parameters
+    from megappo.models.builder import count_parameters
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout

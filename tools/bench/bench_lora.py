@@ -24,17 +24,17 @@ def _nbytes(ts) -> int:
 
 
 def _run(rank: int, world_size: int, lora_rank: int, args: dict):
-    from megappo.models.batch import ModelBatch, TrainInputs
-    from megappo.models.builder import build_model
-    from megappo.models.compute import MicroBatching, train_step
     from megappo.config.schema import LoRAConfig
+    from megappo.kinds.build import build_model
+    from megappo.models.batch import ModelBatch, TrainInputs
+    from megappo.models.compute import MicroBatching, train_step
     from megappo.models.lora import apply_lora
-    from megappo.trainer.settings import lora_settings
     from megappo.models.optim import OptimSettings, build_optimizer, build_scheduler, wrap_ddp
     from megappo.parallel import init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout
     from megappo.testing.hf_models import tiny_hf_config
+    from megappo.trainer.settings import lora_settings
 
     plat = detect_platform()
     ps = init_parallel(ParallelLayout(), plat, seed=0)

@@ -62,8 +62,8 @@ def _loss(out, ctx):
 
 
 def _measure(rank: int, world: int, hf_dir: str, args, packed: bool) -> dict:
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.compute import MicroBatching, train_step
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.models.optim import OptimSettings, build_optimizer, wrap_ddp

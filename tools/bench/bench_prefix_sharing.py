@@ -59,8 +59,8 @@ def _best(fn, repeats: int) -> tuple[float, object]:
 
 
 def _measure(rank: int, world: int, hf_dir: str, args, share) -> dict:
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import load_hf_weights
     from megappo.models.compute import MicroBatching, compute_log_probs, train_step
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.models.layout.plan import plan_micro_batches

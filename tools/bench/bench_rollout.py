@@ -199,9 +199,8 @@ def main() -> None:
         destroy_parallel()
         return
 
-    from megappo.convert.export import iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights, load_hf_weights
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
@@ -323,9 +322,8 @@ def run_floor(args, python, work, modes, ps, plat) -> tuple[list[str], dict[str,
     (s). `ps`, `plat`: the megatron parallel state and platform the tiny actor is built in."""
     import psutil
 
-    from megappo.convert.export import iter_hf_weights
-    from megappo.convert.hf_to_mcore import load_hf_weights
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
+    from megappo.kinds.weights import iter_hf_weights, load_hf_weights
     from megappo.models.hf_config import load_hf_config_dict
     from megappo.rollout import SamplingParams
     from megappo.rollout.sglang import engine as sglang_engine, fleet as sglang_fleet

@@ -4,7 +4,7 @@ Random-weight models (no download), fp32, CPU, one torch thread. A batch of --ba
 --image x --image pixels (through the real Qwen2-VL image processor) between --prompt text tokens, plus --response
 tokens; the text-only run has the same token count with text in place of the image tokens.
 
-1. Actor forward + backward (megatron-core, TP1, `megappo.models.builder.build_model` as the trainer builds it):
+1. Actor forward + backward (megatron-core, TP1, `megappo.kinds.build.build_model` as the trainer builds it):
    the VLMModel with its vision tower frozen (the recipe's default: backward stops before the tower) and unfrozen,
    against a GPTModel of the same LM (a Qwen2 config with the VL model's text dims). Images/s and tokens/s.
 2. Where the vision tower's forward time goes: patch embedding, window-attention blocks, full-attention blocks,
@@ -134,7 +134,7 @@ def _vision_breakdown(vision, pixel_values, grid, repeats: int) -> dict[str, flo
 
 
 def _train_job(rank: int, world_size: int, args) -> dict:
-    from megappo.models.builder import build_model
+    from megappo.kinds.build import build_model
     from megappo.parallel import destroy_parallel, init_parallel
     from megappo.platform import detect_platform
     from megappo.platform.layout import ParallelLayout

@@ -11,8 +11,8 @@ the first pipeline stage):
 - the SwiGLU fc1 is [gate; up] (`glu`, as the LM's), fc2 / proj split by columns; RowParallel biases whole.
 - merger: ln_q, then `merger.projection.encoder.linear_fc{1,2}` = HF `merger.mlp.{0,2}`.
 
-`load_hf_vlm_weights` / `iter_hf_vlm_weights` are this kind's `hf_to_mcore.load_hf_weights` /
-`export.iter_hf_weights` (each rank reads only its own rows; export broadcasts from the owning stage and all-gathers
+`load_hf_vlm_weights` / `iter_hf_vlm_weights` are this kind's `load_hf_weights` / `iter_hf_weights`
+(`megappo.kinds.weights`; each rank reads only its own rows; export broadcasts from the owning stage and all-gathers
 TP shards).
 """
 from __future__ import annotations

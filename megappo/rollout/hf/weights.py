@@ -1,6 +1,6 @@
 """Copy checkpoint-named tensors into a live `transformers` model: the in-process engine's weight sync.
 
-The trainer exports Hugging Face *checkpoint* names (`megappo.convert.export.iter_hf_weights`, the same tensors
+The trainer exports Hugging Face *checkpoint* names (`megappo.kinds.weights.iter_hf_weights`, the same tensors
 `mcore-to-hf` writes). transformers 5 builds MoE models with fused expert parameters and renames some modules when
 it loads a checkpoint, so a checkpoint name is not always a parameter name:
 - `...experts.{e}.gate_proj|w1` and `up_proj|w3` are rows [0:F] and [F:2F] of `...experts.gate_up_proj[e]`

@@ -263,8 +263,8 @@ def _teardown() -> None:
 
 def _hf_to_mcore(args) -> int:
     def go(a) -> int:
-        from megappo.convert.hf_to_mcore import hf_to_mcore
         from megappo.convert.mcore_to_hf import parse_size
+        from megappo.kinds.commands import hf_to_mcore
 
         hf_to_mcore(a.hf, a.out, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, dtype=a.dtype, role=a.role,
                     force=a.force, bucket_bytes=parse_size(a.bucket_size, "--bucket-size"))
@@ -275,11 +275,10 @@ def _hf_to_mcore(args) -> int:
 
 def _mcore_to_hf(args) -> int:
     def go(a) -> int:
-        from megappo.convert.mcore_to_hf import mcore_to_hf, parse_size
+        from megappo.convert.mcore_to_hf import parse_size
+        from megappo.kinds.commands import lora_to_hf, mcore_to_hf
 
         if a.merge_lora or a.lora_only:
-            from megappo.convert.peft_io import lora_to_hf
-
             lora_to_hf(a.mcore, a.out, lora_only=a.lora_only, base=a.base, dtype=a.dtype, force=a.force, tp=a.tp,
                        pp=a.pp, ep=a.ep, max_shard_bytes=parse_size(a.max_shard_size, "--max-shard-size"))
             return 0
@@ -292,7 +291,7 @@ def _mcore_to_hf(args) -> int:
 
 def _verify(args) -> int:
     def go(a) -> int:
-        from megappo.convert.verify import verify
+        from megappo.kinds.commands import verify
 
         r = verify(a.hf, a.mcore, tp=a.tp, pp=a.pp, ep=a.ep, etp=a.etp, vpp=a.vpp, atol=a.atol, batch=a.batch,
                    seq_len=a.seq_len, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
