@@ -11,7 +11,7 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 from megappo.envs.base import EpisodeRow
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 

@@ -22,7 +22,7 @@ import os
 from typing import Any, Callable, Optional
 
 from megappo.envs.base import Environment, EpisodeRow
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.platform.user_code import UserCodeError
 from megappo.platform.user_code import load_named as load_object
 

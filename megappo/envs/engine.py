@@ -75,7 +75,7 @@ def build_episodes(settings: EpisodeSettings, engine: RolloutEngine) -> EpisodeE
     from transformers import AutoTokenizer
 
     from megappo.envs.agents import agent_table
-    from megappo.multi_turn.template import TemplateIgnoresTools
+    from megappo.chat.template import TemplateIgnoresTools
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
     table = agent_table(settings, tokenizer)

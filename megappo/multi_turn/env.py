@@ -14,9 +14,9 @@ import uuid
 from typing import Any, Optional
 
 from megappo.envs.base import EnvStep, Environment, EpisodeRow
-from megappo.multi_turn.parser import MARKUP, PARSERS, STOP_STRINGS, ToolCall
+from megappo.chat.parser import MARKUP, PARSERS, STOP_STRINGS, ToolCall
 from megappo.multi_turn.pool import ToolPool
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.multi_turn.tools import BaseTool, ToolResult
 
 # record["failure"] kinds where the tool itself failed (tool/failure_fraction; the run's stop and warnings read

@@ -15,7 +15,7 @@ from megappo.envs.agents import AgentTable
 from megappo.envs.base import EnvStep, Environment, EpisodeRow
 from megappo.envs.engine import EpisodeEngine
 from megappo.envs.loop import EpisodeRollout
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.rollout import HFEngine, SamplingParams
 from megappo.tasks import tool_sum
 from megappo.trainer import settings

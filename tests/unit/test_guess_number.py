@@ -137,7 +137,7 @@ def tokenizer(tmp_path_factory):
 def test_episode_tokens_are_the_templates_rendering(tokenizer):
     """Prompt, then each guess and EOS, then each hint's delta: the chat template's text of the whole conversation,
     one token per guess and hint word."""
-    from megappo.multi_turn.template import ToolText
+    from megappo.chat.template import ToolText
 
     rng = random.Random(0)
     for _ in range(50):
@@ -174,7 +174,7 @@ def test_behaviour_policy_binary_search_always_wins():
 def play(engine, tokenizer, secrets, *, temperature: float, seed: int):
     """Episodes of the engine's model with the real environment, laid out as the episode loop lays them out.
     Returns (each episode's reward, its token ids, 1 on the model's sampled tokens)."""
-    from megappo.multi_turn.template import ToolText
+    from megappo.chat.template import ToolText
     from megappo.rollout import SamplingParams
 
     pieces, text = guess_number._Pieces(tokenizer, TASK.prompt()), ToolText(tokenizer)

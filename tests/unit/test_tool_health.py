@@ -14,7 +14,7 @@ from megappo.multi_turn.health import ToolWatch, watch_tools
 from megappo.envs.base import EpisodeRow
 from megappo.envs.metrics import multi_turn_metrics
 from megappo.multi_turn.env import ToolAgent
-from megappo.multi_turn.parser import parse_hermes
+from megappo.chat.parser import parse_hermes
 from megappo.multi_turn.tools import BaseTool
 from megappo.platform.exits import RunStopped
 from megappo.tasks import tool_sum
