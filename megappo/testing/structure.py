@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # the engines, models and algorithms: they take plain settings built from it (LAYERS), and its rules ask them what
 # they support.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
-    "platform", "chat", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config", "multi_turn",
+    "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config", "multi_turn",
     "rewards", "envs", ("tasks", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"), "cli",
 )
 OUTSIDE_ORDER = ("testing",)
