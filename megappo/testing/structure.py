@@ -52,8 +52,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # the engines, models and algorithms: they take plain settings built from it (LAYERS), and its rules ask them what
 # they support.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
-    "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config", "multi_turn",
-    "rewards", "envs", ("tasks", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"), "cli",
+    "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config",
+    "rewards", "envs", ("multi_turn", "agents", "tasks"), "distill", "trainer", ("train_cli", "rollout_server_cli"),
+    "cli",
 )
 OUTSIDE_ORDER = ("testing",)
 # ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER

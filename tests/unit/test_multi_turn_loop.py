@@ -8,7 +8,7 @@ import pytest
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool, evaluate, CalculatorError
 from megappo.envs.metrics import multi_turn_metrics
-from megappo.envs.agents import tool_rollout
+from megappo.multi_turn.env import tool_rollout
 from megappo.multi_turn.env import truncate
 from megappo.chat.parser import parse_hermes
 from megappo.multi_turn.tools import ToolResult
