@@ -5,9 +5,9 @@ An agent loop is an object with `name`, `drives_episodes` (False: an environment
 agent program, `run_episodes(engine, rows, params) -> completions`), `make(row) -> Environment`, `delta` (its
 `ChatDelta`: the chat template with its tool schemas), `stop_ids` (tokens that end a turn besides EOS),
 `step_timeout_s` (a step's deadline; None: the environment keeps its own) and `own_turn_limits` (its steps end the
-episode at the turn limits themselves), and `close()`. An environment class is one through `EnvironmentLoop`; the
-tool loop ("tool_agent", over `multi_turn.tool_config_path`) and agent programs are plug-ins above this package,
-given with the built-in environments as `LoopKinds` by whoever builds the run. Others come from
+episode at the turn limits themselves), and `close()`. An environment class is one through `EnvironmentLoop` (the
+built-in ones: `BUILTIN`); the tool loop ("tool_agent", over `multi_turn.tool_config_path`) and agent programs are
+plug-ins above this package, given as `LoopKinds` by whoever builds the run. Others come from
 `rollout.agent.agent_loop_config_path`, a YAML list (verl's agent loop config's shape):
 
     - name: my_env
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from megappo.chat.template import ChatDelta
@@ -28,14 +28,15 @@ from megappo.platform.user_code import UserCodeError
 from megappo.platform.user_code import load_named as load_object
 
 TOOL_LOOP = "tool_agent"  # the tool loop's agent name (verl's)
+# the built-in environments: name -> "module:Class", imported when a run uses them
+BUILTIN = {"guess_number": "megappo.envs.guess_number:GuessNumberEnv",
+           "gsm8k_feedback": "megappo.envs.gsm8k_feedback:Gsm8kFeedback"}
 
 
 @dataclass(frozen=True)
 class LoopKinds:
-    """What a run's agent loops can be besides a configured environment class, from the layers above this one."""
+    """What a run's agent loops can be besides an environment class: the plug-ins above this package."""
 
-    # built-in environments: name -> "module:Class", imported when a run uses them
-    environments: dict[str, str] = field(default_factory=dict)
     # the tool loop over tools_of(settings.tool_config_path): (settings, tokenizer) -> agent loop
     tool_loop: Optional[Callable[[Any, Any], Any]] = None
     # an entry's `agent:` program: (name, fn, tokenizer, settings, spec=, kwargs=, deadline_s=) -> agent loop
@@ -165,7 +166,7 @@ def agent_loops(settings: Any, tokenizer, kinds: LoopKinds) -> AgentLoops:
     makers: dict[str, Callable[[], Any]] = {}
     if settings.tool_config_path and kinds.tool_loop is not None:
         makers[TOOL_LOOP] = lambda: kinds.tool_loop(settings, tokenizer)
-    for name, target in kinds.environments.items():
+    for name, target in BUILTIN.items():
         makers[name] = (lambda name=name, target=target: EnvironmentLoop(
             name, load_object(target, None, f"built-in agent {name}"), tokenizer, {}, settings.step_timeout_s))
     if settings.agent_config_path:

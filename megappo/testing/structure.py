@@ -52,13 +52,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # the engines, models and algorithms: they take plain settings built from it (LAYERS), and its rules ask them what
 # they support.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
-    "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config",
-    "rewards", "envs", ("multi_turn", "agents", "tasks"), "distill", "trainer", ("train_cli", "rollout_server_cli"),
+    "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "tasks", "rollout",
+    "config", "rewards", "envs", ("multi_turn", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"),
     "cli",
 )
 OUTSIDE_ORDER = ("testing",)
 # ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
-LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 11, "upward imports": 19}
+LAYER_BOUNDS = {"package cycles": 2, "packages in cycles": 7, "upward imports": 11}
 
 
 def _files() -> dict[str, Path]:

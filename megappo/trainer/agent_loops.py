@@ -1,15 +1,11 @@
-"""The kinds of agent loop a run's episodes can use besides a configured environment class: the built-in
-environments, the tool loop (`megappo.multi_turn`) and agent programs (`megappo.agents`). The episode loop
-(`megappo.envs.registry`) runs them without importing them, and the two plug-ins never import each other."""
+"""The kinds of agent loop a run's episodes can use besides an environment class: the tool loop
+(`megappo.multi_turn`) and agent programs (`megappo.agents`). The episode loop (`megappo.envs.registry`) runs them
+without importing them, and the two plug-ins never import each other."""
 from __future__ import annotations
 
 from typing import Any
 
 from megappo.envs.registry import LoopKinds
-
-# the built-in environments: name -> "module:Class", imported when a run uses them
-BUILTIN_ENVIRONMENTS = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv",
-                        "gsm8k_feedback": "megappo.envs.gsm8k_feedback:Gsm8kFeedback"}
 
 
 def _tool_loop(settings: Any, tokenizer) -> Any:
@@ -25,4 +21,4 @@ def _program_loop(*args: Any, **kwargs: Any) -> Any:
 
 
 def loop_kinds() -> LoopKinds:
-    return LoopKinds(dict(BUILTIN_ENVIRONMENTS), tool_loop=_tool_loop, program_loop=_program_loop)
+    return LoopKinds(tool_loop=_tool_loop, program_loop=_program_loop)

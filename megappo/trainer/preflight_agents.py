@@ -46,7 +46,7 @@ def check_agents(cfg: MegappoConfig, errors: list[str], check_files: bool) -> No
 
 def _check_default(cfg: MegappoConfig, configured: list[str], errors: list[str]) -> None:
     """default_agent_loop is the tool loop (with multi_turn on), a built-in environment or an entry of the YAML."""
-    from megappo.trainer.agent_loops import BUILTIN_ENVIRONMENTS as BUILTIN
+    from megappo.envs.registry import BUILTIN
 
     r = cfg.actor_rollout_ref.rollout
     default = r.agent.default_agent_loop

@@ -41,7 +41,7 @@ def test_env_recipe_learns_and_repeats_its_golden_metrics(tmp_path, guess_task_d
 
 
 SLOW_ENV = '''import time
-from megappo.tasks.guess_number import GuessNumberEnv
+from megappo.envs.guess_number import GuessNumberEnv
 
 
 class SlowGuess(GuessNumberEnv):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megappo.envs.base import Environment, EpisodeRow
+from megappo.envs.guess_number import GuessNumberEnv
 from megappo.tasks import TASKS, guess_number, prepare_task
-from megappo.tasks.guess_number import GuessNumberEnv, guess_number_reward, parse_guess
+from megappo.tasks.guess_number import guess_number_reward, parse_guess
 
 TASK = guess_number.TASKS["guess_number"]
 
