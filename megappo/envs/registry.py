@@ -37,7 +37,7 @@ BUILTIN = {"guess_number": "megappo.envs.guess_number:GuessNumberEnv",
 class LoopKinds:
     """What a run's agent loops can be besides an environment class: the plug-ins above this package."""
 
-    # the tool loop over tools_of(settings.tool_config_path): (settings, tokenizer) -> agent loop
+    # the tool loop over the tools of settings.tool_config_path: (settings, tokenizer) -> agent loop
     tool_loop: Optional[Callable[[Any, Any], Any]] = None
     # an entry's `agent:` program: (name, fn, tokenizer, settings, spec=, kwargs=, deadline_s=) -> agent loop
     program_loop: Optional[Callable[..., Any]] = None
