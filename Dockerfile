@@ -73,6 +73,7 @@ RUN printf '%s\n' \
       "pytest-xdist==3.8.0" \
       "peft==0.21.2" \
       "openai==3.63.0" \
+      "mkdocs==1.6.1" \
       "pip==26.3" \
       "setuptools==84.2.1" \
       "wheel==0.48.0" \
@@ -99,7 +100,8 @@ COPY recipes ./recipes
 COPY launch ./launch
 COPY tools ./tools
 COPY tests ./tests
-COPY pytest.ini ./
+COPY pytest.ini mkdocs.yml ./
+COPY docs ./docs
 
 # megappo from this source (not editable: the image is a release) with its extras' requirements. Then: every pin
 # held (a later install could only have failed, not moved one: checked rather than trusted), the parts that import

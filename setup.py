@@ -21,7 +21,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "peft>=0.15", "openai>=1.40"],  # peft: the LoRA export test; openai: the agent endpoint
+    # peft: the LoRA export test; openai: the agent endpoint; mkdocs: the docs site (tests/unit/test_docs.py)
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "peft>=0.15", "openai>=1.40", "mkdocs==1.6.1"],
     # GPU-only extras: never imported unless present.
     "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
     "sglang": ["sglang>=0.5.23", "sglang-router>=0.3.2"],  # the router: rollout.router=sglang

@@ -20,7 +20,7 @@ overrides are dotted key=value pairs, as in verl (values are YAML: true/false, n
 
 options go before the overrides. --config takes a YAML path or the name of a recipe under recipes/
 (e.g. gsm8k/tiny_cpu for recipes/gsm8k/tiny_cpu.yaml).
-Every key and default: megappo/config/schema.py documents each one; --print-config shows a resolved tree.
+Every key and default: megappo/config/schema/ documents each one; --print-config shows a resolved tree.
 
 exit status (also in <default_local_dir>/run_status.json, which outlives torchrun's own status):
   0   finished

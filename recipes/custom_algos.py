@@ -1,4 +1,4 @@
-"""A user's own advantage estimator and policy loss, registered from this file by name (README, "Algorithms"):
+"""A user's own advantage estimator and policy loss, registered from this file by name (docs/algorithms.md):
 
     megappo train --config recipes/cpu/tiny_grpo.yaml \
         algorithm.adv_estimator=median_baseline \

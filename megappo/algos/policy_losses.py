@@ -278,13 +278,22 @@ def dppo_kl(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, 
     return _dppo(log_probs, old_log_probs, advantages, mask, p, agg_mode, num_tokens, num_seqs, is_weights, valid)
 
 
+def dro_beta_refusal(dro_beta: Optional[float]) -> Optional[str]:
+    """Why loss_mode=dro cannot run with `dro_beta` (its quadratic penalty's coefficient), or None; the config's
+    rule (`megappo.algos.checks`) and the loss both ask it."""
+    if dro_beta is not None and dro_beta > 0:
+        return None
+    return (f"actor_rollout_ref.actor.policy_loss.dro_beta: is {dro_beta} but policy_loss.loss_mode=dro needs a "
+            "positive coefficient; set it, e.g. 0.1")
+
+
 @register_policy_loss("dro")
 def dro(log_probs, old_log_probs, advantages, mask, p: PolicyLossParams, *, agg_mode="token-mean",
         num_tokens=None, num_seqs=None, is_weights=None):
     """DRO (direct reward optimisation): -(A * log-prob - dro_beta / 2 * (log-prob - old)^2), no ratio and no
     clip; the quadratic term keeps the policy near the old one. Needs dro_beta > 0."""
-    if p.dro_beta is None or not p.dro_beta > 0:
-        raise ValueError(f"loss_mode dro needs policy_loss.dro_beta > 0, got {p.dro_beta}")
+    if refusal := dro_beta_refusal(p.dro_beta):
+        raise ValueError(refusal)
     m, lp, old, adv, w = _prepare(log_probs, old_log_probs, advantages, mask, is_weights)
     log_ratio = lp - old
     losses = -(lp * adv - 0.5 * p.dro_beta * log_ratio.square())

@@ -27,3 +27,13 @@ def parse_deadline(value: str, environ: Optional[Mapping[str, str]] = None) -> f
         raise ValueError(f"{text!r} is not a time: use ISO 8601 (2026-12-04T06:00, 2026-12-04T06:00+01:00), "
                          "seconds since the epoch, or 'slurm'") from None
     return when.timestamp()  # a naive time is local time
+
+
+def deadline_refusal(value: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The message refusing `value` as trainer.save_before_deadline, naming the fix (None: it parses); the config's
+    rule and the run's start both ask it."""
+    try:
+        parse_deadline(value, environ)
+    except ValueError as e:
+        return f"trainer.save_before_deadline: {e}"
+    return None

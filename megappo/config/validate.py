@@ -1,9 +1,8 @@
-"""The configuration's own rules: types and cross-field rules, every problem collected into one ConfigError.
+"""The configuration's own rules: types, and the ranges and cross-field rules that need no other package.
 
 Each message names the key, what is wrong and the fix. These rules read nothing but the tree (and, with
-check_files, whether the named paths exist). The rules that need the rest of megappo (parallel layouts against
-the world size and the model's config.json, batch divisibility over data-parallel ranks, the Parquet schema, the
-custom reward function) are in `megappo.trainer.preflight`, which runs these first; `megappo train` calls it.
+check_files, whether the named paths exist). The rules of what a capability supports live beside it (`checks.py`
+in algos, models.layout, models.lora, rollout, distill); `megappo.checks` runs them all as one table.
 """
 from __future__ import annotations
 
@@ -13,33 +12,16 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from megappo.config.fields import ConfigError, check_type, iter_leaves, need as _need, type_name
+from megappo.config.fields import check_type, iter_leaves, need as _need, type_name
 from megappo.config.derived import LAYOUT_KEYS, resolve
 from megappo.config.schema import MegappoConfig, OptimConfig
-from megappo.config.validate_engine import engine_errors, served
-from megappo.config.validate_episodes import episode_errors
-from megappo.config.validate_judge import judge_errors
-from megappo.config.validate_losses import token_choice_errors
-from megappo.config.validate_replay import replay_errors
-
-
-def validate(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_files: Optional[bool] = None) -> None:
-    """Raise ConfigError listing every violation of the configuration's own rules in `cfg`.
-
-    world_size: ranks the run will have; None means `trainer.nnodes * trainer.n_gpus_per_node` (a real launch).
-    check_files: whether data, reward and checkpoint paths must exist; by default only for a real launch
-    (world_size None), so a recipe can be checked on a machine that has none of its files.
-    Parallel layouts, batch divisibility and the model's config.json are checked by `megappo.trainer.preflight`.
-    """
-    errors = rule_errors(cfg, world_size, check_files=check_files)
-    if errors:
-        raise ConfigError(errors)
 
 
 def plan(cfg: MegappoConfig, world_size: Optional[int] = None,
          check_files: Optional[bool] = None) -> tuple[MegappoConfig, int, bool]:
-    """A resolved copy of `cfg` (the argument is not changed), the world size and whether to check files, with
-    the defaults `validate` documents."""
+    """A resolved copy of `cfg` (the argument is not changed), the world size and whether to check files:
+    world_size None means `trainer.nnodes * trainer.n_gpus_per_node` (a real launch), and check_files None means
+    only for a real launch, so a recipe can be checked on a machine that has none of its files."""
     cfg = resolve(copy.deepcopy(cfg))  # a tree built in code may not have its derived defaults filled yet
     if check_files is None:
         check_files = world_size is None
@@ -48,44 +30,26 @@ def plan(cfg: MegappoConfig, world_size: Optional[int] = None,
     return cfg, world_size, check_files
 
 
-def rule_errors(cfg: MegappoConfig, world_size: Optional[int] = None, *,
-                check_files: Optional[bool] = None) -> list[str]:
-    """Every violation of the configuration's own rules, as messages (empty when there is none).
+def type_errors(cfg: MegappoConfig) -> list[str]:
+    """Every leaf whose value is not of its field's type (the other rules assume well-typed values)."""
+    return [f"{key}: expected {type_name(tp)}, got {value!r}" for key, value, tp, _ in iter_leaves(cfg)
+            if not check_type(value, tp)]
 
-    Wrong types raise ConfigError at once: the other rules assume well-typed values.
-    """
-    cfg, world_size, check_files = plan(cfg, world_size, check_files)
+
+def config_errors(cfg: MegappoConfig, check_files: bool = False) -> list[str]:
+    """Every violation of the rules that read the tree alone (ranges, cross-field rules, named files)."""
     errors: list[str] = []
-    for key, value, tp, _ in iter_leaves(cfg):
-        if not check_type(value, tp):
-            errors.append(f"{key}: expected {type_name(tp)}, got {value!r}")
-    if errors:
-        raise ConfigError(errors)
-
     _check_trainer(cfg, errors)
     _check_algorithm(cfg, errors)
     _check_data(cfg, errors, check_files)
     _check_actor(cfg, errors)
     _check_layouts(cfg, errors)
-    _check_prefix_sharing(cfg, errors)
     _check_rollout(cfg, errors)
     _check_rewards(cfg, errors, check_files)
-    errors += judge_errors(cfg, check_files)
-    errors += episode_errors(cfg, check_files)
     _check_dapo(cfg, errors)
-    errors += replay_errors(cfg) + engine_errors(cfg)
-    from megappo.models.lora.checks import check_lora  # LoRA's rules live with LoRA; loaded when a config is checked
-
-    check_lora(cfg, errors, check_files)
-    from megappo.distill.checks import check_distillation  # distillation's rules live with it
-
-    check_distillation(cfg, errors, check_files)
     for prefix, optim in (("actor_rollout_ref.actor.optim", cfg.actor_rollout_ref.actor.optim),
                           ("critic.optim", cfg.critic.optim)):
         _check_optim(prefix, optim, errors)
-    if world_size < 1:
-        errors.append(f"world size {world_size}: needs at least one rank; set trainer.nnodes and "
-                      "trainer.n_gpus_per_node to >= 1")
     return errors
 
 
@@ -129,12 +93,10 @@ def _check_trainer(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, g.max_retries >= 0, "trainer.guard.max_retries", f"must be >= 0, got {g.max_retries}",
           "use e.g. 3 (0: stop at the first tripped step)")
     if t.save_before_deadline is not None:
-        from megappo.config.deadline import parse_deadline
+        from megappo.config.deadline import deadline_refusal
 
-        try:
-            parse_deadline(t.save_before_deadline, environ={"SLURM_JOB_END_TIME": "0"})
-        except ValueError as e:
-            errors.append(f"trainer.save_before_deadline: {e}")
+        refusal = deadline_refusal(t.save_before_deadline, environ={"SLURM_JOB_END_TIME": "0"})
+        errors += [refusal] if refusal else []
     rm = cfg.reward_model
     _need(errors, 0.0 <= rm.max_failure_fraction <= 1.0, "reward_model.max_failure_fraction",
           f"must be in [0, 1], got {rm.max_failure_fraction}", "use e.g. 0.5 (1.0: never stop)")
@@ -151,99 +113,7 @@ def _check_algorithm(cfg: MegappoConfig, errors: list[str]) -> None:
     _need(errors, kl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", f"must be >= 0, got {kl.kl_coef}", "use e.g. 0.001")
     _need(errors, kl.target_kl > 0, "algorithm.kl_ctrl.target_kl", f"must be > 0, got {kl.target_kl}", "use e.g. 0.1")
     _need(errors, kl.horizon > 0, "algorithm.kl_ctrl.horizon", f"must be > 0, got {kl.horizon}", "use e.g. 10000")
-    _check_estimator(cfg, errors)
-    _check_policy_loss(cfg, errors)
 
-
-def _custom_file(errors: list[str], key: str, path: Optional[str], name: Optional[str], selected: bool,
-                 selector: str) -> None:
-    if path is None:
-        return
-    named = bool(name) and str(name).isidentifier()
-    _need(errors, named, f"{key}.name", "is not set" if name is None else f"'{name}' is not a Python name",
-          f"set {key}.name to the function's name in {path}, and {selector} to that same name")
-    _need(errors, Path(os.path.expanduser(path)).is_file(), f"{key}.path", f"'{path}' is not a file",
-          "point it at the .py file that defines the function")
-    if named:  # without a name there is nothing to select yet; the message above says what to set
-        _need(errors, selected, selector, f"does not name {key}.name '{name}'", f"set {selector}={name} to use it")
-
-
-def _check_estimator(cfg: MegappoConfig, errors: list[str]) -> None:
-    from megappo.config.derived import estimator
-
-    alg, key = cfg.algorithm, "algorithm.adv_estimator"
-    custom = alg.custom_adv_estimator
-    _custom_file(errors, "algorithm.custom_adv_estimator", custom.path, custom.name,
-                 alg.adv_estimator == custom.name, key)
-    try:
-        spec = estimator(cfg)
-    except (ValueError, OSError, SyntaxError, ImportError) as e:
-        errors.append(f"{key}: {e}")
-        return
-    name, n = spec.name, cfg.actor_rollout_ref.rollout.n
-    _need(errors, not spec.needs_groups or n > 1, "actor_rollout_ref.rollout.n",
-          f"is {n} but algorithm.adv_estimator={name} compares responses within a prompt's group",
-          "set actor_rollout_ref.rollout.n to 2 or more (e.g. 5)")
-    critic_on = cfg.critic.enable
-    if spec.needs_critic:
-        _need(errors, critic_on is not False, "critic.enable", f"is false but algorithm.adv_estimator={name} needs a "
-              "value function", "set critic.enable=true, or use algorithm.adv_estimator=grpo")
-    else:
-        _need(errors, not critic_on, "critic.enable", f"is true but algorithm.adv_estimator={name} "
-              "does not use a critic", "set critic.enable=false (or leave it unset)")
-    if spec.needs_reward_components:
-        keys, weights = alg.gdpo_reward_keys, alg.gdpo_reward_weights
-        _need(errors, bool(keys), "algorithm.gdpo_reward_keys", f"is {keys} but algorithm.adv_estimator={name} "
-              "normalises each reward component the reward function returns", "list the keys of the dict your "
-              "reward function returns, e.g. [format_reward,accuracy_reward]")
-        _need(errors, not keys or weights is None or len(weights) == len(keys), "algorithm.gdpo_reward_weights",
-              f"has {len(weights or [])} weights for {len(keys or [])} gdpo_reward_keys", "give one per key, or null")
-        _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
-              f"{name} reads the reward components of the rule reward function", "use a rule reward")
-    if spec.needs_sum_pi_squared:
-        _need(errors, not alg.rollout_correction.bypass_mode, "algorithm.rollout_correction.bypass_mode",
-              f"is true but algorithm.adv_estimator={name} needs the old policy's sum over the vocabulary of pi^2 "
-              "at every response token, which comes from the old log-prob forward that bypass_mode skips (it takes "
-              "the rollout's log-probs as old)", "use a decoupled_* preset or bypass_mode=false, or "
-              "algorithm.adv_estimator=grpo")
-    if spec.needs_greedy_baseline:
-        _need(errors, cfg.async_training.mode == "sync", "async_training.mode",
-              f"is {cfg.async_training.mode} but algorithm.adv_estimator={name} scores a greedy response of the "
-              "policy that sampled the step", "use async_training.mode=sync")
-        _need(errors, not cfg.reward_model.enable, "reward_model.enable", f"is true but algorithm.adv_estimator="
-              f"{name}'s greedy baselines are scored by the rule reward",
-              "use a rule reward (reward_model.enable=false)")
-
-
-def _check_policy_loss(cfg: MegappoConfig, errors: list[str]) -> None:
-    from megappo.algos.policy_losses import get_policy_loss
-
-    a, p = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor"
-    pl = a.policy_loss
-    _custom_file(errors, f"{p}.policy_loss", pl.path, pl.name, pl.loss_mode == pl.name, f"{p}.policy_loss.loss_mode")
-    try:
-        get_policy_loss(pl.loss_mode, pl.path, pl.name)
-    except (ValueError, OSError, SyntaxError, ImportError) as e:
-        errors.append(f"{p}.policy_loss.loss_mode: {e}")
-    for key in ("clip_cov_ratio", "kl_cov_ratio"):
-        _need(errors, getattr(pl, key) > 0, f"{p}.policy_loss.{key}", f"must be > 0, got {getattr(pl, key)}",
-              "use e.g. 0.0002")
-    _need(errors, pl.clip_cov_lb < pl.clip_cov_ub, f"{p}.policy_loss.clip_cov_lb",
-          f"{pl.clip_cov_lb} is not below clip_cov_ub {pl.clip_cov_ub}", "use e.g. 1.0 and 5.0")
-    for key in ("tau_pos", "tau_neg"):
-        _need(errors, getattr(a, key) > 0, f"{p}.{key}", f"must be > 0, got {getattr(a, key)}", "use 1.0 / 1.05")
-    _need(errors, a.loss_scale_factor is None or a.loss_scale_factor > 0, f"{p}.loss_scale_factor",
-          f"must be > 0 or null, got {a.loss_scale_factor}", "use null for data.max_response_length")
-    _need(errors, pl.loss_mode != "sapo" or a.loss_agg_mode == "seq-mean-token-mean", f"{p}.loss_agg_mode",
-          f"is {a.loss_agg_mode} but policy_loss.loss_mode=sapo always aggregates seq-mean-token-mean (as verl's "
-          "sapo does, whatever loss_agg_mode says)", f"set {p}.loss_agg_mode=seq-mean-token-mean with sapo")
-    _need(errors, pl.loss_mode != "dro" or (pl.dro_beta is not None and pl.dro_beta > 0), f"{p}.policy_loss.dro_beta",
-          f"is {pl.dro_beta} but policy_loss.loss_mode=dro needs a positive coefficient", "set it, e.g. 0.1")
-    bypass = cfg.algorithm.rollout_correction.bypass_mode
-    _need(errors, not bypass or pl.loss_mode == "vanilla", f"{p}.policy_loss.loss_mode",
-          f"is {pl.loss_mode} but algorithm.rollout_correction.bypass_mode=true uses its own loss (loss_type)",
-          "use loss_mode=vanilla with bypass_mode, or bypass_mode=false")
-    errors += token_choice_errors(cfg)
 
 def _check_data(cfg: MegappoConfig, errors: list[str], check_files: bool) -> None:
     d = cfg.data
@@ -290,22 +160,6 @@ def _check_layouts(cfg: MegappoConfig, errors: list[str]) -> None:
             mine, theirs = getattr(meg, key), getattr(actor, key)
             _need(errors, mine == theirs, f"{prefix}.{key}", f"is {mine} but the actor's is {theirs}: the reference "
                   "and the critic run in the actor's parallel layout", f"set it to {theirs} or leave it out")
-
-
-def _check_prefix_sharing(cfg: MegappoConfig, errors: list[str]) -> None:
-    """use_prefix_sharing=true runs packed micro-batches, or tree rows under context parallelism, without router
-    replay on the actor (None decides by itself)."""
-    cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
-    replay = cfg.actor_rollout_ref.actor.megatron.router_replay.mode
-    for prefix, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
-        if model.use_prefix_sharing:
-            _need(errors, bool(model.use_remove_padding) or cp > 1, f"{prefix}.use_prefix_sharing",
-                  "is true but use_remove_padding is false: shared prompts run in packed micro-batches (or in "
-                  "context-parallel ones)", f"set {prefix}.use_remove_padding=true or use_prefix_sharing=false")
-            # the critic replays no routes
-            _need(errors, replay == "disabled" or prefix == "critic.model", f"{prefix}.use_prefix_sharing",
-                  f"is true but router_replay.mode={replay}: replayed routes are laid out per row",
-                  "set use_prefix_sharing=false (or leave it out)")
 
 
 def _check_actor(cfg: MegappoConfig, errors: list[str]) -> None:
@@ -357,12 +211,6 @@ def _check_rollout(cfg: MegappoConfig, errors: list[str]) -> None:
     total = d.max_prompt_length + d.max_response_length
     _need(errors, r.max_model_len is None or r.max_model_len >= total, f"{p}.max_model_len",
           f"{r.max_model_len} is shorter than prompt + response = {total}", f"set it to >= {total} or null")
-    _need(errors, served(r) or not r.server_urls, f"{p}.server_urls",
-          f"names running servers but {p}.name={r.name} runs in the trainer's ranks (no servers)",
-          f"set {p}.name=sglang or vllm (mode async), or drop the URLs")
-    _need(errors, r.name == "sglang" or r.router == "none", f"{p}.router",
-          f"is {r.router} but {p}.name={r.name} (a router fronts SGLang servers)",
-          f"set {p}.name=sglang, or {p}.router=none")
     _need(errors, not (r.api_key or "").startswith("-"), f"{p}.api_key", "starts with '-', which SGLang's argument "
           "parser reads as a flag", "choose a key that starts with a letter or digit (or null for a random one)")
     _need(errors, not (r.api_key and r.api_key_file), f"{p}.api_key_file",

@@ -1,5 +1,5 @@
-"""The rules of episodes (`actor_rollout_ref.rollout.multi_turn` and `rollout.agent`), called by
-`megappo.config.validate`: each message names the key, what is wrong and the fix."""
+"""The rules of episodes (`actor_rollout_ref.rollout.multi_turn` and `rollout.agent`), run by
+`megappo.checks`: each message names the key, what is wrong and the fix."""
 from __future__ import annotations
 
 import os

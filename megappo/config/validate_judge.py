@@ -1,4 +1,4 @@
-"""The rules of `reward_model.judge` (megappo/config/schema_judge.py), called by `megappo.config.validate`: each
+"""The rules of `reward_model.judge` (megappo/config/schema/judge.py), run by `megappo.checks`: each
 message names the key, what is wrong and the fix."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from megappo.config.schema import MegappoConfig
-from megappo.config.schema_judge import BUILTIN_PARSERS
+from megappo.config.schema.judge import BUILTIN_PARSERS
 
 # built-in template names (megappo/rewards/judge/templates.py holds their text; the config imports nothing else)
 BUILTIN_TEMPLATES = ("default", "score", "digit_max", "pairwise")

@@ -1,5 +1,6 @@
 """The config's rules of MoE router replay (`actor_rollout_ref.actor.megatron.router_replay`, verl's keys); whether
-the model is a MoE at all is checked where it is built (`megappo.trainer.replay`)."""
+the model is a MoE at all is checked where it is built (`megappo.trainer.replay`), whether the engine returns routes
+by the engine's rules (`megappo.rollout.checks`)."""
 from __future__ import annotations
 
 from megappo.config.schema import MegappoConfig
@@ -7,9 +8,7 @@ from megappo.config.schema import MegappoConfig
 KEY = "actor_rollout_ref.actor.megatron.router_replay.mode"
 
 
-def replay_errors(cfg: MegappoConfig) -> list[str]:
-    from megappo.rollout.registry import routed_experts
-
+def replay_errors(cfg: MegappoConfig, check_files: bool = False) -> list[str]:
     arr = cfg.actor_rollout_ref
     mode, rollout = arr.actor.megatron.router_replay.mode, arr.rollout
     errors = []
@@ -28,7 +27,4 @@ def replay_errors(cfg: MegappoConfig) -> list[str]:
     if mode == "R2" and cfg.algorithm.rollout_correction.bypass_mode:
         errors.append(f"{KEY}=R2 records the routes in the old-log-prob pass, which "
                       "algorithm.rollout_correction.bypass_mode skips; use mode R3 or set bypass_mode=false")
-    if rollout.enable_rollout_routing_replay and not routed_experts(rollout.name):
-        errors.append(f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true: the {rollout.name} engine "
-                      "cannot return routed experts; set it to false and use mode R2 or disabled")
     return errors

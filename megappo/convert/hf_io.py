@@ -185,6 +185,10 @@ def _inside(path: str, parent: str) -> bool:
     return path != parent and os.path.commonpath([path, parent]) == parent
 
 
+def already_exists(path: str, more: str = "") -> ConversionError:
+    return ConversionError(f"{path}: already exists; pass --force to overwrite it{more}")
+
+
 def check_output_dir(out: str, inputs: dict[str, str], force: bool, out_flag: str = "--out") -> str:
     """Refuse an output that would destroy an input or someone else's files; return its absolute path.
 
@@ -210,8 +214,8 @@ def check_output_dir(out: str, inputs: dict[str, str], force: bool, out_flag: st
     if not os.path.lexists(out):
         return os.path.abspath(out)
     if not force:
-        raise ConversionError(f"{os.path.abspath(out)}: already exists; pass --force to overwrite it (only a "
-                              f"directory megappo wrote, or an empty one, is overwritten)")
+        raise already_exists(os.path.abspath(out), " (only a directory megappo wrote, or an empty one, is "
+                                                   "overwritten)")
     if not os.path.isdir(out) or os.path.islink(out):
         raise ConversionError(f"{os.path.abspath(out)}: exists and is not a directory; --force replaces only a "
                               f"directory megappo wrote: remove it yourself or choose another {out_flag}")
@@ -304,7 +308,7 @@ class StagingDir:
     def __init__(self, out: str, force: bool = False):
         self.out = os.path.abspath(out)
         if os.path.exists(self.out) and not force:
-            raise ConversionError(f"{self.out}: already exists; pass --force to overwrite it")
+            raise already_exists(self.out)
         self.tmp = unique_staging_dir(self.out)
 
     def __enter__(self) -> str:

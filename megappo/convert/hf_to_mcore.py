@@ -25,7 +25,7 @@ from megappo.convert.mapping import (
     VALUE_HEAD, ConversionError, ModelSpec, ParamMap, expected_hf_shapes, model_spec_from_hf_config, param_maps,
     shard_from_hf,
 )
-from megappo.convert.params import LocalParam, check_all_used, local_params, model_role
+from megappo.convert.params import LocalParam, check_all_used, local_params, model_role, not_a_parameter
 from megappo.kinds import kind_of
 from megappo.models.builder import unwrap
 from megappo.parallel import ParallelState
@@ -236,8 +236,7 @@ def gpt_materialiser(chunks, ckpt: HFCheckpoint, ps: ParallelState, role: str, u
     def materialise(t: torch.Tensor) -> torch.Tensor:
         lp = by_id.get(id(t))
         if lp is None:
-            raise ConversionError(f"a checkpoint tensor of shape {tuple(t.shape)} is no parameter of the {spec.family} "
-                                  f"model; this model part cannot be converted by streaming")
+            raise not_a_parameter(tuple(t.shape), spec.family)
         shard = _hf_shard(lp, maps[lp.canonical], spec, ckpt, role)
         if shard is None:
             return t  # the fresh value head

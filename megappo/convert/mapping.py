@@ -23,9 +23,8 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
-from megappo.models.hf_config import (
-    SUPPORTED_FAMILIES, HFArchitecture, UnsupportedModelError, read_hf_architecture,
-)
+from megappo.models.families import FAMILIES
+from megappo.models.hf_config import HFArchitecture, UnsupportedModelError, read_hf_architecture
 from megappo.models.naming import canonical_name  # noqa: F401 - the conversion's name for it
 
 Kind = Literal["copy", "qkv", "glu", "vocab"]
@@ -33,9 +32,6 @@ Role = Literal["actor", "ref", "critic", "reward"]
 
 # megatron name of the critic / reward model's scalar head (see megappo.models.builder): an output layer with one row.
 VALUE_HEAD = "output_layer.weight"
-
-# model_type in config.json -> family. Families share HF names except in their MoE blocks.
-SUPPORTED_MODEL_TYPES = {family: family for family in SUPPORTED_FAMILIES}
 
 # The shape facts of a HF decoder that decide its tensor names and shapes: read by the one HF config reader.
 ModelSpec = HFArchitecture
@@ -69,12 +65,10 @@ class ParamMap:
 
 
 def _hf_moe_names(spec: ModelSpec, i: int, e: int) -> tuple[str, str, str]:
-    """(gate, up, down) HF names of expert e in layer i."""
-    if spec.family == "mixtral":
-        p = f"model.layers.{i}.block_sparse_moe.experts.{e}"
-        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
-    p = f"model.layers.{i}.mlp.experts.{e}"
-    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+    """(gate, up, down) HF names of expert e in layer i (families share HF names except in their MoE blocks)."""
+    names = FAMILIES[spec.family].moe
+    p = f"model.layers.{i}.{names.block}.experts.{e}"
+    return f"{p}.{names.gate}.weight", f"{p}.{names.up}.weight", f"{p}.{names.down}.weight"
 
 
 def layer_param_maps(spec: ModelSpec, i: int) -> list[ParamMap]:
@@ -104,7 +98,7 @@ def layer_param_maps(spec: ModelSpec, i: int) -> list[ParamMap]:
             ParamMap(f"{mc}.mlp.linear_fc1.weight", (f"{m}.gate_proj.weight", f"{m}.up_proj.weight"), "glu", 0, layer=i),
             ParamMap(f"{mc}.mlp.linear_fc2.weight", (f"{m}.down_proj.weight",), "copy", 1, layer=i),
         ]
-    router = f"{hf}.block_sparse_moe.gate.weight" if spec.family == "mixtral" else f"{hf}.mlp.gate.weight"
+    router = f"{hf}.{FAMILIES[spec.family].moe.block}.gate.weight"
     maps.append(ParamMap(f"{mc}.mlp.router.weight", (router,), "copy", None, layer=i))
     for e in range(spec.num_experts):
         gate, up, down = _hf_moe_names(spec, i, e)

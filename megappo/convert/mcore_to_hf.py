@@ -26,12 +26,7 @@ from megappo.convert.hf_io import (
 )
 from megappo.convert.mapping import ConversionError
 from megappo.kinds import kind_of
-
-SEQ_CLS_ARCH = {
-    "llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-    "qwen3": "Qwen3ForSequenceClassification", "qwen2_moe": "Qwen2MoeForSequenceClassification",
-    "qwen3_moe": "Qwen3MoeForSequenceClassification", "mixtral": "MixtralForSequenceClassification",
-}
+from megappo.models.families import FAMILIES
 
 
 def output_config(config: dict, role: str, dtype: torch.dtype) -> dict:
@@ -43,7 +38,7 @@ def output_config(config: dict, role: str, dtype: torch.dtype) -> dict:
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = name
     if role in ("critic", "reward"):
-        cfg["architectures"] = [SEQ_CLS_ARCH[cfg["model_type"]]]
+        cfg["architectures"] = [FAMILIES[cfg["model_type"]].seq_cls]
         cfg["num_labels"] = 1
         cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     return cfg

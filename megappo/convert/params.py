@@ -68,6 +68,12 @@ def local_params(model_chunks: list[nn.Module], spec: ModelSpec, parallel_state:
     return out
 
 
+def not_a_parameter(shape: tuple, family: str) -> ConversionError:
+    """The refusal of a checkpoint tensor no parameter of the model owns (streaming conversion)."""
+    return ConversionError(f"a checkpoint tensor of shape {shape} is no parameter of the {family} model; this model "
+                           "part cannot be converted by streaming")
+
+
 def check_all_used(ckpt: HFCheckpoint, used: set[str], role: str, group: Any) -> None:
     from megappo.parallel import union_over_ranks
 

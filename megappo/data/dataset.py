@@ -93,8 +93,8 @@ class PromptDataset:
         filter_overlong_prompts: drop prompts over the limit instead (data.filter_overlong_prompts).
         prompt_key: the column of chat messages (data.prompt_key).
         chat_template_kwargs: extra arguments for apply_chat_template, e.g. {"enable_thinking": False}.
-        image_processing: the model's image processing (`megappo.kinds.qwen2_vl.images.image_processing`); None for
-            a text-only model, which then refuses files with images.
+        image_processing: the model's image processing (its kind's `image_processing`, `megappo.kinds`); None
+            for a text-only model, which then refuses files with images.
         image_key: the column of images (data.image_key).
     """
 

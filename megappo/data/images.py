@@ -1,7 +1,7 @@
 """The image side of a multimodal prompt dataset: reading, resizing and processing images, and the image tokens.
 
 `ImageProcessing` holds a VLM's image processor and image token ids, as the model's kind reads them from its
-directory (`megappo.kinds.qwen2_vl.images.image_processing`, None for a text-only model). For each prompt the
+directory (`ModelKind.image_processing`, `megappo.kinds`; None for a text-only model). For each prompt the
 dataset then
 
 - opens every image at load time, reading only its header (`ImageSource.size`): the image's token count follows

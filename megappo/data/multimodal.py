@@ -18,6 +18,12 @@ if TYPE_CHECKING:  # light to import: the Parquet schema checks read this module
     import torch
 
 
+def check_entries(multi_modal: Sequence[Any], num_prompts: int) -> None:
+    """Refuse images that are not one entry (None: a text prompt) per prompt."""
+    if len(multi_modal) != num_prompts:
+        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {num_prompts} prompts")
+
+
 @dataclass
 class MultiModalInputs:
     """One prompt's images after the image processor (the prompt's ids already hold their image tokens)."""
@@ -36,8 +42,7 @@ def collapse_image_runs(prompts: Sequence[Sequence[int]], multi_modal: Sequence[
     """The prompts as an engine that runs the model's image processor itself takes them (SGLang, vLLM): each run of
     image tokens collapsed to the one `<|image_pad|>` the engine expands again from the image it processes. Each
     prompt with images must hold one run per decoded image (`MultiModalInputs.images`), a text prompt none."""
-    if len(multi_modal) != len(prompts):
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+    check_entries(multi_modal, len(prompts))
     if image_token_id is None:
         raise ValueError(f"prompts with images need the {engine} engine's image_token_id (the model config's)")
     out = []
@@ -78,3 +83,43 @@ def batch_images(per_sample: Sequence[Optional[MultiModalInputs]],
     """A model batch's `multi_modal` for the samples at `rows`: their images, one entry per row, when any sample
     has images (each row keeps its prompt's images through micro-batching); None for text samples."""
     return [per_sample[r] for r in rows] if any(m is not None for m in per_sample) else None
+
+
+def refuse_images(multi_modal: Optional[Sequence[Optional[MultiModalInputs]]]) -> None:
+    """ValueError for a batch with images given to a text-only model."""
+    if multi_modal is not None:
+        raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is text-only")
+
+
+# -- a checkpoint's not-yet-trained samples (trainer_state.json) carry their images as JSON ------------------------
+
+def _tensor_to_json(t: torch.Tensor) -> dict:
+    import base64
+
+    a = t.detach().cpu().contiguous().numpy()
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def _tensor_from_json(d: dict) -> torch.Tensor:
+    import base64
+
+    import numpy as np
+    import torch
+
+    a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+    return torch.from_numpy(a.copy())
+
+
+def multi_modal_to_json(m: Optional[MultiModalInputs]) -> Optional[dict]:
+    """A JSON-able form of one sample's images, bit for bit (the decoded PIL images, for engines only, are not kept:
+    a saved sample is already generated)."""
+    if m is None:
+        return None
+    return {"pixel_values": _tensor_to_json(m.pixel_values), "image_grid_thw": _tensor_to_json(m.image_grid_thw)}
+
+
+def multi_modal_from_json(d: Any) -> Optional[MultiModalInputs]:
+    if d is None or isinstance(d, MultiModalInputs):
+        return d
+    return MultiModalInputs(pixel_values=_tensor_from_json(d["pixel_values"]),
+                            image_grid_thw=_tensor_from_json(d["image_grid_thw"]))

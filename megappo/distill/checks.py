@@ -1,5 +1,5 @@
 """The config's distillation rules and its teachers as specs (`teacher_specs`), collected into the messages
-`megappo.config.validate` reports; reads the tree alone (no torch)."""
+`megappo.checks` reports; reads the tree alone (no torch)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +9,8 @@ import json
 import os
 from typing import Any
 
-from megappo.config.schema_distill import TeacherModelConfig
-from megappo.config.schema_rollout import InferenceConfig
+from megappo.config.schema.distill import TeacherModelConfig
+from megappo.config.schema.rollout import InferenceConfig
 from megappo.models.layout import per_position_topk_refusal
 
 KEY = "distillation"
@@ -63,11 +63,15 @@ def teacher_specs(cfg) -> list[TeacherSpec]:
             for name, t in teacher_configs(cfg).items()]
 
 
-def check_distillation(cfg, errors: list[str], check_files: bool) -> None:
-    """Every distillation rule of `cfg`, appended to `errors`."""
-    d = cfg.distillation
-    if not d.enabled:
-        return
+def distillation_errors(cfg, check_files: bool = False) -> list[str]:
+    """Every distillation rule of `cfg`."""
+    errors: list[str] = []
+    if cfg.distillation.enabled:
+        _check_distillation(cfg, errors, check_files)
+    return errors
+
+
+def _check_distillation(cfg, errors: list[str], check_files: bool) -> None:
     try:
         teachers = teacher_configs(cfg)
     except ValueError as e:

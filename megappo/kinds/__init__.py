@@ -43,7 +43,11 @@ class ModelKind:
     language_model_spec(hf_config, role) -> the conversion's ModelSpec of the (language) model
     verify(hf_dir, chunks, parallel_state, hf_config, **kw) -> {max_abs_diff, atol, ok, ...}; collective
     image_token_id(hf_dir_or_config) -> the image placeholder's token id (multi-modal kinds)
-    preflight(cfg) -> the run config's settings this kind does not support, as error messages
+    preflight(cfg, engine_takes_images) -> the run config's settings this kind does not support, as error messages
+    image_processing(model_dir, tokenizer, *, min_pixels, max_pixels) -> the data loader's `ImageProcessing`
+        (multi-modal kinds; None for the others)
+    position_ids(input_ids, image_grid_thw, image_token_id, spatial_merge_size, attention_mask=None,
+        image_mask=None) -> a multi-modal kind's rotary positions of a batch with images
     """
 
     name: str
@@ -66,17 +70,22 @@ class ModelKind:
     materialiser = _implementation("materialiser")
     language_model_spec = _implementation("language_model_spec")
     verify = _implementation("verify")
+    position_ids = _implementation("position_ids")
 
     def image_token_id(self, hf_dir_or_config: Any) -> Optional[int]:
         return self._optional("image_token_id", hf_dir_or_config)
 
-    def preflight(self, cfg: Any) -> list[str]:
-        """What this kind refuses in a run's config, one error per setting (none: no rules of its own)."""
-        return self._optional("preflight", cfg) or []
+    def image_processing(self, model_dir: str, tokenizer: Any, **kw: Any) -> Any:
+        return self._optional("image_processing", model_dir, tokenizer, **kw)
 
-    def _optional(self, what: str, *args: Any) -> Any:
+    def preflight(self, cfg: Any, engine_takes_images: bool = True) -> list[str]:
+        """What this kind refuses in a run's config, one error per setting (none: no rules of its own).
+        engine_takes_images: whether the run's rollout engine feeds the prompts' images."""
+        return self._optional("preflight", cfg, engine_takes_images) or []
+
+    def _optional(self, what: str, *args: Any, **kw: Any) -> Any:
         """What an implementation this kind may lack answers (None when it has none)."""
-        return self._call(what)(*args) if what in self.impl else None
+        return self._call(what)(*args, **kw) if what in self.impl else None
 
 
 _CONVERT = "megappo.convert"
@@ -92,6 +101,8 @@ QWEN2_VL = ModelKind("qwen2_vl", ("qwen2_5_vl", "qwen2_vl"), multi_modal=True,
                          "verify": f"{_VL}.verify:verify_vlm",
                          "image_token_id": f"{_VL}.config:image_token_id",
                          "preflight": f"{_VL}.preflight:preflight",
+                         "image_processing": f"{_VL}.images:image_processing",
+                         "position_ids": f"{_VL}.rope_index:mrope_position_ids",
                      })
 # the text families (llama, qwen2, qwen3, their MoE variants, mixtral): megatron-core's GPTModel
 GPT = ModelKind("gpt", (), multi_modal=False, hf_auto_class="AutoModelForCausalLM", impl={

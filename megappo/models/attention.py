@@ -195,7 +195,11 @@ class SDPAttention(MegatronModule):
         """Refuse what `attend` does not run: an attention bias, query heads not a multiple of the KV heads."""
         if attention_bias is not None:
             raise NotImplementedError("attention bias is not supported by SDPAttention (nor by DotProductAttention)")
-        nq, nkv = query.size(2), key.size(2)
+        self.check_heads(query.size(2), key.size(2))
+
+    @staticmethod
+    def check_heads(nq: int, nkv: int) -> None:
+        """Refuse query heads that are not a multiple of the key/value heads (every layout asks)."""
         if nq % nkv:
             raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
 

@@ -230,6 +230,10 @@ def model_sharded_state_dict(model_chunks: list[nn.Module], dp_cp_group: Any = N
     return state
 
 
+def _missing(path: str) -> CheckpointError:
+    return CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+
+
 def verify_checkpoint(directory: str) -> dict[str, Any]:
     """Check `directory` is a complete megappo checkpoint that holds no foreign code; return its info.
 
@@ -254,7 +258,7 @@ def verify_checkpoint(directory: str) -> dict[str, Any]:
         raise CheckpointError(f"{marker} is corrupt (a JSON {type(info).__name__}, not an object)")
     for required in ("metadata.json", ".metadata", "common.pt"):
         if not os.path.isfile(os.path.join(directory, required)):
-            raise CheckpointError(f"{os.path.join(directory, required)} is missing: the checkpoint is incomplete")
+            raise _missing(os.path.join(directory, required))
     meta = _read_metadata_safely(directory)
     needed: dict[str, int] = {}
     for storage in (meta.storage_data or {}).values():
@@ -266,7 +270,7 @@ def verify_checkpoint(directory: str) -> dict[str, Any]:
             raise CheckpointError(f"{os.path.join(directory, '.metadata')} points outside the checkpoint ({rel!r}); "
                                   f"refusing to read it")
         if not os.path.isfile(path):
-            raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
+            raise _missing(path)
         size = os.path.getsize(path)
         if size < end:
             raise CheckpointError(f"{path} is truncated: {size} bytes, the metadata needs {end}")

@@ -12,9 +12,10 @@ gives the model the layout's inputs and the loss closures read the response wind
 everything after it (log-probs, entropy, values, the loss closures) sees the same [b, r] tensors in every layout.
 
 Vision-language models (`VLMModel`): a micro-batch's rows bring their images (`ModelBatch.multi_modal`); the
-forward step gives the model its own inputs beside the layout's (`megappo.kinds.qwen2_vl.inputs.micro_batch_inputs`:
-the images concatenated in row order, per-sequence multimodal rotary positions, padded [3, b, s] or packed
-[3, 1, T], and the prompts' image-token mask). Everything after the model's output is the text path's.
+forward step gives the model its own inputs beside the layout's, which the model hands out itself
+(`micro_batch_inputs(mb, layout)`, see `megappo.kinds.qwen2_vl.inputs`: the images concatenated in row order,
+per-sequence multimodal rotary positions, padded [3, b, s] or packed [3, 1, T], and the prompts' image-token mask).
+Everything after the model's output is the text path's.
 
 Loss scaling. A loss closure returns its micro-batch's *share* of the mini-batch loss, normalised by the global
 counts it is given (response tokens and sequences over the whole data-parallel mini-batch), so that the plain sum
@@ -34,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megappo.data.multimodal import refuse_images
 from megappo.models import router_replay
 from megappo.models.batch import ModelBatch
 from megappo.models.builder import unwrap
 from megappo.models.layout.plan import Layout, gradient_undo, model_device, plan_micro_batches
 from megappo.models.microbatch import MicroBatching, MicroBatchPlan
-from megappo.kinds.qwen2_vl.inputs import micro_batch_inputs
 from megappo.models.topk import vocab_parallel_log_probs_at, vocab_parallel_topk
 from megappo.models.vocab_parallel import vocab_parallel_token_stats
 from megappo.parallel import ParallelState
@@ -145,12 +146,22 @@ def _response_outputs(output: torch.Tensor, mb: ModelBatch, layout: Layout, *, v
     return ModelOutputs(log_probs=logp, entropy=ent, sum_pi_squared=sq, topk_log_probs=top_lp, topk_ids=top_ids)
 
 
+def _model_inputs(model: nn.Module, mb: ModelBatch, layout: Layout) -> dict[str, Any]:
+    """The keyword arguments an (unwrapped) chunk takes beyond its layout's: those its own `micro_batch_inputs`
+    gives (a vision-language model's images and positions); none for a text model, which refuses images."""
+    own = getattr(model, "micro_batch_inputs", None)
+    if own is not None:
+        return own(mb, layout)
+    refuse_images(mb.multi_modal)
+    return {}
+
+
 def _forward_step(data_iterator: Iterator[tuple[ModelBatch, Layout]], model: nn.Module, *,
                   loss_func: Callable) -> tuple:
     """Megatron's forward step: the next micro-batch and its layout -> (output, the loss closure on it)."""
     mb, layout = next(data_iterator)
     inputs = layout.inputs()
-    inputs.update(micro_batch_inputs(unwrap(model), mb, layout))  # a vision-language model's images and positions
+    inputs.update(_model_inputs(unwrap(model), mb, layout))
     router_replay.before_forward(model, mb, layout)  # a MoE model's routes replayed or recorded
     output = model(**inputs)
     router_replay.after_forward(model, mb)

@@ -1,6 +1,7 @@
 """A megatron `TransformerConfig` (plus the GPTModel constructor arguments) from a Hugging Face `config.json`.
 
-Supported families (HF `model_type`): llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral. Both transformers-4
+Supported families (HF `model_type`): those of `megappo.models.families` (llama, qwen2, qwen3, qwen2_moe, qwen3_moe,
+mixtral); what tells them apart is read from that table. Both transformers-4
 (`rope_theta`, `rope_scaling`) and transformers-5 (`rope_parameters`) rotary fields are read.
 
 Mapping notes, per HF modeling code:
@@ -26,11 +27,9 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from megappo.models.families import FAMILIES, SUPPORTED_FAMILIES, Family
 from megappo.platform.device import Platform
 from megappo.platform.layout import ParallelLayout
-
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
-_MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 # Megatron's llama-3 rope scaling (`RotaryEmbedding._apply_scaling`) fixes these; other values cannot be honoured.
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -180,13 +179,14 @@ def read_hf_architecture(
 
 def _architecture(cfg: Mapping[str, Any], source: str) -> HFArchitecture:
     family = cfg.get("model_type", "")
-    if family not in SUPPORTED_FAMILIES:
+    fam = FAMILIES.get(family) if isinstance(family, str) else None
+    if fam is None:
         archs = cfg.get("architectures") or ["?"]
         raise UnsupportedModelError(
             f"{source}: unsupported model_type {family!r} (architectures {archs}); supported families: "
             f"{', '.join(SUPPORTED_FAMILIES)}"
         )
-    if family in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
+    if fam.refuses_attention_bias and cfg.get("attention_bias"):
         raise UnsupportedModelError(
             f"{source}: {family} with attention_bias=true is not supported (megatron's add_qkv_bias has no o_proj "
             "bias); supported: the released checkpoints' attention_bias=false"
@@ -195,23 +195,8 @@ def _architecture(cfg: Mapping[str, Any], source: str) -> HFArchitecture:
         raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported (megappo builds bias-free MLPs)")
     n_layers = int(cfg["num_hidden_layers"])
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    num_experts, moe_ffn, shared = 0, 0, 0
-    moe_layers = tuple(False for _ in range(n_layers))
-    if family in _MOE_FAMILIES:
-        # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an alias): accept both
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-        if not num_experts:
-            raise UnsupportedModelError(f"{source}: {family} without num_experts/num_local_experts")
-        if family == "mixtral":
-            moe_ffn = int(cfg["intermediate_size"])
-            moe_layers = tuple(True for _ in range(n_layers))
-        else:  # qwen MoE: layers listed in mlp_only_layers, and those off the sparse step, are dense
-            moe_ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-            step = int(cfg.get("decoder_sparse_step", 1) or 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
-            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
-        if family == "qwen2_moe":
-            shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    num_experts, moe_ffn, shared, moe_layers = _moe_shape(fam, family, cfg, n_layers, source)
+    qkv_bias = bool(cfg.get(fam.qkv_bias_field, fam.qkv_bias)) if fam.qkv_bias_field else fam.qkv_bias
     return HFArchitecture(
         family=family,
         num_layers=n_layers,
@@ -226,13 +211,33 @@ def _architecture(cfg: Mapping[str, Any], source: str) -> HFArchitecture:
         shared_expert_size=shared,
         shared_expert_gate=shared > 0,
         moe_layers=moe_layers,
-        # Qwen2 always has q/k/v biases (Qwen2-MoE unless qkv_bias=false); the others have none (checked above)
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qkv_bias=qkv_bias,
+        qk_norm=fam.qk_norm,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         moe_topk=int(cfg.get("num_experts_per_tok") or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", family in ("qwen3_moe", "mixtral"))),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", fam.norm_topk_prob)),
     )
+
+
+def _moe_shape(fam: Family, family: str, cfg: Mapping[str, Any], n_layers: int, source: str
+               ) -> tuple[int, int, int, tuple[bool, ...]]:
+    """(experts, expert width, shared expert width, MoE or dense per layer) of a family; zeros for a dense one."""
+    if fam.moe is None:
+        return 0, 0, 0, tuple(False for _ in range(n_layers))
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (num_experts is an alias): accept both
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not num_experts:
+        raise UnsupportedModelError(f"{source}: {family} without num_experts/num_local_experts")
+    if fam.moe_layers == "every":
+        moe_ffn = int(cfg["intermediate_size"])
+        moe_layers = tuple(True for _ in range(n_layers))
+    else:  # layers listed in mlp_only_layers, and those off the sparse step, are dense
+        moe_ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if fam.shared_expert else 0
+    return num_experts, moe_ffn, shared, moe_layers
 
 
 def _moe_fields(arch: HFArchitecture, layout: ParallelLayout, platform: Platform, use_te: bool) -> dict[str, Any]:
@@ -263,7 +268,7 @@ def _check_runtime_supported(family: str, cfg: dict[str, Any]) -> None:
     """What megatron cannot run beyond the architecture read by read_hf_architecture."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r} is not supported; these families use 'silu'")
-    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
+    if cfg.get("use_sliding_window") or (FAMILIES[family].sliding_window_on and cfg.get("sliding_window")):
         raise UnsupportedModelError(
             f"sliding-window attention (sliding_window={cfg.get('sliding_window')}) is not supported; use a "
             "checkpoint with full attention"

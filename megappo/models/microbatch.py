@@ -139,10 +139,7 @@ def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
     if num_groups < len(groups):
         raise ValueError(f"{num_groups} micro-batches cannot hold the batch within {max_token_len} tokens")
     if num_groups > n:
-        raise ValueError(
-            f"this rank has {n} sequences but the data-parallel group needs {num_groups} micro-batches; give every "
-            "rank at least as many sequences as micro-batches (balance the batch across ranks or raise the budget)"
-        )
+        raise _too_few_sequences(n, num_groups, " (balance the batch across ranks or raise the budget)")
     lo, hi = max(longest, 1), max_token_len  # greedy(hi) fits in <= num_groups; find the smallest such budget
     while lo < hi:
         mid = (lo + hi) // 2
@@ -159,16 +156,18 @@ def plan_groups(plen: list[int], rlen: list[int], max_token_len: int,
     return groups
 
 
+def _too_few_sequences(n: int, count: int, more: str = "") -> ValueError:
+    return ValueError(f"this rank has {n} sequences but the data-parallel group needs {count} micro-batches; give "
+                      f"every rank at least as many sequences as micro-batches{more}")
+
+
 def _split_to(groups: list[list[int]], count: int) -> list[list[int]]:
     """Split the largest groups in half until there are `count` (fixed-size micro-batches, uneven DP ranks)."""
     groups = [list(g) for g in groups]
     while len(groups) < count:
         k = max(range(len(groups)), key=lambda g: len(groups[g]))
         if len(groups[k]) < 2:
-            raise ValueError(
-                f"this rank has {sum(map(len, groups))} sequences but the data-parallel group needs {count} "
-                "micro-batches; give every rank at least as many sequences as micro-batches"
-            )
+            raise _too_few_sequences(sum(map(len, groups)), count)
         g = groups.pop(k)
         groups[k:k] = [g[: len(g) // 2], g[len(g) // 2:]]
     return groups

@@ -18,8 +18,8 @@ max_open_files, max_output_chars (the answer's length; the middle is cut, verl's
 (left/right/middle), max_output_bytes (output past which the code is stopped), readable_paths (files or
 directories of the machine the code may read, bound read-only at their paths; none by default),
 allow_network_unsandboxed, allow_filesystem_unsandboxed, allow_syscalls_unfiltered (run where the machine cannot
-isolate the code: see the README). hidden_paths is accepted and ignored (the sandbox shows an allow-list, so
-nothing needs hiding). verl's SandboxFusion keys port:
+isolate the code: see docs/agents-and-environments.md). hidden_paths is accepted and ignored (the sandbox shows
+an allow-list, so nothing needs hiding). verl's SandboxFusion keys port:
 default_timeout and memory_limit_mb are timeout_s and memory_mb; default_language must be python; the service's
 own (sandbox_fusion_url, num_workers, rate_limit, enable_global_rate_limit, type) are ignored with a warning.
 

@@ -99,6 +99,21 @@ def lora_adapters(name: str) -> tuple[str, ...]:
     return tuple(ENGINES.get(name, {}).get("lora_adapters", ()))
 
 
+def lora_adapter_refusal(name: str, device: str) -> Optional[str]:
+    """Why engine `name` cannot serve a LoRA actor's adapters on `device` (rollout.lora_sync=adapter), naming the
+    fix; None when it can."""
+    devices = lora_adapters(name)
+    if not devices:
+        return (f"needs an engine that serves LoRA adapters (rollout.name=vllm, or sglang on GPU), got {name!r}; "
+                "use lora_sync=merged")
+    if device in devices:
+        return None
+    from megappo.rollout.sglang.limits import SGLANG_CPU_LORA  # standard library only
+
+    why = SGLANG_CPU_LORA if name == "sglang" else f"use trainer.device in {devices}"
+    return f"the {name} engine serves adapters on {', '.join(devices)} only: {why}"
+
+
 def deploy(settings: Any, ps: Any, platform: Any) -> Any:
     """The `RolloutDeployment` of engine `settings.name` (`megappo.rollout.settings.RolloutSettings`) over the
     trainer's ranks; collective."""

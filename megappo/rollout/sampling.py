@@ -17,6 +17,18 @@ from typing import Optional, Sequence
 import torch
 
 
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """Refuse a batch with no prompt or an empty one (every engine asks before it generates)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+
+
+def check_scored(sequences: Sequence[Sequence[int]]) -> None:
+    """Refuse a sequence too short to score: log p(token k | tokens before) needs a token before."""
+    if any(len(s) < 2 for s in sequences):
+        raise ValueError("prompt log-probs need at least two tokens")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int

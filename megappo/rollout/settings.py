@@ -55,3 +55,10 @@ class RolloutSettings:
     # the servers' logs (the run's `servers/` folder: `serving.process.server_log_path`); None: temporary files,
     # kept only when something failed
     log_dir: Optional[str] = None
+
+
+def refuse_unknown_kwargs(kwargs: Mapping[str, Any], accepted: Any, engine: str, fix: str) -> None:
+    """Refuse `rollout.engine_kwargs` keys that `engine` does not take (ValueError naming them and `fix`)."""
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not arguments of {engine}; {fix}")

@@ -2,8 +2,8 @@
 
 `Sandbox(limits).run(code)` runs `code` in a process of its own and returns a `RunResult` (output, exit, what
 limit it hit). Thread-safe: calls from several threads run at once, each in its own process. The work is done by a
-zygote (`_zygote/zygote.py`, standard library only, started with `python -I`); the README's "The sandboxed Python
-tool" says what each call gets. In short, per call:
+zygote (`_zygote/zygote.py`, standard library only, started with `python -I`); "The sandboxed Python tool" in
+docs/agents-and-environments.md says what each call gets. In short, per call:
 
 - file system: an allow-list root (`_zygote/root.py`): the interpreter's own directories, the system's /usr, /lib*,
   /bin, /sbin, generated /etc files, /dev's null, zero, full, random, urandom, the call's /proc, its own tmpfs

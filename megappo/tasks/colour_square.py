@@ -147,7 +147,7 @@ def _examples(task: ColourSquareTask, tokenizer, images, rng: random.Random, n: 
     import torch
 
     from megappo.data.images import ImageSource
-    from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
+    from megappo.kinds import kind_of
 
     drawn = [task.draw(rng) for _ in range(n)]
     mm = images.inputs([ImageSource(b, None, "<warm start>", 0, "images") for b, _ in drawn])
@@ -155,7 +155,8 @@ def _examples(task: ColourSquareTask, tokenizer, images, rng: random.Random, n: 
     text = images.expand(QUESTION, [tokens], "<warm start>", 0, "images", "prompt")
     prompt = tokenizer(text)["input_ids"]
     ids = torch.tensor([prompt + tokenizer.convert_tokens_to_ids([a, EOS]) for _, a in drawn])
-    pos = mrope_position_ids(ids, mm.image_grid_thw, images.image_token_id, images.merge_size)
+    pos = kind_of({"model_type": task.model_type}).position_ids(ids, mm.image_grid_thw, images.image_token_id,
+                                                                images.merge_size)
     return ids, mm.pixel_values, mm.image_grid_thw, pos, len(prompt)
 
 
@@ -221,7 +222,7 @@ def _write_parquet(task: ColourSquareTask, path: str, rows: list[tuple[bytes, st
 
 
 def _build(task: ColourSquareTask, out_dir: str, params: dict) -> dict:
-    from megappo.kinds.qwen2_vl.images import image_processing
+    from megappo.kinds import kind_of
 
     tmp = synthetic.fresh_tmp(out_dir)
     try:
@@ -243,8 +244,8 @@ def _build(task: ColourSquareTask, out_dir: str, params: dict) -> dict:
         _write_parquet(task, os.path.join(tmp, "val.parquet"), val, "val")
         model_tmp = os.path.join(tmp, "model")
         tokenizer, config = write_model_files(task, model_tmp)
-        images = image_processing(model_tmp, tokenizer, min_pixels=task.image_size ** 2,
-                                  max_pixels=task.image_size ** 2 * 4)
+        images = kind_of(model_tmp).image_processing(model_tmp, tokenizer, min_pixels=task.image_size ** 2,
+                                                     max_pixels=task.image_size ** 2 * 4)
         model, metrics = warm_start(task, tokenizer, config, images, params["warm_start_steps"], params["seed"],
                                     random.Random(params["seed"] * 1_000_003 + 37))
         model.save_pretrained(model_tmp, safe_serialization=True)

@@ -6,6 +6,10 @@ The package view: the top-level packages in their declared order (PACKAGE_ORDER,
 them and every file-level import that reaches up the order. There a string constant naming a megappo module
 ("megappo.x.y", "megappo.x.y:attr", an `-m` entry point) counts as an import: registries import what they name.
 
+A message written twice is a rule written twice: the literal start (MESSAGE_PREFIX characters, each formatted value
+read as "{}") of every exception raised with a message and every message appended to an `errors` list must occur in
+one place only; a rule stated twice is a function both places ask.
+
 A branch point is a test of an `if`/`elif`/`while`, a conditional expression or a comprehension's `if` that names
 the capability (an identifier, attribute, keyword or string matching its pattern). A capability with one home is
 asked, not tested for: its branch points gather in its own files.
@@ -35,6 +39,8 @@ CAPABILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "packing": (r"pack|remove_padding|cu_seqlens", ("models/layout/", "testing/")),
     "context_parallel": (r"context_parallel|\bcp\b|\bcp_|_cp\b", ("models/layout/", "testing/")),
 }
+MESSAGE_PREFIX = 40  # characters of a message's literal start that name it
+MESSAGE_MIN_LITERAL = 25  # a start with fewer literal characters ("{}: {}") names no rule
 BRANCH_BOUNDS = {"vlm": 8, "lora": 6, "packing": 4, "context_parallel": 4}
 
 # (importer prefix, imported prefixes it must not reach), as module names
@@ -49,16 +55,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # megappo's top-level packages and modules, bottom to top: each may import only those on its own level (a tuple) or
 # below. `testing` stands outside: it may import anything, and only tests import it. The config tree stands above
-# the engines, models and algorithms: they take plain settings built from it (LAYERS), and its rules ask them what
-# they support.
+# the engines, models and algorithms: they take plain settings built from it (LAYERS). Each capability's config
+# rules live beside it (`checks.py`) and read the tree without importing it; `checks`, the one table of them, stands
+# above every capability it asks.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
     "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "tasks", "rollout",
-    "config", "rewards", "envs", ("multi_turn", "agents"), "distill", "trainer", ("train_cli", "rollout_server_cli"),
-    "cli",
+    "config", "rewards", "envs", ("multi_turn", "agents"), "distill", "checks", "trainer",
+    ("train_cli", "rollout_server_cli"), "cli",
 )
 OUTSIDE_ORDER = ("testing",)
 # ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
-LAYER_BOUNDS = {"package cycles": 2, "packages in cycles": 7, "upward imports": 11}
+LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 3, "upward imports": 6}
 
 
 def _files() -> dict[str, Path]:
@@ -269,6 +276,54 @@ def long_functions() -> list[str]:
     return out
 
 
+def kind_imports(graph: dict[str, set[str]] | None = None) -> list[str]:
+    """Imports of a model kind's own modules (`megappo.kinds.<kind>...`, module strings included) from outside
+    `megappo.kinds`: the rest asks the kind object (`megappo.kinds.kind_of`). `testing` stands outside the order."""
+    graph = import_graph(strings=True) if graph is None else graph
+    inside = ("megappo.kinds",) + tuple(f"megappo.{p}" for p in OUTSIDE_ORDER)
+    return [f"{m} -> {d}" for m, deps in sorted(graph.items()) if not (m in inside or m.startswith(
+        tuple(f"{p}." for p in inside))) for d in sorted(deps) if d.startswith("megappo.kinds.")]
+
+
+# the one module that may tell the text families apart by name: everything else reads its table
+FAMILY_TABLE = "models/families.py"
+
+
+def _is_family(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "family") or (
+        isinstance(node, ast.Attribute) and node.attr == "family")
+
+
+def _is_strings(node: ast.AST) -> bool:
+    """A string constant, or a tuple, list or set of them."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_is_strings(e) and not isinstance(e, (ast.Tuple, ast.List, ast.Set))
+                                       for e in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def family_tests_in(tree: ast.AST) -> list[int]:
+    """Lines of comparisons of a `family` name or `.family` attribute against a string or strings."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_is_family(a) and _is_strings(b) or _is_strings(a) and _is_family(b)
+                   for a, b in zip(operands, operands[1:])):
+                lines.append(node.lineno)
+    return lines
+
+
+def family_tests() -> list[str]:
+    """`family == "..."` tests outside the family table (megappo.models.families)."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel != FAMILY_TABLE:
+            out += [f"{path.relative_to(PACKAGE.parent)}:{n}" for n in family_tests_in(ast.parse(path.read_text()))]
+    return out
+
+
 def _names(node: ast.AST) -> list[str]:
     out = []
     for n in ast.walk(node):
@@ -306,6 +361,46 @@ def branch_points() -> dict[str, Counter]:
     return out
 
 
+def _template(node: ast.AST) -> str | None:
+    """A message's text with each formatted value as "{}" (a constant, an f-string, or a sum of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left), _template(node.right)
+        return None if left is None else left + ("{}" if right is None else right)
+    return None
+
+
+def _messages(tree: ast.AST):
+    """(line, text) of each exception raised with a message and each message appended to an `errors` list."""
+    for n in ast.walk(tree):
+        arg = None
+        if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and n.exc.args:
+            f = n.exc.func
+            if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")).endswith(("Error", "Exception")):
+                arg = n.exc.args[0]
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append"
+              and isinstance(n.func.value, ast.Name) and "error" in n.func.value.id and n.args):
+            arg = n.args[0]
+        text = None if arg is None else _template(arg)
+        if text is not None:
+            yield n.lineno, text
+
+
+def repeated_messages(files: list[Path] | None = None) -> dict[str, list[str]]:
+    """A message's literal start -> its places ("file:line"), for each start written in more than one place."""
+    places: dict[str, list[str]] = defaultdict(list)
+    for path in files if files is not None else sorted(PACKAGE.rglob("*.py")):
+        for line, text in _messages(ast.parse(path.read_text())):
+            start = " ".join(text.split())[:MESSAGE_PREFIX]
+            if len(start.replace("{}", "")) >= MESSAGE_MIN_LITERAL:
+                where = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path
+                places[start].append(f"{where}:{line}")
+    return {start: where for start, where in places.items() if len(where) > 1}
+
+
 def _package_report() -> int:
     """Print the package view; the number of its bounds exceeded."""
     packages = package_graph()
@@ -331,7 +426,11 @@ def main() -> int:
     problems = _package_report()
     for title, lines in (("import cycles", [" <-> ".join(c) for c in cycles(graph)]),
                          ("layering", layering_violations(graph)), ("files over 500 lines", long_files()),
-                         ("functions over 80 lines", long_functions())):
+                         ("family tests outside the family table", family_tests()),
+                         ("kind imports outside kinds", kind_imports()),
+                         ("functions over 80 lines", long_functions()),
+                         ("messages written twice", [f"{start!r}: {', '.join(where)}"
+                                                     for start, where in repeated_messages().items()])):
         print(f"{title}: {len(lines)}")
         print("".join(f"  {line}\n" for line in lines), end="")
         problems += len(lines)

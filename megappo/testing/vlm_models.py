@@ -17,21 +17,27 @@ _TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[2, 3, 3]))
 
 
+# model_type -> (transformers config class, model class, the vision tower's config at test size)
+_VLMS = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3],
+                        initializer_range=0.05)),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(depth=4, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.05)),
+}
+
+
 def tiny_vlm_config(family: str = "qwen2_5_vl", **overrides: Any):
     import transformers
 
+    if family not in _VLMS:
+        raise ValueError(f"unknown VLM family {family!r}")
     ids = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                vision_end_token_id=VISION_END, tie_word_embeddings=False)
-    if family == "qwen2_5_vl":
-        vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3],
-                      initializer_range=0.05)
-        return transformers.Qwen2_5_VLConfig(text_config=dict(_TEXT), vision_config=vision, **ids, **overrides)
-    if family == "qwen2_vl":
-        vision = dict(depth=4, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64, patch_size=14,
-                      spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.05)
-        return transformers.Qwen2VLConfig(text_config=dict(_TEXT), vision_config=vision, **ids, **overrides)
-    raise ValueError(f"unknown VLM family {family!r}")
+    config_cls, _, vision = _VLMS[family]
+    return getattr(transformers, config_cls)(text_config=dict(_TEXT), vision_config=dict(vision), **ids, **overrides)
 
 
 def make_hf_vlm(out_dir: str, family: str = "qwen2_5_vl", seed: int = 0, **overrides: Any) -> str:
@@ -39,8 +45,7 @@ def make_hf_vlm(out_dir: str, family: str = "qwen2_5_vl", seed: int = 0, **overr
     import transformers
 
     cfg = tiny_vlm_config(family, **overrides)
-    cls = transformers.Qwen2_5_VLForConditionalGeneration if family == "qwen2_5_vl" else \
-        transformers.Qwen2VLForConditionalGeneration
+    cls = getattr(transformers, _VLMS[family][1])
     torch.manual_seed(seed)
     model = cls(cfg).float()
     with torch.no_grad():  # HF initialises norms to one: randomise them so that a swapped norm weight shows

@@ -17,7 +17,7 @@ from megappo.data.dataset import PromptBatch
 from megappo.data.multimodal import MultiModalInputs, batch_images
 from megappo.models.batch import ModelBatch, TrainInputs
 from megappo.models.router_replay import routes_from_json, routes_to_json
-from megappo.kinds.qwen2_vl.inputs import multi_modal_from_json, multi_modal_to_json
+from megappo.data.multimodal import multi_modal_from_json, multi_modal_to_json
 from megappo.rollout.sampling import Completion
 
 

@@ -38,7 +38,7 @@ def tool_schemas(mt) -> Optional[list[dict]]:
 def load_data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
     """(train loader, validation loader or None)."""
     from megappo.data import PromptDataset, PromptLoader
-    from megappo.kinds.qwen2_vl.images import image_processing
+    from megappo.kinds import kind_of
 
     d = cfg.data
     template_kwargs = {}
@@ -47,8 +47,9 @@ def load_data(cfg: MegappoConfig, tokenizer) -> tuple[Any, Optional[Any]]:
         template_kwargs["tools"] = tool_schemas(mt)
 
     # a vision-language actor's image processor and image tokens (None for a text model)
-    images = image_processing(cfg.actor_rollout_ref.model.path, tokenizer, min_pixels=d.image_min_pixels,
-                              max_pixels=d.image_max_pixels)
+    path = cfg.actor_rollout_ref.model.path
+    images = kind_of(path).image_processing(path, tokenizer, min_pixels=d.image_min_pixels,
+                                            max_pixels=d.image_max_pixels)
 
     def dataset(files):
         return PromptDataset(files, tokenizer, max_prompt_length=d.max_prompt_length, truncation=d.truncation,

@@ -22,7 +22,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megappo.config import ConfigError
-from megappo.config.deadline import parse_deadline
+from megappo.config.deadline import deadline_refusal, parse_deadline
 from megappo.parallel import reduce_over_ranks
 from megappo.trainer.files import write_atomic
 
@@ -42,10 +42,10 @@ class StopRequest:
     """Whether the run should save and stop now: a signal arrived, or the deadline is closer than a step and a save."""
 
     def __init__(self, deadline: Optional[str], repeat_window_s: float = REPEAT_WINDOW_S):
-        try:
-            self.deadline = parse_deadline(deadline) if deadline else None
-        except ValueError as e:  # "slurm" outside a Slurm job
-            raise ConfigError(f"trainer.save_before_deadline: {e}") from None
+        refusal = deadline_refusal(deadline) if deadline else None  # "slurm" outside a Slurm job
+        if refusal:
+            raise ConfigError(refusal)
+        self.deadline = parse_deadline(deadline) if deadline else None
         self.signal: Optional[str] = None
         self.repeat_window_s = repeat_window_s
         self._first_at = 0.0  # time.monotonic() of the first signal

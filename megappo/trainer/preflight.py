@@ -1,6 +1,6 @@
 """Everything `megappo train` checks before any rank starts work, every problem collected into one ConfigError.
 
-`preflight(cfg)` runs the configuration's own rules (`megappo.config.validate`) and then the checks that need the
+`preflight(cfg)` runs the configuration's rule sets (`megappo.checks`) and then the checks that need the
 rest of megappo: each role's parallel layout against the world size and the model's head, layer and expert counts
 (read from `<model.path>/config.json` when it is there), the rollout's tensor-parallel size, and how batches split
 into mini- and micro-batches over data-parallel ranks, and the prompt plus response budget against the model's
@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Optional
 
 from megappo.config import ConfigError, MegappoConfig
-from megappo.config.validate import plan, rule_errors, uses_synthetic_task
+from megappo.checks import rule_errors
+from megappo.config.validate import plan, uses_synthetic_task
 from megappo.platform.layout import LayoutError, ParallelLayout, check_layout
+from megappo.rollout.registry import unknown_engine
 from megappo.trainer.preflight_agents import check_agents
 from megappo.trainer.preflight_tools import check_multi_turn_tools
 from megappo.trainer.preflight_kind import check_model_kind
@@ -56,7 +58,6 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     if world_size >= 1:
         _check_parallel_and_batches(cfg, world_size, errors, check_files)
     _check_sequence_length(cfg, errors)
-    known_engine = _check_engine_name(cfg, errors)
     _check_placement(cfg, errors, launching=check_files)
     _check_rollout_correction(cfg, errors)
     check_model_kind(cfg, errors)
@@ -65,7 +66,7 @@ def preflight(cfg: MegappoConfig, world_size: Optional[int] = None, *, check_fil
     _check_router_replay(cfg, errors)
     if check_files:
         errors += _output_dir_errors(cfg)
-        if known_engine:
+        if not unknown_engine(cfg.actor_rollout_ref.rollout.name):  # the rule sets name an unknown one
             _check_engine(cfg, errors)
         if not uses_synthetic_task(cfg):
             _check_parquet_schemas(cfg, errors)
@@ -215,27 +216,6 @@ def require_output_dir(cfg: MegappoConfig) -> None:
         raise ConfigError(errors)
 
 
-def _check_engine_name(cfg: MegappoConfig, errors: list[str]) -> bool:
-    """rollout.name is a registered engine (`megappo/rollout/registry.py`) and rollout.weight_sync one of its
-    transports; False when the name is unknown."""
-    from megappo.rollout.registry import deployment_mode, sync_modes, unknown_engine
-
-    r, p = cfg.actor_rollout_ref.rollout, "actor_rollout_ref.rollout"
-    if unknown_engine(r.name):
-        errors.append(unknown_engine(r.name))
-        return False
-    try:
-        modes = sync_modes(r.name, r.mode)
-    except ValueError as e:  # a mode the engine has not
-        errors.append(f"{e}; set {p}.mode to one of those, or leave it null")
-        return True
-    _need(errors, r.weight_sync == "auto" or r.weight_sync in modes, f"{p}.weight_sync",
-          f"is {r.weight_sync} but the {r.name} engine ({p}.mode={deployment_mode(r.name, r.mode)}) takes the "
-          f"weights by {', '.join(modes)}",
-          f"use {p}.weight_sync=auto (= {modes[0]})" + ("" if "disk" in modes else f", or {p}.name=sglang"))
-    return True
-
-
 def _check_placement(cfg: MegappoConfig, errors: list[str], launching: bool) -> None:
     """Where the rollout runs for async_training.mode. Overlap needs the engine beside the trainer
     (actor_rollout_ref.hybrid_engine=false): the in-process engine then runs in its own process; SGLang servers are
@@ -264,7 +244,7 @@ def _check_placement(cfg: MegappoConfig, errors: list[str], launching: bool) -> 
         _need(errors, not a.partial_rollout or partial_rollout(r.name), "async_training.partial_rollout",
               f"needs an engine that returns aborted generations' tokens; {r.name} does not yet",
               "set async_training.partial_rollout=false (a sync then waits for the generation in progress)")
-    from megappo.config.validate_engine import served
+    from megappo.rollout.checks import served
 
     shares_gpus = served(r) and not r.server_urls and cfg.trainer.device == "cuda"
     if launching and not arr.hybrid_engine and shares_gpus:

@@ -26,6 +26,15 @@ def run_kind(cfg: MegappoConfig) -> ModelKind:
     return kind_of({"model_type": model_type} if model_type else cfg.actor_rollout_ref.model.path)
 
 
+def _engine_takes_images(cfg: MegappoConfig) -> bool:
+    """Whether the run's rollout engine feeds the prompts' images (an unknown engine is preflight's own error, not
+    refused here)."""
+    from megappo.rollout.registry import multi_modal, unknown_engine
+
+    name = cfg.actor_rollout_ref.rollout.name
+    return bool(unknown_engine(name)) or multi_modal(name)
+
+
 def check_model_kind(cfg: MegappoConfig, errors: list[str]) -> None:
     """Append the errors of the run's model kind's preflight rules (what it does not support yet)."""
-    errors += run_kind(cfg).preflight(cfg)
+    errors += run_kind(cfg).preflight(cfg, _engine_takes_images(cfg))

@@ -1,5 +1,5 @@
 """Every registered advantage estimator and policy loss mode trains a one-step tiny run from the config alone,
-and a user's estimator and loss register from a file (recipes/custom_algos.py, the README's example)."""
+and a user's estimator and loss register from a file (recipes/custom_algos.py, docs/algorithms.md's example)."""
 from __future__ import annotations
 
 import math

@@ -6,7 +6,7 @@ Dropped (the default), a failed episode adds nothing to the loss and nothing to 
 episodes that did not fail, counted every step (episodes/*), said on the console once a minute (not once per
 episode) with the first traceback in the run's episode_errors.log. Over the recipe's 40 steps (long tier), trained
 on with reward 0 (`on_failure=zero_reward`, the old behaviour) the reward rises far less than dropped (measured:
--0.01 against 0.14-0.23; without failures 0.27-0.40: README, Failed episodes)."""
+-0.01 against 0.14-0.23; without failures 0.27-0.40: docs/agents-and-environments.md, Failed episodes)."""
 from __future__ import annotations
 
 import shutil

@@ -1,7 +1,7 @@
-"""README's "Your first environment" runs as written: its shell blocks, in order, in a fresh folder (beside links to
-the repository's megappo/ and recipes/, as from the repository root), with the guess_number task already built
-(tests/conftest.py; the first block then reuses it instead of warm-starting for a minute). The run trains on the
-environment: its reward, its own metric env/won, and no failed episodes."""
+"""docs/agents-and-environments.md's "Your first environment" runs as written: its shell blocks, in order, in a
+fresh folder (beside links to the repository's megappo/ and recipes/, as from the repository root), with the
+guess_number task already built (tests/conftest.py; the first block then reuses it instead of warm-starting for a
+minute). The run trains on the environment: its reward, its own metric env/won, and no failed episodes."""
 from __future__ import annotations
 
 import os
@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _script() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Your first environment"):readme.index("### Agents behind")]
+    page = (REPO / "docs" / "agents-and-environments.md").read_text()
+    section = page[page.index("## Your first environment"):page.index("## Agents behind")]
     blocks = re.findall(r"^   ```bash\n(.*?)^   ```\n", section, re.S | re.M)
     assert len(blocks) == 4, blocks
     return "set -e\n" + "".join(re.sub(r"^   ", "", b, flags=re.M) for b in blocks)

@@ -1,4 +1,5 @@
-"""The README's main job, `tools/quickstart.sh`, end to end on real GSM8K and a tiny model (torchrun included)."""
+"""The conversion tour, `tools/quickstart.sh` (docs/training.md, "Other CPU runs"), end to end on real GSM8K and a
+tiny model (torchrun included)."""
 from __future__ import annotations
 
 import os

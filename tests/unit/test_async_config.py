@@ -49,7 +49,7 @@ def test_fully_async_bounds_and_partial_rollouts(monkeypatch):
         urls = ["actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"] if name == "sglang" else []
         assert "partial_rollout" not in _problems(*base, f"{A}.partial_rollout=true",
                                                   f"actor_rollout_ref.rollout.name={name}", *urls)
-    # an engine whose registry entry does not say it keeps aborted tokens (a new one, as the README's vLLM)
+    # an engine whose registry entry does not say it keeps aborted tokens (a new one, as docs/engines.md's vLLM)
     monkeypatch.setitem(registry.ENGINES, "toy", {"deploy": "megappo.rollout.hf.deploy:deploy",
                                                   "sync_modes": ("tensor",)})
     msg = _errors(*base, f"{A}.partial_rollout=true", "actor_rollout_ref.rollout.name=toy")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megappo.config import ConfigError, MegappoConfig, from_dict, load_config, resolve, to_dict, to_yaml, validate
+from megappo.checks import validate
+from megappo.config import ConfigError, MegappoConfig, from_dict, load_config, resolve, to_dict, to_yaml
 from megappo.config.loader import RECIPES_DIR, bundled_recipes, find_recipe
 from megappo.trainer.preflight import preflight
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megappo.config import load_config
-from megappo.config.validate import rule_errors
+from megappo.checks import rule_errors
 from megappo.platform.exits import RunStopped
 from megappo.trainer.dynamic_sampling import kept_groups, metric_values, overlong_penalties
 from megappo.trainer.phases import RuleScores

@@ -11,7 +11,7 @@ import torch
 from megappo.algos import distillation as d
 from megappo.config import load_config
 from megappo.config.fields import ConfigError
-from megappo.config.validate import validate
+from megappo.checks import validate
 from megappo.models.topk import vocab_parallel_log_probs_at, vocab_parallel_topk
 
 RECIPE = "recipes/cpu/tiny_distill.yaml"
@@ -158,7 +158,7 @@ def test_the_gpu_distillation_recipe_fits_its_models(tmp_path):
 
 
 def test_a_fixed_model_engine_takes_the_policy_rollout_under_its_own_keys():
-    from megappo.config.schema_rollout import InferenceConfig
+    from megappo.config.schema.rollout import InferenceConfig
     from megappo.rollout.fixed import fixed_settings
     from megappo.trainer.settings import rollout_settings
 

@@ -125,7 +125,7 @@ def test_a_step_without_failures_is_untouched():
 
 def test_zero_reward_with_a_reward_model_is_refused_by_name():
     from megappo.config.fields import ConfigError
-    from megappo.config.validate import validate
+    from megappo.checks import validate
 
     cfg = load_config(None, ["actor_rollout_ref.rollout.agent.on_failure=zero_reward", "reward_model.enable=true",
                              "reward_model.path=/m"])

@@ -1,5 +1,5 @@
-"""The SGLang fleet's settings: the README states the health-check defaults the config tree has, and settings that
-cannot work are refused with the key and the fix."""
+"""The SGLang fleet's settings: docs/engines.md states the health-check defaults the config tree has, and settings
+that cannot work are refused with the key and the fix."""
 from __future__ import annotations
 
 import re
@@ -7,17 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from megappo.config import ConfigError, load_config, validate
+from megappo.checks import validate
+from megappo.config import ConfigError, load_config
 from megappo.config.schema import RolloutConfig
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ENGINES_PAGE = (Path(__file__).resolve().parents[2] / "docs" / "engines.md").read_text()
 P = "actor_rollout_ref.rollout"
 
 
 @pytest.mark.parametrize("key", ["health_check_interval_s", "health_check_timeout_s", "server_start_timeout_s"])
-def test_readme_states_the_health_defaults_of_the_config_tree(key):
-    stated = re.search(rf"`rollout\.{key}` \((\d+) s\)", README)
-    assert stated, f"README does not state rollout.{key}'s default"
+def test_docs_state_the_health_defaults_of_the_config_tree(key):
+    stated = re.search(rf"`rollout\.{key}` \((\d+) s\)", ENGINES_PAGE)
+    assert stated, f"docs/engines.md does not state rollout.{key}'s default"
     assert float(stated.group(1)) == getattr(RolloutConfig(), key)
 
 

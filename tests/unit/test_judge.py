@@ -371,7 +371,7 @@ def test_pairwise_scores_are_each_samples_share_of_wins(judge_engine):
 def test_config_rules_name_the_key_and_the_fix():
     from megappo.config import load_config
     from megappo.config.fields import ConfigError
-    from megappo.config.validate import validate
+    from megappo.checks import validate
 
     def errors(*overrides):
         cfg = load_config("cpu/tiny_judge_ppo", list(overrides))
@@ -392,7 +392,7 @@ def test_config_rules_name_the_key_and_the_fix():
 
 def test_the_gpu_genrm_recipe_loads_and_its_parser_reads_verdicts():
     from megappo.config import load_config
-    from megappo.config.validate import validate
+    from megappo.checks import validate
 
     cfg = load_config("gsm8k/qwen2.5-3b_grpo_genrm")
     validate(cfg, world_size=8, check_files=False)

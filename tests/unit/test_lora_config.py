@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megappo.config import ConfigError, load_config, validate
+from megappo.checks import validate
+from megappo.config import ConfigError, load_config
 from megappo.config.schema import LoRAConfig
 from megappo.models.lora import is_adapter_param, is_lora_target_weight
 from megappo.trainer.settings import lora_settings

@@ -212,7 +212,8 @@ def test_reward_sees_the_conversation():
 
 
 def test_multi_turn_config_names_and_rules():
-    from megappo.config import ConfigError, load_config, validate
+    from megappo.checks import validate
+    from megappo.config import ConfigError, load_config
 
     cfg = load_config("cpu/tiny_tool_ppo")
     mt = cfg.actor_rollout_ref.rollout.multi_turn

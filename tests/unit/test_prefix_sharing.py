@@ -216,7 +216,7 @@ def test_refusals_name_the_fix():
 def test_config_key_defaults_follows_and_validates():
     from megappo.config.fields import ConfigError
     from megappo.config.loader import load_config
-    from megappo.config.validate import validate
+    from megappo.checks import validate
 
     cfg = load_config(None, ["actor_rollout_ref.model.path=/m"])
     assert cfg.actor_rollout_ref.model.use_prefix_sharing is None and cfg.critic.model.use_prefix_sharing is None

@@ -236,21 +236,21 @@ def test_a_two_node_launch_of_a_one_node_config_is_told_once(no_trainer, monkeyp
             assert err == ""
 
 
-def test_readme_by_hand_multi_node_example_shows_the_keys():
-    readme = (ROOT / "README.md").read_text()
-    by_hand = readme[readme.index("**By hand**"):readme.index("**Slurm**")]
+def test_docs_by_hand_multi_node_example_shows_the_keys():
+    page = (ROOT / "docs" / "multi-node.md").read_text()
+    by_hand = page[page.index("**By hand**"):page.index("**Slurm**")]
     assert "trainer.nnodes=2 trainer.n_gpus_per_node=8" in re.sub(r"\s+", " ", by_hand)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# 6-8. README and help texts agree with the code
+# 6-8. The docs (docs/*.md) and help texts agree with the code
 # ------------------------------------------------------------------------------------------------------------------
-def test_readme_validation_text_matches_test_freq_default():
+def test_docs_validation_text_matches_test_freq_default():
     from megappo.config.schema import TrainerConfig
 
-    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    page = re.sub(r"\s+", " ", (ROOT / "docs" / "training.md").read_text())
     assert TrainerConfig().test_freq == -1
-    assert "`trainer.test_freq` steps and at the last (as in verl, only with `test_freq` > 0" in readme
+    assert "`trainer.test_freq` steps and at the last (as in verl, only with `test_freq` > 0" in page
 
 
 def test_a_missing_model_dir_says_how_to_make_a_tiny_one(tmp_path, capsys):
@@ -262,18 +262,18 @@ def test_a_missing_model_dir_says_how_to_make_a_tiny_one(tmp_path, capsys):
     assert main(["train", "--config", "gsm8k/tiny_cpu", "--dry-run", f"actor_rollout_ref.model.path={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert "has no config.json" in err and pf.MAKE_TINY_MODEL not in err
-    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    page = re.sub(r"\s+", " ", (ROOT / "docs" / "training.md").read_text())
     assert "`tiny_cpu.yaml` on GSM8K and a tiny model you point it at: `python -m megappo.testing model " \
-           "--family qwen2 --out ~/models/tiny-qwen2`" in readme
+           "--family qwen2 --out ~/models/tiny-qwen2`" in page
 
 
-def test_convert_memory_text_agrees_with_readme(capsys):
+def test_convert_memory_text_agrees_with_docs(capsys):
     with pytest.raises(SystemExit):
         main(["convert", "hf-to-mcore", "--help"])
     help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "commands.md").read_text()
     assert "one bucket plus the largest tensor" in help_text and "twice" not in help_text
-    assert "memory is one bucket plus the largest tensor" in readme
+    assert "memory is one bucket plus the largest tensor" in page
 
 
 def test_rollout_server_help_opens_with_what_it_is(capsys):

@@ -51,7 +51,8 @@ def test_temperature_sharpens_and_flattens():
 @pytest.mark.parametrize("bad", ["data.max_response_length=0", "actor_rollout_ref.rollout.top_p=0.0",
                                  "actor_rollout_ref.rollout.temperature=-1.0", "actor_rollout_ref.rollout.n=0"])
 def test_invalid_parameters_are_refused(bad):
-    from megappo.config import ConfigError, load_config, validate
+    from megappo.checks import validate
+    from megappo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
         validate(load_config(None, [bad]))

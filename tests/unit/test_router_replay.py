@@ -212,7 +212,8 @@ def test_a_continued_generation_keeps_the_routes_each_token_was_sampled_with():
 
 
 def test_config_refuses_replay_it_cannot_do():
-    from megappo.config import ConfigError, load_config, validate
+    from megappo.checks import validate
+    from megappo.config import ConfigError, load_config
 
     key = "actor_rollout_ref.actor.megatron.router_replay.mode"
     with pytest.raises(ConfigError, match="enable_rollout_routing_replay=true"):

@@ -120,7 +120,8 @@ def test_deadline_formats():
 
 
 def test_config_checks_the_new_keys():
-    from megappo.config import ConfigError, load_config, validate
+    from megappo.checks import validate
+    from megappo.config import ConfigError, load_config
 
     for bad, key in [("trainer.save_before_deadline=soon", "trainer.save_before_deadline"),
                      ("trainer.guard.kl_threshold=0", "trainer.guard.kl_threshold"),

@@ -143,7 +143,8 @@ def test_the_trainer_warns_and_stops(calls, capsys, monkeypatch):
 
 
 def test_config_keys_are_checked():
-    from megappo.config import ConfigError, validate
+    from megappo.checks import validate
+    from megappo.config import ConfigError
 
     mt = load_config("cpu/tiny_tool_ppo").actor_rollout_ref.rollout.multi_turn
     assert mt.max_tool_failure_fraction == 0.5 and mt.max_tool_failure_steps == 3

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from megappo.algos.policy_losses import PolicyLossParams, get_policy_loss
 from megappo.algos.token_selection import entropy_threshold, high_entropy_tokens
-from megappo.config import ConfigError, load_config, validate
+from megappo.checks import validate
+from megappo.config import ConfigError, load_config
 from megappo.models.batch import TrainInputs
 from megappo.models.losses import _token_weights
 from megappo.testing.dist import run_distributed

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megappo.config import ConfigError, load_config, validate
+from megappo.checks import validate
+from megappo.config import ConfigError, load_config
 from megappo.rollout import registry
 
 P = "actor_rollout_ref.rollout"

@@ -27,9 +27,10 @@ from megappo.convert.mapping import (
     VALUE_HEAD, ConversionError, ModelSpec, ParamMap, canonical_name, merge_to_hf, model_spec_from_hf_config,
     param_maps, shard_from_hf,
 )
-from megappo.convert.params import check_all_used, model_role
+from megappo.convert.params import check_all_used, model_role, not_a_parameter
 from megappo.kinds.qwen2_vl.config import read_vlm_config
 from megappo.models.builder import unwrap
+from megappo.models.lora.layers import NO_ADAPTERS
 
 LM_PREFIX, VISION_PREFIX = "language_model.", "vision_model."
 _HF_VISION = "visual."
@@ -194,7 +195,7 @@ def iter_hf_vlm_weights(model_chunks: list[nn.Module], parallel_state, hf_config
     `language_model_only`: the language model's weights only (a frozen tower's never change: weight sync).
     `only_adapted`: LoRA adapters are not supported on these models."""
     if only_adapted:
-        raise ValueError("only_adapted: the model has no LoRA adapters")
+        raise ValueError(NO_ADAPTERS)
     role = role or model_role(model_chunks)
     spec, args, ordered = vlm_param_maps(hf_config, role)
     maps = {pm.mcore: pm for pm in ordered}
@@ -231,8 +232,7 @@ def vlm_materialiser(model_chunks: list[nn.Module], ckpt, parallel_state, role: 
 
     def materialise(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in by_id:
-            raise ConversionError(f"a checkpoint tensor of shape {tuple(t.shape)} is no parameter of the {args.family} "
-                                  f"model; this model part cannot be converted by streaming")
+            raise not_a_parameter(tuple(t.shape), args.family)
         name, rank, size = by_id[id(t)]
         if name == LM_PREFIX + VALUE_HEAD and role == "critic" and "score.weight" not in ckpt.files:
             return t  # the fresh value head

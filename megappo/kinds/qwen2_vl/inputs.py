@@ -12,20 +12,13 @@ they restart at 0 for every sequence; packed, each row's positions are taken in 
 """
 from __future__ import annotations
 
-import base64
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 
 from megappo.data.multimodal import MultiModalInputs
 
-__all__ = ["is_vlm", "vlm_inputs", "micro_batch_inputs", "multi_modal_to_json", "multi_modal_from_json"]
-
-
-def is_vlm(model: Any) -> bool:
-    """Whether an (unwrapped) chunk is a `VLMModel` (it takes mrope positions and images)."""
-    return hasattr(model, "mrope_positions") and hasattr(model, "vlm_args")
+__all__ = ["vlm_inputs", "micro_batch_inputs"]
 
 
 def _images(rows: Sequence[Optional[MultiModalInputs]],
@@ -66,44 +59,11 @@ def vlm_inputs(model: Any, rows: Optional[Sequence[Optional[MultiModalInputs]]],
     return {"position_ids": positions, "pixel_values": pixels, "image_grid_thw": grids, "image_mask": image_mask}
 
 
-
 def micro_batch_inputs(model: Any, mb: Any, layout: Any) -> dict[str, Any]:
-    """The keyword arguments a model takes beyond its layout's (`megappo.models.layout.plan`) for a `ModelBatch`
-    micro-batch: a `VLMModel`'s images and mrope positions (`vlm_inputs`, replacing the layout's position ids);
-    none for a text model, which refuses a batch with images."""
-    if not is_vlm(model):
-        if mb.multi_modal is not None:
-            raise ValueError("a batch with images (multi_modal) needs a vision-language model; this model is "
-                             "text-only")
-        return {}
+    """`VLMModel.micro_batch_inputs`: the keyword arguments a `VLMModel` takes beyond its layout's
+    (`megappo.models.layout.plan`) for a `ModelBatch` micro-batch: its images and mrope positions (`vlm_inputs`,
+    replacing the layout's position ids)."""
     from megappo.models.layout.packing import pack_lengths
 
     input_ids, _ = mb.left_aligned()
     return vlm_inputs(model, mb.multi_modal, input_ids, pack_lengths(mb), mb.prompt_lengths(), layout.pack)
-
-
-# -- a checkpoint's not-yet-trained samples (trainer_state.json) carry their images as JSON ------------------------
-
-def _tensor_to_json(t: torch.Tensor) -> dict:
-    a = t.detach().cpu().contiguous().numpy()
-    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode("ascii")}
-
-
-def _tensor_from_json(d: dict) -> torch.Tensor:
-    a = np.frombuffer(base64.b64decode(d["data"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
-    return torch.from_numpy(a.copy())
-
-
-def multi_modal_to_json(m: Optional[MultiModalInputs]) -> Optional[dict]:
-    """A JSON-able form of one sample's images, bit for bit (the decoded PIL images, for engines only, are not kept:
-    a saved sample is already generated)."""
-    if m is None:
-        return None
-    return {"pixel_values": _tensor_to_json(m.pixel_values), "image_grid_thw": _tensor_to_json(m.image_grid_thw)}
-
-
-def multi_modal_from_json(d: Any) -> Optional[MultiModalInputs]:
-    if d is None or isinstance(d, MultiModalInputs):
-        return d
-    return MultiModalInputs(pixel_values=_tensor_from_json(d["pixel_values"]),
-                            image_grid_thw=_tensor_from_json(d["image_grid_thw"]))

@@ -55,6 +55,13 @@ class VLMModel(MegatronModule):
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()
 
+    def micro_batch_inputs(self, mb: Any, layout: Any) -> dict[str, Any]:
+        """What this model takes beyond its layout's inputs for a micro-batch (`megappo.models.compute` asks):
+        its images and mrope positions (`megappo.kinds.qwen2_vl.inputs.micro_batch_inputs`)."""
+        from megappo.kinds.qwen2_vl.inputs import micro_batch_inputs
+
+        return micro_batch_inputs(self, mb, layout)
+
     def mrope_positions(self, input_ids, image_grid_thw=None, attention_mask=None, image_mask=None) -> torch.Tensor:
         return mrope_position_ids(input_ids, image_grid_thw, self.vlm_args.image_token_id,
                                   self.vlm_args.vision.spatial_merge_size, attention_mask, image_mask)

@@ -4,22 +4,14 @@ one yet is refused before any rank starts, each message naming the key and the f
 model kinds (`megappo.testing.structure.PACKAGE_ORDER`), so `cfg` is typed Any here."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from megappo.models.lora.checks import refuse_lora
 
 
-def _engine_without_images(cfg: Any) -> Optional[str]:
-    """The engine this run deploys when its registry entry does not say `multi_modal` (None: it does, or the engine
-    is unknown: preflight's own error)."""
-    from megappo.rollout.registry import multi_modal, unknown_engine
-
-    name = cfg.actor_rollout_ref.rollout.name
-    return None if unknown_engine(name) or multi_modal(name) else name
-
-
-def preflight(cfg: Any) -> list[str]:
-    """An error for each setting a vision-language run does not support yet."""
+def preflight(cfg: Any, engine_takes_images: bool = True) -> list[str]:
+    """An error for each setting a vision-language run does not support yet. engine_takes_images: whether the
+    run's rollout engine feeds the prompts' images (the trainer asks the engines' registry)."""
     errors: list[str] = []
     arr = cfg.actor_rollout_ref
     what = "is not supported with a vision-language model (Qwen2.5-VL / Qwen2-VL) yet"
@@ -36,10 +28,9 @@ def preflight(cfg: Any) -> list[str]:
     errors += refuse_lora(cfg, what)
     if arr.rollout.multi_turn.enable:
         errors.append(f"actor_rollout_ref.rollout.multi_turn.enable: multi-turn rollouts {what}; set it to false")
-    engine = _engine_without_images(cfg)
-    if engine:
-        errors.append(f"actor_rollout_ref.rollout: {engine} does not take images yet; use rollout.name=hf with "
-                      "actor_rollout_ref.hybrid_engine=true (the in-process engine; async_training.mode=sync)")
+    if not engine_takes_images:
+        errors.append(f"actor_rollout_ref.rollout: {arr.rollout.name} does not take images yet; use rollout.name=hf "
+                      "with actor_rollout_ref.hybrid_engine=true (the in-process engine; async_training.mode=sync)")
     if cfg.reward_model.enable:
         errors.append(f"reward_model.enable: a reward model {what} (it would not see the images); use a rule "
                       "reward (reward_model.enable=false)")

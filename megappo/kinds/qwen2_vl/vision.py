@@ -61,19 +61,27 @@ class VisionArgs:
 
 
 def vision_args_from_hf(vcfg: dict[str, Any], family: str) -> VisionArgs:
-    """VisionArgs from a HF `vision_config` dict (transformers 4 or 5 spelling)."""
+    """VisionArgs from a HF `vision_config` dict (transformers 4 or 5 spelling) of a `family` model."""
+    return _VISION_READERS.get(family, _qwen2_5_vl_vision)(vcfg)
+
+
+def _qwen2_vl_vision(vcfg: dict[str, Any]) -> VisionArgs:
     from megappo.models.hf_config import UnsupportedModelError
 
-    if family == "qwen2_vl":
-        if vcfg.get("hidden_act", "quick_gelu") != "quick_gelu":
-            raise UnsupportedModelError(f"Qwen2-VL vision hidden_act {vcfg['hidden_act']!r}: only quick_gelu")
-        return VisionArgs(
-            depth=int(vcfg["depth"]), hidden_size=int(vcfg["embed_dim"]), num_heads=int(vcfg["num_heads"]),
-            intermediate_size=int(vcfg["embed_dim"] * vcfg.get("mlp_ratio", 4)),
-            out_hidden_size=int(vcfg["hidden_size"]), patch_size=int(vcfg["patch_size"]),
-            temporal_patch_size=int(vcfg["temporal_patch_size"]), spatial_merge_size=int(vcfg["spatial_merge_size"]),
-            in_channels=int(vcfg.get("in_channels", vcfg.get("in_chans", 3))), gated_mlp=False, norm="LayerNorm",
-        )
+    if vcfg.get("hidden_act", "quick_gelu") != "quick_gelu":
+        raise UnsupportedModelError(f"Qwen2-VL vision hidden_act {vcfg['hidden_act']!r}: only quick_gelu")
+    return VisionArgs(
+        depth=int(vcfg["depth"]), hidden_size=int(vcfg["embed_dim"]), num_heads=int(vcfg["num_heads"]),
+        intermediate_size=int(vcfg["embed_dim"] * vcfg.get("mlp_ratio", 4)),
+        out_hidden_size=int(vcfg["hidden_size"]), patch_size=int(vcfg["patch_size"]),
+        temporal_patch_size=int(vcfg["temporal_patch_size"]), spatial_merge_size=int(vcfg["spatial_merge_size"]),
+        in_channels=int(vcfg.get("in_channels", vcfg.get("in_chans", 3))), gated_mlp=False, norm="LayerNorm",
+    )
+
+
+def _qwen2_5_vl_vision(vcfg: dict[str, Any]) -> VisionArgs:
+    from megappo.models.hf_config import UnsupportedModelError
+
     rope = vcfg.get("rope_parameters") or {}
     if vcfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"Qwen2.5-VL vision hidden_act {vcfg['hidden_act']!r}: only silu is supported")
@@ -87,6 +95,10 @@ def vision_args_from_hf(vcfg: dict[str, Any], family: str) -> VisionArgs:
         fullatt_block_indexes=tuple(int(i) for i in vcfg.get("fullatt_block_indexes") or ()),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
     )
+
+
+# model_type -> its vision tower's config reader (Qwen2-VL: LayerNorm, quick_gelu, plain MLP; Qwen2.5-VL: the rest)
+_VISION_READERS = {"qwen2_vl": _qwen2_vl_vision, "qwen2_5_vl": _qwen2_5_vl_vision}
 
 
 def _vision_transformer_config(args: VisionArgs, tp: int, dtype: torch.dtype, use_cpu_init: bool):

@@ -117,9 +117,7 @@ def attend_packed(attn: Any, query: Tensor, key: Tensor, value: Tensor, attentio
         raise NotImplementedError("packed SDPAttention needs cu_seqlens_kv == cu_seqlens_q and no padded "
                                   "cu_seqlens (self attention, no context parallelism)")
     t, nq, hn = query.shape
-    nkv = key.size(1)
-    if nq % nkv:
-        raise ValueError(f"{nq} query heads are not a multiple of {nkv} key/value heads")
+    attn.check_heads(nq, key.size(1))
     plan = _pack_plan(packed_seq_params, cu_q, t, query.device, attn.group_equal_lengths)
     key, value, gqa = attn.grouped_heads(key, value, nq, query.device.type == "cpu"
                                          or query.dtype in (torch.float16, torch.bfloat16))

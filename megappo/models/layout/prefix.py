@@ -37,6 +37,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor, nn
 
 from megappo.models.batch import ModelBatch
+from megappo.models.layout import prefix_sharing_refusal
 
 __all__ = ["SharedPack", "SharedPrefixParams", "Tree", "prompt_groups", "share_micro_batch",
            "attend_shared", "install_prefix_positions", "can_share", "sharing_on", "sharing_pays"]
@@ -196,8 +197,7 @@ def attend_shared(attn: Any, query: Tensor, key: Tensor, value: Tensor, attentio
     if attention_mask is not None or attn.attn_mask_type != AttnMaskType.causal:
         raise NotImplementedError("a shared-prefix pack is causal self attention without an attention_mask")
     t, nq, hn = query.shape
-    if nq % key.size(1):
-        raise ValueError(f"{nq} query heads are not a multiple of {key.size(1)} key/value heads")
+    attn.check_heads(nq, key.size(1))
     if params._plan is None or params._plan[0] != (t, str(query.device)):
         params._plan = ((t, str(query.device)), [_tree_plan(tree, query.device) for tree in params.trees])
     plans = params._plan[1]
@@ -259,9 +259,8 @@ def can_share(inner: nn.Module, replaying: bool = False) -> Optional[str]:
     """Why an (unwrapped) chunk cannot run shared micro-batches (packs, or tree rows under context parallelism),
     or None: it needs megappo's SDPAttention, its positions installed, and no router replay (`replaying`: its MoE
     routers replay or record routes, `megappo.models.router_replay`)."""
-    if replaying:  # router replay lays its routes out per row (`router_replay.token_sources`), not per shared tree
-        return ("prefix sharing does not run with MoE router replay: set actor_rollout_ref.model."
-                "use_prefix_sharing=false or actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
+    if replaying:
+        return prefix_sharing_refusal(packed=True, cp_size=1, replaying=True)
     if not getattr(inner, "megappo_sdpa_attention", False):
         return ("prefix sharing needs megappo's SDPAttention (the local spec; transformer-engine's attention takes "
                 "no tree mask): set actor_rollout_ref.model.use_prefix_sharing=false")
@@ -313,9 +312,7 @@ def sharing_on(share_prefix: Optional[bool], inner: nn.Module, cp_size: int, pac
     first chunk; `replaying`: as `can_share`."""
     if share_prefix is False:
         return False
-    refusal = can_share(inner, replaying) or (None if packed or cp_size > 1 else (
-        "prefix sharing runs packed micro-batches (or context-parallel ones): set "
-        "actor_rollout_ref.model.use_remove_padding=true (or use_prefix_sharing=false)"))
+    refusal = can_share(inner, replaying) or prefix_sharing_refusal(packed, cp_size, replaying)
     if refusal is not None:
         if share_prefix:
             raise ValueError(refusal)

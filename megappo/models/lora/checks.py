@@ -1,19 +1,21 @@
 """The config's LoRA rules (`model.lora`, `critic.model.lora.share_actor_base`, `rollout.lora_sync`), collected
-into the messages `megappo.config.validate` reports; reads the tree alone (no torch)."""
+into the messages `megappo.checks` reports; reads the tree alone (no torch)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
-from megappo.rollout.sglang.limits import SGLANG_CPU_LORA  # standard library only: no torch for the config's checks
 
-
-def check_lora(cfg, errors: list[str], check_files: bool) -> None:
-    """Every LoRA rule of `cfg`, appended to `errors`."""
+def lora_errors(cfg, check_files: bool, adapter_refusal: Optional[str] = None) -> list[str]:
+    """Every LoRA rule of `cfg`. adapter_refusal: why the rollout engine cannot serve adapters on this device
+    (`megappo.rollout.registry.lora_adapter_refusal`, asked by `megappo.checks`: the engines stand above models)."""
+    errors: list[str] = []
     for prefix, model in (("actor_rollout_ref.model.lora", cfg.actor_rollout_ref.model),
                           ("critic.model.lora", cfg.critic.model)):
         _check_lora(prefix, model.lora, errors, check_files)
     _check_shared_critic_base(cfg, errors)
-    _check_lora_sync(cfg, errors)
+    _check_lora_sync(cfg, errors, adapter_refusal)
+    return errors
 
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's linear layers an adapter fits
@@ -26,7 +28,7 @@ def refuse_lora(cfg, what: str) -> list[str]:
     return []
 
 
-def _check_lora_sync(cfg, errors: list[str]) -> None:
+def _check_lora_sync(cfg, errors: list[str], adapter_refusal: Optional[str]) -> None:
     """rollout.lora_sync=adapter: a LoRA actor served by an engine that serves adapters on this device."""
     arr = cfg.actor_rollout_ref
     if arr.rollout.lora_sync != "adapter":
@@ -35,15 +37,8 @@ def _check_lora_sync(cfg, errors: list[str]) -> None:
     if arr.model.lora.rank <= 0:
         errors.append(f"{key} sends a LoRA actor's adapters: set actor_rollout_ref.model.lora.rank > 0 or "
                       "lora_sync=merged")
-    from megappo.rollout.registry import lora_adapters
-
-    devices = lora_adapters(arr.rollout.name)
-    if not devices:
-        errors.append(f"{key} needs an engine that serves LoRA adapters (rollout.name=vllm, or sglang on GPU), got "
-                      f"{arr.rollout.name!r}; use lora_sync=merged")
-    elif cfg.trainer.device not in devices:
-        why = SGLANG_CPU_LORA if arr.rollout.name == "sglang" else f"use trainer.device in {devices}"
-        errors.append(f"{key}: the {arr.rollout.name} engine serves adapters on {', '.join(devices)} only: {why}")
+    if adapter_refusal:
+        errors.append(f"{key} {adapter_refusal}")
 
 
 def _check_shared_critic_base(cfg, errors: list[str]) -> None:

@@ -349,11 +349,14 @@ def base_parameters(model: nn.Module, merged: bool = False) -> list[tuple[str, t
     return [(n, weights.get(id(p), p)) for n, p in model.named_parameters() if not is_adapter_param(n)]
 
 
+NO_ADAPTERS = "only_adapted: the model has no LoRA adapters"
+
+
 def adapted_weight_filter(model_chunks: Sequence[nn.Module]) -> Callable[[str], bool]:
     """Whether a canonical weight name is one of the chunks' adapted layers' (ValueError: the model has none)."""
     settings = lora_settings(model_chunks)
     if settings is None:
-        raise ValueError("only_adapted: the model has no LoRA adapters")
+        raise ValueError(NO_ADAPTERS)
     return functools.partial(is_lora_target_weight, settings=settings)
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megappo.rollout.base import LocalDeployment
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.hf.process import HFProcessEngine
-from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.settings import RolloutSettings, refuse_unknown_kwargs
 
 
 def deploy(settings: RolloutSettings, ps: Any, platform: Any) -> LocalDeployment:
@@ -28,10 +28,8 @@ def deploy_process(settings: RolloutSettings, ps: Any, platform: Any) -> LocalDe
     """One HFProcessEngine per data-parallel replica, on its first rank, with `rollout.engine_kwargs.threads`
     torch threads (default 1) in its child process."""
     kw = dict(settings.engine_kwargs)
-    unknown = sorted(set(kw) - {"threads"})
-    if unknown:
-        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not arguments of the hf engine "
-                         f"in its own process (actor_rollout_ref.hybrid_engine=false; it takes: threads)")
+    refuse_unknown_kwargs(kw, ("threads",), "the hf engine in its own process (actor_rollout_ref.hybrid_engine="
+                          "false)", "it takes: threads")
     return LocalDeployment(
         dist.get_rank(ps.mp_group) == 0,
         lambda: HFProcessEngine(settings.model_path, threads=int(kw.get("threads", 1)), dtype=platform.dtype,

@@ -31,7 +31,7 @@ from megappo.rollout.hf.decode import KVCache, Prefill, RowSampler, decode, num_
 from megappo.rollout.hf.routing import RouteRecorder
 from megappo.rollout.hf.vlm import MultiModal, prompt_inputs
 from megappo.rollout.hf.weights import HFWeightLoader
-from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sampling import Completion, SamplingParams, check_prompts
 from megappo.rollout.seeds import request_seeds
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -103,8 +103,7 @@ class HFEngine(RolloutEngine):
         prompt_offset: the index of `prompts[0]` in the step's batch; sample j of prompt k is drawn with the seed
         `sample_seed(params.seed, prompt_offset + k, j, n)` (the engine's stream draws a request seed when
         `params.seed` is None), so a share of the batch samples what the whole batch would."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         self._check_weights()
         seed = params.seed
         if seed is None and params.row_seeds is None and not params.is_greedy:

@@ -38,7 +38,7 @@ from megappo.platform.child_process import spawn_child, unpickled_error
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf import vlm
 from megappo.rollout.hf.child import aborted_completions, child_main
-from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sampling import Completion, SamplingParams, check_prompts
 
 if TYPE_CHECKING:
     from megappo.data.multimodal import MultiModalInputs
@@ -46,14 +46,14 @@ if TYPE_CHECKING:
 CLOSE_GRACE_S = 10.0  # close(): how long the child may take to exit before SIGKILL
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------------------------------
+def _died_starting(channel: Any) -> RuntimeError:
+    return RuntimeError(f"the rollout engine's child process exited with code {channel.exit_code()} before it was "
+                        "ready; see its output above")
+
+
 class GenerationHandle(Future):
     """A generation submitted to `HFProcessEngine.submit` (a `concurrent.futures.Future`): `result(timeout=None)`
     waits for its completions (grouped by prompt, as `generate` returns them; TimeoutError after `timeout` s; the
@@ -243,15 +243,13 @@ class HFProcessEngine(RolloutEngine):
         channel, deadline = self._channel, time.monotonic() + timeout
         while not channel.conn.poll(0.2):
             if not channel.proc.is_alive():
-                raise RuntimeError(f"the rollout engine's child process exited with code {channel.exit_code()} "
-                                   f"before it was ready; see its output above")
+                raise _died_starting(channel)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the rollout engine's child process was not ready after {timeout:g} s")
         try:
             kind, payload = channel.conn.recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"the rollout engine's child process exited with code {channel.exit_code()} before "
-                               f"it was ready; see its output above") from None
+            raise _died_starting(channel) from None
         if kind == "fatal":
             raise _child_error(payload)
         return payload
@@ -260,7 +258,7 @@ class HFProcessEngine(RolloutEngine):
     def submit(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, prompt_offset: int = 0,
                multi_modal: Optional[Sequence[Optional[MultiModalInputs]]] = None) -> GenerationHandle:
         """Start generating (see `generate`) and return at once; `handle.result()` waits for the completions."""
-        _check_prompts(prompts)
+        check_prompts(prompts)
         channel = self._channel
         handle = GenerationHandle()
         images = vlm.to_pipe(multi_modal, len(prompts))

@@ -4,7 +4,7 @@
 (`...ForConditionalGeneration`): the engine asks it to check a request's images (`check`), for a forward batch's
 positions and extra model inputs (`prefill`) and for those of a scored prompt (`scoring`). A vision-language
 prompt's images go through the vision tower in the prefill, positions are the multimodal rotary ones
-(`mrope_position_ids`, the trainer's), and decoding goes on from the KV cache as for text.
+(the model kind's `position_ids`, the trainer's), and decoding goes on from the KV cache as for text.
 
 Images cross the pipe to the engine's child process (`process.py` / `child.py`) as numpy arrays (`to_pipe`,
 `from_pipe`): pickled through the pipe by value, where tensors would go through torch's shared-memory file
@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megappo.data.multimodal import MultiModalInputs
+from megappo.data.multimodal import MultiModalInputs, check_entries
 
 MultiModal = Optional[Sequence[Optional[MultiModalInputs]]]  # per prompt: its images, or None (a text prompt)
 Rows = list[tuple[int, list[int]]]  # a forward batch's (prompt index, prompt ids)
@@ -27,8 +27,7 @@ def _checked(prompts: Sequence[Sequence[int]], multi_modal: MultiModal) -> Optio
     """`multi_modal` as a list when some prompt has images (None: none has), of one entry per prompt."""
     if multi_modal is None or all(m is None for m in multi_modal):
         return None
-    if len(multi_modal) != len(prompts):
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {len(prompts)} prompts")
+    check_entries(multi_modal, len(prompts))
     return list(multi_modal)
 
 
@@ -57,9 +56,10 @@ class TextInputs:
 class VisionInputs(TextInputs):
     """A Qwen2(.5)-VL's inputs: its image token and spatial merge size check the images against the prompts."""
 
-    def __init__(self, model_name: str, image_token: int, merge: int):
+    def __init__(self, model_name: str, image_token: int, merge: int, positions: Any):
         super().__init__(model_name)
         self.image_token, self.merge = image_token, merge
+        self.positions = positions  # the model kind's multimodal rotary positions (`ModelKind.position_ids`)
 
     def check(self, prompts: Sequence[Sequence[int]], multi_modal: MultiModal
               ) -> Optional[list[Optional[MultiModalInputs]]]:
@@ -77,12 +77,10 @@ class VisionInputs(TextInputs):
                 images: Optional[list[Optional[MultiModalInputs]]], model: Any) -> tuple[torch.Tensor, dict]:
         """(multimodal rotary positions [3, B, P], the prefill's pixel_values / image_grid_thw); decoding continues
         on all three axes."""
-        from megappo.kinds.qwen2_vl.rope_index import mrope_position_ids
-
         mms = [images[i] for i, _ in rows] if images is not None else []
         mms = [m for m in mms if m is not None]
         grid = torch.cat([m.image_grid_thw for m in mms]) if mms else None
-        pos = mrope_position_ids(ids.cpu(), grid, self.image_token, self.merge, mask.cpu()).to(ids.device)
+        pos = self.positions(ids.cpu(), grid, self.image_token, self.merge, mask.cpu()).to(ids.device)
         if not mms:
             return pos, {}
         pixels = torch.cat([m.pixel_values for m in mms]).to(ids.device, model.dtype)
@@ -100,15 +98,17 @@ def prompt_inputs(model: Any) -> TextInputs:
     config, name = model.config, type(model).__name__
     if getattr(config, "vision_config", None) is None:
         return TextInputs(name)
-    return VisionInputs(name, int(config.image_token_id), int(config.vision_config.spatial_merge_size))
+    from megappo.kinds import kind_of
+
+    return VisionInputs(name, int(config.image_token_id), int(config.vision_config.spatial_merge_size),
+                        kind_of(config).position_ids)
 
 
 def to_pipe(multi_modal: MultiModal, num_prompts: int) -> Optional[list]:
     """Prompts' images as numpy arrays, per prompt None or (pixel_values, image_grid_thw)."""
     if multi_modal is None:
         return None
-    if len(multi_modal) != num_prompts:
-        raise ValueError(f"multi_modal has {len(multi_modal)} entries for {num_prompts} prompts")
+    check_entries(multi_modal, num_prompts)
     return [None if m is None else (m.pixel_values.detach().cpu().numpy(), m.image_grid_thw.cpu().numpy())
             for m in multi_modal]
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from megappo.rollout.base import RolloutEngine
-from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sampling import Completion, SamplingParams, check_prompts
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.serving.http_client import HealthProbe
 
@@ -166,8 +166,7 @@ class ServerFleet(RolloutEngine):
         """`params.n` completions per prompt, grouped by prompt in request order, each row exactly once.
         prompt_offset: the index of `prompts[0]` in the step's batch, which the samples' seeds follow.
         multi_modal: each prompt's images (None: a text prompt), sent as `_server_prompts` makes them."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         prompts, images = self._server_prompts(prompts, multi_modal)
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = request_seeds(params, len(prompts), prompt_offset)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from megappo.rollout.serving.deployment import ServedDeployment
 from megappo.rollout.serving.probe import package_missing, server_problems
-from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.settings import RolloutSettings, refuse_unknown_kwargs
 
 SGLANG_INSTALL = 'pip install "megappo[sglang]"'
 SGLANG_CPU_VENV = "bash tools/sglang/install_cpu.sh VENV"
@@ -41,10 +41,8 @@ def server_kwargs(r: RolloutSettings, platform: Any) -> dict:
     from megappo.rollout.serving.server_set import configured_api_key
 
     dtype = r.dtype or str(platform.dtype).replace("torch.", "")
-    unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
-    if unknown:
-        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not SGLangServer arguments; "
-                         f"use {SERVER_KWARGS} (pass other launch_server flags as extra_args: [--flag, value])")
+    refuse_unknown_kwargs(r.engine_kwargs, SERVER_KWARGS, "SGLangServer",
+                          f"use {SERVER_KWARGS} (pass other launch_server flags as extra_args: [--flag, value])")
     kw = {"dtype": dtype, "trust_remote_code": r.trust_remote_code,
           "host": r.server_host, "api_key": configured_api_key(r), **r.engine_kwargs}
     if r.routed_experts:  # router replay R3: the servers return each token's experts

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 import torch
 
 from megappo.rollout.base import RolloutEngine
-from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sampling import Completion, SamplingParams, check_prompts
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.serving.http_client import _http, http_json, register_api_key
 from megappo.rollout.serving.http_client import post_in_background as _post_in_background
@@ -188,8 +188,7 @@ class SGLangEngine(RolloutEngine):
         """`params.n` completions per prompt (token ids), grouped by prompt in request order. prompt_offset: the
         index of `prompts[0]` in the step's batch, which the samples' seeds follow (as in `HFEngine.generate`).
         multi_modal: each prompt's images (None: a text prompt)."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         prompts, images = sglang_prompts(prompts, multi_modal, self.image_token_id)
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         seeds = request_seeds(params, len(prompts), prompt_offset)

@@ -30,7 +30,7 @@ import os
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from megappo.rollout.base import Bucket, RolloutEngine
-from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sampling import Completion, SamplingParams, check_prompts, check_scored
 from megappo.rollout.seeds import request_seeds
 from megappo.rollout.vllm.requests import LOGPROBS_MODE, lora_serving, model_eos_ids, parse_output, sampling_fields
 
@@ -165,8 +165,7 @@ class VLLMColocatedEngine(RolloutEngine):
         """Prompt i as `LLM.generate` takes it: token ids, and a prompt with images has each image's run of image
         tokens collapsed to one, which vLLM's processor expands again from the image (vLLM 0.32 expands every
         placeholder of a token prompt, whether or not it already is)."""
-        if not prompts[i]:
-            raise ValueError("every prompt needs at least one token")
+        check_prompts([prompts[i]])
         m = multi_modal[i] if multi_modal is not None else None
         if m is None:
             return {"prompt_token_ids": [int(t) for t in prompts[i]]}
@@ -241,8 +240,7 @@ class VLLMColocatedEngine(RolloutEngine):
     def sequence_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         from vllm import SamplingParams as VLLMSamplingParams
 
-        if any(len(s) < 2 for s in sequences):
-            raise ValueError("prompt log-probs need at least two tokens")
+        check_scored(sequences)
         self._wake()
         params = VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         outputs = self.llm.generate([{"prompt_token_ids": [int(t) for t in s]} for s in sequences], params,

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 from megappo.rollout.base import LocalDeployment, RolloutDeployment
 from megappo.rollout.serving.probe import package_missing, server_problems
-from megappo.rollout.settings import RolloutSettings
+from megappo.rollout.settings import RolloutSettings, refuse_unknown_kwargs
 
 VLLM_INSTALL = 'pip install "megappo[vllm]"'
 VLLM_CPU_VENV = "bash tools/vllm/install_cpu.sh VENV"
@@ -120,10 +120,8 @@ def vllm_server_set(r: RolloutSettings, platform: Any, dtype: str) -> Any:
     from megappo.rollout.vllm.requests import cli_flags, lora_serving
     from megappo.rollout.vllm.server import VLLMServer, is_healthy
 
-    unknown = sorted(set(r.engine_kwargs) - set(SERVER_KWARGS))
-    if unknown:
-        raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs: {unknown} are not VLLMServer arguments; use "
-                         f"{SERVER_KWARGS} (other `vllm serve` flags as extra_args: [--flag, value])")
+    refuse_unknown_kwargs(r.engine_kwargs, SERVER_KWARGS, "VLLMServer",
+                          f"use {SERVER_KWARGS} (other `vllm serve` flags as extra_args: [--flag, value])")
     extra: list[str] = list(r.engine_kwargs.get("extra_args", ()))
     extra += ["--logprobs-mode", "processed_logprobs", "--seed", str(r.seed)]
     if r.routed_experts:

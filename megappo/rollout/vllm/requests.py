@@ -22,7 +22,7 @@ import base64
 import io
 from typing import Any, Mapping, Optional, Sequence
 
-from megappo.rollout.sampling import Completion, SamplingParams
+from megappo.rollout.sampling import Completion, SamplingParams, check_prompts, check_scored
 
 SERVED_MODEL = "megappo"  # --served-model-name of the servers megappo starts; a request names it (or an adapter)
 LOGPROBS_MODE = "processed_logprobs"
@@ -102,8 +102,7 @@ def completion_request(prompt_ids: Sequence[int], params: SamplingParams, seed: 
                        request_id: str, model: str = SERVED_MODEL, eos_ids: Sequence[int] = ()) -> dict[str, Any]:
     """The JSON body of one `/v1/completions` request: one sample of `prompt_ids` drawn with `seed`. `model`: the
     served model's name, or a LoRA adapter's (`lora_name`); `request_id`: the id `/abort_requests` names it by."""
-    if not prompt_ids:
-        raise ValueError("every prompt needs at least one token")
+    check_prompts([prompt_ids])
     body = {"model": model, "prompt": [int(t) for t in prompt_ids], "request_id": request_id,
             "return_token_ids": True, "stream": False,
             **sampling_fields(params, seed, eos_ids)}
@@ -121,8 +120,7 @@ def prompt_logprobs_request(token_ids: Sequence[int], *, request_id: str, model:
                             ) -> dict[str, Any]:
     """A request whose answer holds log p(token_ids[k] | token_ids[:k]) for k >= 1 (`prompt_logprobs: 0`: the
     prompt's own token at each position), generating one greedy token that is not read."""
-    if len(token_ids) < 2:
-        raise ValueError("prompt log-probs need at least two tokens")
+    check_scored([token_ids])
     return {"model": model, "prompt": [int(t) for t in token_ids], "request_id": request_id, "max_tokens": 1,
             "temperature": 0.0, "prompt_logprobs": 0, "return_token_ids": True, "stream": False}
 

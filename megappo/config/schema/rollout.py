@@ -1,4 +1,4 @@
-"""The configuration tree's `actor_rollout_ref.rollout` section (re-exported by `megappo.config.schema`)."""
+"""The configuration tree's `actor_rollout_ref.rollout` section (importable from `megappo.config.schema`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""The configuration tree's `reward_model.judge` section (re-exported by `megappo.config.schema`): a generative
+"""The configuration tree's `reward_model.judge` section (importable from `megappo.config.schema`): a generative
 reward model, a "judge" that reads a prompt made of the question and the response (and the reference answer) and
 writes a verdict that a parser turns into a score (megappo/rewards/judge/).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from megappo.config.schema_rollout import InferenceConfig
+from megappo.config.schema.rollout import InferenceConfig
 
 # parser names built in (megappo/rewards/judge/parsers.py); anything else must be "path.py:name" or "module:name"
 BUILTIN_PARSERS = ("number", "yes_no", "pairwise")

@@ -1,4 +1,4 @@
-"""The configuration tree's `trainer` and `async_training` sections (re-exported by `megappo.config.schema`)."""
+"""The configuration tree's `trainer` and `async_training` sections (importable from `megappo.config.schema`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

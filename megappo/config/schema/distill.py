@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from megappo.config.schema_rollout import InferenceConfig
+from megappo.config.schema.rollout import InferenceConfig
 
 # per-token estimators of KL(student || teacher) on the student's sampled tokens (`megappo.algos.kl_penalty`), and
 # the top-k forward KL(teacher || student) over the teacher's k most likely tokens (megatron teachers)
