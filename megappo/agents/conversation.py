@@ -1,7 +1,7 @@
 """A chat-completions request's messages as token ids, continuing a trajectory's segment when they can.
 
 Every message content the client sends is untrusted text (an agent program relays what tools, users and
-environments wrote): it is escaped and tokenised alone (`ToolText`, megappo/multi_turn/template.py), never as the
+environments wrote): it is escaped and tokenised alone (`ToolText`, megappo/chat/template.py), never as the
 template's control tokens, by rendering the template with a placeholder in each content ("slots"). The assistant
 turns the endpoint answered are never re-tokenised: the client's copy of such a message is matched to the recorded
 turn (its content and the tool-call ids the endpoint issued), and the segment's recorded ids stand for it.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from megappo.agents.records import Segment, Turn
-from megappo.multi_turn.parser import MARKUP
-from megappo.multi_turn.template import ToolText
+from megappo.chat.parser import MARKUP
+from megappo.chat.template import ToolText
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -46,7 +46,7 @@ from megappo.agents.http import HttpServer, Reply
 from megappo.agents.openai_format import (Answer, RequestSampling, answer, completion_json, error_json, message_json,
                                           parse_body, sampling, stop_cut, stream_events)
 from megappo.agents.records import CallRecord, EndpointSettings, Segment, TrajectoryHandle, TrajectoryRecord, Turn
-from megappo.multi_turn.parser import TOOL_CALL_END
+from megappo.chat.parser import TOOL_CALL_END
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 from megappo.rollout.seeds import sample_seed

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megappo.agents.conversation import BadRequest
-from megappo.multi_turn.parser import TOOL_CALL_START, parse_hermes
+from megappo.chat.parser import TOOL_CALL_START, parse_hermes
 
 
 def parse_body(body: bytes) -> dict:

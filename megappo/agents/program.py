@@ -1,4 +1,4 @@
-"""An agent program as one of the episode loop's agents: `rollout.agent.agent_loop_config_path` entries with
+"""An agent program as one of the episode loop's agent loops: `rollout.agent.agent_loop_config_path` entries with
 `agent: path/to/file.py:function` run their rows' episodes as that function against megappo's OpenAI-compatible
 endpoint (`megappo.agents.runner.AgentRunner`), and answer the loop with one completion per row.
 
@@ -11,12 +11,12 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 from megappo.envs.base import EpisodeRow
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
 
-class ProgramAgent:
+class AgentProgramLoop:
     """Episodes driven by an agent program (see the module docstring)."""
 
     own_turn_limits = False

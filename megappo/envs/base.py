@@ -19,7 +19,7 @@ trainer's reward function reads it (`extra_info["env_reward"]`, `megappo.envs.re
 
 Messages are chat messages ({"role", "content"}, OpenAI's shape). The environment's messages (role "user" or "tool")
 are untrusted text: they are escaped and tokenised alone, never as the template's control tokens
-(`megappo.multi_turn.template.ChatDelta`). The model's turns are its sampled tokens, never re-tokenised.
+(`megappo.chat.template.ChatDelta`). The model's turns are its sampled tokens, never re-tokenised.
 
 A step runs in the loop's pool with a deadline (`rollout.agent.step_timeout_s`): a step past it ends the episode
 (`env/timeout_fraction`); one that raises ends it too (`env/error_fraction`), and the sample is kept with the tokens

@@ -6,6 +6,7 @@ from typing import Optional, Sequence
 
 from megappo.envs.base import EpisodeRow
 from megappo.envs.loop import EpisodeRollout, EpisodeSettings
+from megappo.envs.registry import LoopKinds
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
 
@@ -70,15 +71,15 @@ class EpisodeEngine(RolloutEngine):
         self.loop.close()
 
 
-def build_episodes(settings: EpisodeSettings, engine: RolloutEngine) -> EpisodeEngine:
-    """The holder's engine wrapped in the episode loop of the run's agents."""
+def build_episodes(settings: EpisodeSettings, engine: RolloutEngine, kinds: LoopKinds) -> EpisodeEngine:
+    """The holder's engine wrapped in the episode loop of the run's agent loops (`kinds`: what they can be)."""
     from transformers import AutoTokenizer
 
-    from megappo.envs.agents import agent_table
-    from megappo.multi_turn.template import TemplateIgnoresTools
+    from megappo.chat.template import TemplateIgnoresTools
+    from megappo.envs.registry import agent_loops
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path, trust_remote_code=settings.trust_remote_code)
-    table = agent_table(settings, tokenizer)
+    table = agent_loops(settings, tokenizer, kinds)
     try:
         if table.default:
             table.get(table.default)  # made now: a config error is said at setup, not at the first step

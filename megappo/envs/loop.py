@@ -76,7 +76,7 @@ class Episode:
     index: int  # in the request: prompt k's sample j is k * n + j
     prompt_index: int
     prompt: list[int]
-    agent: Any  # its agent (`megappo.envs.agents`): the environment's factory, chat delta and stops
+    agent: Any  # its agent loop (`megappo.envs.registry`): the environment's factory, chat delta and stops
     env: Optional[Environment] = None
     ids: list[int] = field(default_factory=list)  # the response so far
     mask: list[int] = field(default_factory=list)
@@ -128,7 +128,7 @@ class EpisodeRollout:
     prompt's dataset row (`rows`: aligned with the prompts; None: rows that carry only the prompt's index)."""
 
     def __init__(self, settings: EpisodeSettings, agents: Any):
-        """agents: the run's `megappo.envs.agents.AgentTable` (built-in and configured agents by name)."""
+        """agents: the run's `megappo.envs.registry.AgentLoops` (built-in and configured agent loops by name)."""
         self.settings, self.agents, self.response_length = settings, agents, settings.response_length
         self.steps = cf.ThreadPoolExecutor(max(1, settings.num_workers), thread_name_prefix="megappo-env")
         self.paused: dict[str, _Request] = {}

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megappo.multi_turn.env import TOOL_FAILURES
+# a tool call record's (`tool_results`) "failure" kinds where the tool itself failed (tool/failure_fraction; the run's
+# stop and warnings read them); the model's own malformed call (bad_call) is not one: training corrects it
+TOOL_FAILURES = {"raised": "raised an exception", "unknown_tool": "was called but no tool of that name is configured",
+                 "sandbox": "could not run the code in its sandbox"}
 
 
 def multi_turn_metrics(stats: Sequence[Optional[dict]], tool_results: Sequence[Sequence[dict]]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The tool-calling loop as an environment (`rollout.multi_turn`, agent name "tool_agent"): each assistant turn's
+"""The tool-calling loop as an agent loop (`rollout.multi_turn`, agent name "tool_agent"): each assistant turn's
 hermes tool calls run in the run's `ToolPool`, and their answers are the environment's tool messages.
 
 A turn without a call ends the episode (the model answered); so does a turn with calls past max_assistant_turns
@@ -14,15 +14,11 @@ import uuid
 from typing import Any, Optional
 
 from megappo.envs.base import EnvStep, Environment, EpisodeRow
-from megappo.multi_turn.parser import MARKUP, PARSERS, STOP_STRINGS, ToolCall
+from megappo.envs.registry import TOOL_LOOP, AgentLoops
+from megappo.chat.parser import MARKUP, PARSERS, STOP_STRINGS, ToolCall
 from megappo.multi_turn.pool import ToolPool
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.multi_turn.tools import BaseTool, ToolResult
-
-# record["failure"] kinds where the tool itself failed (tool/failure_fraction; the run's stop and warnings read
-# them); the model's own malformed call (bad_call) is not one: training corrects it
-TOOL_FAILURES = {"raised": "raised an exception", "unknown_tool": "was called but no tool of that name is configured",
-                 "sandbox": "could not run the code in its sandbox"}
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +36,10 @@ def truncate(text: str, limit: int, side: str) -> str:
     return text[:half] + "...(truncated)..." + text[-half:]
 
 
-class ToolAgent:
+class ToolLoop:
     """The tools of a run and their pool, shared by every tool episode; `make(row)` starts one episode."""
 
-    name = "tool_agent"
+    name = TOOL_LOOP
     own_turn_limits = True  # its step ends a turn past the limits before running the calls
     drives_episodes = False
 
@@ -71,7 +67,7 @@ class ToolAgent:
 class ToolEnvironment(Environment):
     """One trajectory's tool calls: its tool instances live until `close`."""
 
-    def __init__(self, agent: ToolAgent, row: EpisodeRow):
+    def __init__(self, agent: ToolLoop, row: EpisodeRow):
         self.agent, self.row = agent, row
         self.tool_schemas = agent.tool_schemas
         self.instances: dict[str, str] = {}  # tool name -> instance id
@@ -155,3 +151,21 @@ class ToolEnvironment(Environment):
                 logger.warning("tool %s: release(%s) failed: %s", name, instance, e)
         self.instances.clear()
 
+
+
+def tool_loop(settings: Any, tokenizer) -> ToolLoop:
+    """The tool loop over the tools of `settings.tool_config_path` (the run's "tool_agent")."""
+    from megappo.multi_turn.tools import load_tools
+
+    return ToolLoop(settings, tokenizer, load_tools(settings.tool_config_path))
+
+
+def tool_rollout(settings: Any, tokenizer, tools: dict) -> Any:
+    """An episode loop whose every episode is the tool loop's over `tools` (`settings`: EpisodeSettings): the tool
+    loop alone, as tests and benchmarks drive it."""
+    from megappo.envs.loop import EpisodeRollout
+
+    table = AgentLoops(settings, tokenizer, {ToolLoop.name: lambda: ToolLoop(settings, tokenizer, tools)},
+                       ToolLoop.name)
+    table.get(ToolLoop.name)  # its chat template is checked now
+    return EpisodeRollout(settings, table)

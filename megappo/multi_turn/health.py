@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence, TextIO
 
-from megappo.multi_turn.env import TOOL_FAILURES
+from megappo.envs.metrics import TOOL_FAILURES
 from megappo.platform.exits import RunStopped
 from megappo.platform.watch import OncePerInterval, Streak
 

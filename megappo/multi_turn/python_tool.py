@@ -1,4 +1,4 @@
-"""The built-in Python tool: runs the model's code in the sandbox (`sandbox.py`) and answers with its output.
+"""The built-in Python tool: runs the model's code in the sandbox (`megappo.sandbox`) and answers with its output.
 
 In a tool config file (recipes/tools/python_tool.yaml):
 
@@ -37,7 +37,7 @@ import logging
 import signal
 from typing import Optional
 
-from megappo.multi_turn.sandbox import Limits, RunResult, Sandbox, truncate
+from megappo.sandbox import Limits, RunResult, Sandbox, truncate
 from megappo.multi_turn.tools import BaseTool, ToolResult
 
 logger = logging.getLogger(__name__)

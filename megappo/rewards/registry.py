@@ -53,9 +53,9 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 
 
 # Built-in rewards that live with their tasks: (module, function returning {data_source: reward function}). They
-# are registered on the first look-up that misses (and on every listing), never at import time: the tasks' modules
-# may then import megappo.rewards freely, in either order. The GSM8K reward (below) is registered here and imports
-# its scoring module when first called.
+# are registered on the first look-up that misses (and on every listing), never at import time: a process that
+# imports the registry imports a task only when it scores one. The GSM8K reward (below) is registered here and
+# imports its scoring module when first called.
 _BUILTINS = (("megappo.tasks.synthetic", "builtin_rewards"), ("megappo.tasks.tool_sum", "builtin_rewards"),
              ("megappo.tasks.colour_square", "builtin_rewards"), ("megappo.tasks.guess_number", "builtin_rewards"))
 

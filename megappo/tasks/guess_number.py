@@ -1,12 +1,12 @@
 """A built-in multi-step environment task: **guess_number** (data_source `megappo/guess_number`, agent_name
 `guess_number`), which cannot be solved without the environment's feedback.
 
-A secret integer in `low..high` (1..15); the model's whole message is a guess; the environment (`GuessNumberEnv`)
-answers `higher` or `lower` as a user message, or ends the episode: reward 1.0 when the guess is right, 0.0 after
-`max_turns` (4) wrong guesses. Fifteen numbers in four guesses is exactly what binary search covers (2^4 - 1), so
-a policy that follows the hints (8, then 4 or 12, ...) always wins, and one that ignores them wins ~0.25 of
-episodes (four uniform guesses). Per-row arguments live in `extra_info` (`low`, `high`, `max_turns`), so a dataset
-can vary them; the prompt states the range: `guess 1-15`.
+A secret integer in `low..high` (1..15); the model's whole message is a guess; the environment (`GuessNumberEnv`,
+megappo/envs/guess_number.py) answers `higher` or `lower` as a user message, or ends the episode: reward 1.0 when
+the guess is right, 0.0 after `max_turns` (4) wrong guesses. Fifteen numbers in four guesses is exactly what binary
+search covers (2^4 - 1), so a policy that follows the hints (8, then 4 or 12, ...) always wins, and one that ignores
+them wins ~0.25 of episodes (four uniform guesses). Per-row arguments live in `extra_info` (`low`, `high`,
+`max_turns`), so a dataset can vary them; the prompt states the range: `guess 1-15`.
 
 The token layout is the episode loop's: the prompt is the chat template of the prompt messages with the generation
 prompt; each assistant turn is the sampled number and <|im_end|>; each hint is the template's delta
@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from megappo.envs.base import Environment, EnvStep, EpisodeRow
 from megappo.tasks import synthetic
 from megappo.tasks.synthetic import TaskFiles, _one_thread
 from megappo.tasks.tool_sum import write_chat_tokenizer
@@ -88,7 +87,7 @@ TASKS: dict[str, GuessTask] = {"guess_number": GuessTask()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the environment
+# the game's rules (its environment: megappo/envs/guess_number.py)
 # ---------------------------------------------------------------------------------------------------------------
 def parse_guess(text: Any) -> Optional[int]:
     """The integer a message is (surrounding whitespace and EOS/pad tokens aside), or None when it is anything else:
@@ -99,52 +98,6 @@ def parse_guess(text: Any) -> Optional[int]:
         text = text.replace(token, " ")
     text = text.strip()
     return int(text) if _NUMBER.fullmatch(text) else None
-
-
-class GuessNumberEnv(Environment):
-    """One episode: the secret is `row.ground_truth`; `row.extra_info` may set `low`, `high`, `max_turns`.
-
-    Every assistant message is a guess (a turn), whatever its text: a non-number is a wrong guess answered
-    `not a number`. The last step's metrics: `won`, `turns`, `invalid_guesses` (averaged as env/<key>)."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs  # the agent entry's arguments (unused: the row carries the episode's)
-        self.secret: Optional[int] = None
-        self.turns = self.invalid = 0
-        self.done = self.closed = False
-
-    def start(self, row: EpisodeRow) -> list[dict]:
-        info, defaults = dict(row.extra_info or {}), TASKS["guess_number"]
-        # a key absent from some rows reads back from Parquet as None in the others (one struct type per column)
-        arg = lambda key: int(getattr(defaults, key) if info.get(key) is None else info[key])  # noqa: E731
-        self.low, self.high, self.max_turns = arg("low"), arg("high"), arg("max_turns")
-        secret = parse_guess(str(row.ground_truth))
-        if secret is None or not self.low <= secret <= self.high or self.max_turns < 1:
-            raise ValueError(f"guess_number row {row.index}: secret {row.ground_truth!r} is not in "
-                             f"{self.low}..{self.high}, or max_turns {self.max_turns} < 1")
-        self.secret = secret
-        return [dict(m) for m in row.prompt]
-
-    def step(self, assistant: dict) -> EnvStep:
-        if self.secret is None or self.done or self.closed:
-            raise RuntimeError("GuessNumberEnv.step before start, after the episode ended, or after close")
-        self.turns += 1
-        guess = parse_guess(assistant.get("content") if isinstance(assistant, dict) else None)
-        self.invalid += guess is None
-        if guess == self.secret:
-            return self._end(1.0)
-        if self.turns >= self.max_turns:
-            return self._end(0.0)
-        hint = NOT_A_NUMBER if guess is None else HIGHER if guess < self.secret else LOWER
-        return EnvStep(messages=[{"role": "user", "content": hint}])
-
-    def _end(self, reward: float) -> EnvStep:
-        self.done = True
-        return EnvStep(reward=reward, done=True, metrics={"won": reward, "turns": float(self.turns),
-                                                          "invalid_guesses": float(self.invalid)})
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def guess_number_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None

@@ -13,7 +13,7 @@ import hashlib
 
 import openai
 
-from megappo.tasks.guess_number import GuessNumberEnv
+from megappo.envs.guess_number import GuessNumberEnv
 
 ERROR = "the agent's own service is down"
 

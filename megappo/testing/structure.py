@@ -59,13 +59,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # rules live beside it (`checks.py`) and read the tree without importing it; `checks`, the one table of them, stands
 # above every capability it asks.
 PACKAGE_ORDER: tuple[str | tuple[str, ...], ...] = (
-    "platform", "parallel", "algos", "data", "models", "convert", "kinds", "rollout", "config", "multi_turn",
-    "rewards", "envs", ("tasks", "agents"), "distill", "checks", "trainer", ("train_cli", "rollout_server_cli", "convert_cli"),
-    "cli",
+    "platform", "chat", "sandbox", "parallel", "algos", "data", "models", "convert", "kinds", "tasks", "rollout",
+    "config", "rewards", "envs", ("multi_turn", "agents"), "distill", "checks", "trainer",
+    ("train_cli", "rollout_server_cli", "convert_cli"), "cli",
 )
 OUTSIDE_ORDER = ("testing",)
-# ratchets, lowered as loops are cut: package loops, packages caught in them, imports that go up PACKAGE_ORDER
-LAYER_BOUNDS = {"package cycles": 1, "packages in cycles": 6, "upward imports": 8}
+# held at 0: package loops, packages caught in them, imports that go up PACKAGE_ORDER
+LAYER_BOUNDS = {"package cycles": 0, "packages in cycles": 0, "upward imports": 0}
 
 
 def _files() -> dict[str, Path]:

@@ -29,7 +29,7 @@ def check_inputs(cfg: MegappoConfig, out=None) -> None:
         print(f"megappo train: tools: {', '.join(names) or 'none'} ({mt.tool_config_path})", file=out)
     agents = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
     if agents:  # preflight loaded each entry's code; the line says what the rows' agent_name can name
-        from megappo.envs.agents import read_agent_config
+        from megappo.envs.registry import read_agent_config
 
         named = [f"{e['name']} ({e.get('environment') or e.get('agent')})" for e in read_agent_config(agents)]
         print(f"megappo train: agents: {', '.join(named) or 'none'} ({agents})", file=out)

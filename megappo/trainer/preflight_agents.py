@@ -1,5 +1,5 @@
 """The preflight's agent checks (`actor_rollout_ref.rollout.agent`): the agent config YAML reads as the run reads it
-(`megappo.envs.agents.read_agent_config`: names, keys, shapes), `default_agent_loop` names an agent the run has, and,
+(`megappo.envs.registry.read_agent_config`: names, keys, shapes), `default_agent_loop` names an agent the run has, and,
 with the files, every entry's code is loaded as the run loads it (an environment's class; an agent program's function
 through `megappo.agents.runner.resolve_agent`, whose checks then run here too). A missing package (`openai` for an
 agent program written against it) or a misspelt name is found before the warm start and the model load, not at the
@@ -24,7 +24,7 @@ def check_agents(cfg: MegappoConfig, errors: list[str], check_files: bool) -> No
     path = agent.agent_loop_config_path
     if not (path or agent.default_agent_loop):
         return
-    from megappo.envs.agents import AgentConfigError, read_agent_config
+    from megappo.envs.registry import AgentConfigError, read_agent_config
 
     entries: list[dict] = []
     if path:
@@ -46,7 +46,7 @@ def check_agents(cfg: MegappoConfig, errors: list[str], check_files: bool) -> No
 
 def _check_default(cfg: MegappoConfig, configured: list[str], errors: list[str]) -> None:
     """default_agent_loop is the tool loop (with multi_turn on), a built-in environment or an entry of the YAML."""
-    from megappo.envs.agents import BUILTIN
+    from megappo.envs.registry import BUILTIN
 
     r = cfg.actor_rollout_ref.rollout
     default = r.agent.default_agent_loop

@@ -34,7 +34,7 @@ def check_multi_turn_tools(cfg: MegappoConfig, errors: list[str], check_files: b
 def _template_problem(tok_path: str, schemas, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    from megappo.multi_turn.template import template_tools_problem
+    from megappo.chat.template import template_tools_problem
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=trust_remote_code)

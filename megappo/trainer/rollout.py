@@ -58,9 +58,10 @@ class RolloutWorker:
         settings = episodes(cfg)
         if settings is not None and self.deployment.engine is not None:
             from megappo.envs.engine import build_episodes
+            from megappo.trainer.agent_loops import loop_kinds
 
             # the holder runs its share's episodes; weights still go to the engine itself
-            self.episodes = build_episodes(settings, self.deployment.engine)
+            self.episodes = build_episodes(settings, self.deployment.engine, loop_kinds())
         self.weights = weight_sync.choose(cfg, ps, platform.dtype, actor_adapter or FullParameters())
         self.engine_released = False  # release_engine() freed this rank's engine's weights since the last sync
 

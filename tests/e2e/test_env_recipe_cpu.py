@@ -1,5 +1,5 @@
 """recipes/cpu/tiny_env_ppo.yaml as a user runs it: the built-in guess_number environment (megappo/envs/,
-megappo/tasks/guess_number.py). The run learns to use the environment's hints (reward +0.3 first five -> last five
+megappo/envs/guess_number.py). The run learns to use the environment's hints (reward +0.3 first five -> last five
 steps, validation too) and repeats its golden metrics; fully asynchronous, with an environment whose steps take time
 (as real ones do), syncs land mid-episode: the episodes go on with the new weights (tokens of two versions), and the
 run still learns."""
@@ -41,7 +41,7 @@ def test_env_recipe_learns_and_repeats_its_golden_metrics(tmp_path, guess_task_d
 
 
 SLOW_ENV = '''import time
-from megappo.tasks.guess_number import GuessNumberEnv
+from megappo.envs.guess_number import GuessNumberEnv
 
 
 class SlowGuess(GuessNumberEnv):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from megappo.config.schema import MegappoConfig
-from megappo.envs.agents import AgentTable
+from megappo.envs.registry import AgentLoops
 from megappo.envs.base import EnvStep, Environment, EpisodeRow
 from megappo.envs.engine import EpisodeEngine
 from megappo.envs.loop import EpisodeRollout
-from megappo.multi_turn.template import ChatDelta
+from megappo.chat.template import ChatDelta
 from megappo.rollout import HFEngine, SamplingParams
 from megappo.tasks import tool_sum
 from megappo.trainer import settings
@@ -65,7 +65,7 @@ def test_episodes_paused_by_a_sync_continue_under_the_new_weights(tmp_path):
     s = settings.episodes(cfg)
     engine = HFEngine(str(tmp_path / "m"), seed=0)
     old = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    loop = EpisodeRollout(s, AgentTable(s, tok, {"again": lambda: ShortTurns(tok)}, "again"))
+    loop = EpisodeRollout(s, AgentLoops(s, tok, {"again": lambda: ShortTurns(tok)}, "again"))
     episodes = EpisodeEngine(engine, loop)
     producer = Producer(episodes, partial=True)
     forwards: list = []

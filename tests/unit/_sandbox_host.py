@@ -6,7 +6,7 @@ import time
 
 import psutil
 
-from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Sandbox
+from megappo.sandbox import UID_SLICE, UID_SPACE, Sandbox
 
 UID_BASE, UID_COUNT = UID_SPACE, (1 << 22) * UID_SLICE  # every sandbox's call uids (root mode)
 # ctypes' libc for the attacking code, its errno kept

@@ -327,12 +327,12 @@ def test_an_agent_that_cannot_take_the_call_is_refused_when_it_loads(model):
     tok, _ = model
     with pytest.raises(AgentSignatureError, match=r"\(base_url, row\).*agent\(base_url, api_key, row\)"):
         AgentRunner(wrong_signature, tok)
-    from megappo.agents.program import ProgramAgent
+    from megappo.agents.program import AgentProgramLoop
     from megappo.envs.loop import EpisodeSettings
 
     s = EpisodeSettings(None, False, 8, None, None, "disable", num_workers=2)
     with pytest.raises(AgentSignatureError, match=r"agent\(base_url, api_key, row, level=\.\.\.\)"):
-        ProgramAgent("mine", agent, tok, s, spec="my.py:agent", kwargs={"level": 3})
+        AgentProgramLoop("mine", agent, tok, s, spec="my.py:agent", kwargs={"level": 3})
 
 
 def returns(value):

@@ -8,7 +8,7 @@ import yaml
 
 from megappo.cli import main
 from megappo.config.loader import RECIPES_DIR
-from megappo.envs.agents import read_agent_config
+from megappo.envs.registry import read_agent_config
 
 
 def test_the_gsm8k_agent_tools_recipe_prints_its_config(capsys):

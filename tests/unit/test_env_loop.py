@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
-from megappo.envs.agents import AgentConfigError, AgentTable, EnvironmentAgent
+from megappo.envs.registry import AgentConfigError, AgentLoops, EnvironmentLoop
 from megappo.envs.base import EnvStep, Environment, EpisodeRow
 from megappo.envs.engine import EpisodeEngine
 from megappo.envs.failures import episode_failure
@@ -105,9 +105,9 @@ def episode_settings(response_length=200, **agent):
 def rollout(tok, response_length=200, agents=None, **agent):
     s = episode_settings(response_length, **agent)
     agents = agents or {"countdown": {}}
-    makers = {name: (lambda name=name, kw=kw: EnvironmentAgent(name, Countdown, tok, kw, s.step_timeout_s))
+    makers = {name: (lambda name=name, kw=kw: EnvironmentLoop(name, Countdown, tok, kw, s.step_timeout_s))
               for name, kw in agents.items()}
-    return EpisodeRollout(s, AgentTable(s, tok, makers, "countdown"))
+    return EpisodeRollout(s, AgentLoops(s, tok, makers, "countdown"))
 
 
 def prompt(tok, text="start"):
@@ -196,7 +196,7 @@ class OwnPrompt(Countdown):
 
 def test_an_environment_with_its_own_first_messages_samples_with_the_single_turn_seeds(tok):
     s = episode_settings()
-    loop = EpisodeRollout(s, AgentTable(s, tok, {"own": lambda: EnvironmentAgent("own", OwnPrompt, tok, {"target": 1})},
+    loop = EpisodeRollout(s, AgentLoops(s, tok, {"own": lambda: EnvironmentLoop("own", OwnPrompt, tok, {"target": 1})},
                                         "own"))
     engine = Scripted(tok)
     [[a, b]] = loop.generate(engine, [prompt(tok)], SamplingParams(max_new_tokens=60, n=2, seed=9), prompt_offset=4,
@@ -264,7 +264,7 @@ def test_gsm8k_feedback_environment():
 
 def test_a_rows_tools_kwargs_reach_the_tools_create(tok):
     """verl's per-row `extra_info.tools_kwargs[tool].create_kwargs` is given to that tool's `create`, per episode."""
-    from megappo.envs.agents import tool_rollout
+    from megappo.multi_turn.env import tool_rollout
     from megappo.multi_turn.calculator import CalculatorTool
 
     created: list = []
@@ -305,12 +305,12 @@ def one_call(base_url, api_key, row):
 def test_one_request_mixes_an_agent_program_and_an_environment(tok):
     """Rows name their agents: an agent program (through the real endpoint and openai client) and an environment
     in the same request; each sample comes back once, in order, shaped alike (stats, mask, versions, reward)."""
-    from megappo.agents.program import ProgramAgent
+    from megappo.agents.program import AgentProgramLoop
 
     s = episode_settings()
-    makers = {"countdown": lambda: EnvironmentAgent("countdown", Countdown, tok, {"target": 1}),
-              "prog": lambda: ProgramAgent("prog", one_call, tok, s)}
-    loop = EpisodeRollout(s, AgentTable(s, tok, makers, "countdown"))
+    makers = {"countdown": lambda: EnvironmentLoop("countdown", Countdown, tok, {"target": 1}),
+              "prog": lambda: AgentProgramLoop("prog", one_call, tok, s)}
+    loop = EpisodeRollout(s, AgentLoops(s, tok, makers, "countdown"))
     mixed = [EpisodeRow([{"role": "user", "content": "start"}], "d", None, {}, 0, agent_name="prog"),
              EpisodeRow([{"role": "user", "content": "start"}], "d", None, {}, 1)]
     try:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megappo.envs.base import Environment, EpisodeRow
+from megappo.envs.guess_number import GuessNumberEnv
 from megappo.tasks import TASKS, guess_number, prepare_task
-from megappo.tasks.guess_number import GuessNumberEnv, guess_number_reward, parse_guess
+from megappo.tasks.guess_number import guess_number_reward, parse_guess
 
 TASK = guess_number.TASKS["guess_number"]
 
@@ -137,7 +138,7 @@ def tokenizer(tmp_path_factory):
 def test_episode_tokens_are_the_templates_rendering(tokenizer):
     """Prompt, then each guess and EOS, then each hint's delta: the chat template's text of the whole conversation,
     one token per guess and hint word."""
-    from megappo.multi_turn.template import ToolText
+    from megappo.chat.template import ToolText
 
     rng = random.Random(0)
     for _ in range(50):
@@ -174,7 +175,7 @@ def test_behaviour_policy_binary_search_always_wins():
 def play(engine, tokenizer, secrets, *, temperature: float, seed: int):
     """Episodes of the engine's model with the real environment, laid out as the episode loop lays them out.
     Returns (each episode's reward, its token ids, 1 on the model's sampled tokens)."""
-    from megappo.multi_turn.template import ToolText
+    from megappo.chat.template import ToolText
     from megappo.rollout import SamplingParams
 
     pieces, text = guess_number._Pieces(tokenizer, TASK.prompt()), ToolText(tokenizer)

@@ -119,7 +119,7 @@ def test_a_response_cannot_forge_the_judges_control_tokens(tokenizer_dir):
     gets them as plain text: the prompt holds exactly the control tokens of a benign response's prompt."""
     import transformers
 
-    from megappo.multi_turn.template import ToolText
+    from megappo.chat.template import ToolText
     from megappo.rewards.judge.templates import slot
 
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -8,9 +8,9 @@ import pytest
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool, evaluate, CalculatorError
 from megappo.envs.metrics import multi_turn_metrics
-from megappo.envs.agents import tool_rollout
+from megappo.multi_turn.env import tool_rollout
 from megappo.multi_turn.env import truncate
-from megappo.multi_turn.parser import parse_hermes
+from megappo.chat.parser import parse_hermes
 from megappo.multi_turn.tools import ToolResult
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.sampling import Completion, SamplingParams
@@ -254,7 +254,7 @@ def chat_tok(request):
 def test_tool_text_never_becomes_control_tokens(chat_tok):
     """The tool's segment of the delta is its escaped text, tokenised with no control id; the template's tokens
     around it are the same as around a harmless answer (one <tool_response> ... </tool_response> per answer)."""
-    from megappo.multi_turn.template import ChatDelta
+    from megappo.chat.template import ChatDelta
 
     tok = chat_tok
     delta = ChatDelta(tok, [EVIL_SCHEMA])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megappo.config import ConfigError, load_config
-from megappo.envs.agents import AgentConfigError, read_agent_config
+from megappo.envs.registry import AgentConfigError, read_agent_config
 from megappo.trainer import preflight as pf
 
 ROOT = Path(__file__).resolve().parents[2]

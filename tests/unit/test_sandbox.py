@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from megappo.multi_turn.python_tool import PythonTool
-from megappo.multi_turn.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, SandboxUnavailable, truncate
+from megappo.sandbox import UID_SLICE, UID_SPACE, Limits, Sandbox, SandboxUnavailable, truncate
 
 from _sandbox_host import busy_children, sandbox_processes
 
@@ -448,7 +448,7 @@ def test_venv_under_tmp(tmp_path):
 
 def test_refuses_without_a_seccomp_filter():
     """No filter (another machine, or no CONFIG_SECCOMP_FILTER): refused unless allow_syscalls_unfiltered."""
-    from megappo.multi_turn._sandbox import __file__ as pkg
+    from megappo.sandbox._zygote import __file__ as pkg
 
     state = {"net": True, "fs": True, "filter": False}
     assert Sandbox()._problems(state) == ["no seccomp filter, so the code could make namespaces, mounts and keyrings "

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from megappo.multi_turn.python_tool import PythonTool
-from megappo.multi_turn.sandbox import Limits, Sandbox, SandboxUnavailable
+from megappo.sandbox import Limits, Sandbox, SandboxUnavailable
 
 from _sandbox_host import SCAN, HostState, libc_prelude, sandbox_processes
 

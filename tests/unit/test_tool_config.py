@@ -128,11 +128,12 @@ def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
 
     from megappo.config import ConfigError
     from megappo.envs.engine import build_episodes
-    from megappo.envs.agents import tool_rollout
+    from megappo.multi_turn.env import tool_rollout
     from megappo.multi_turn.tools import tool_schemas
     from megappo.testing import make_tokenizer
     from megappo.testing.tokenizer import make_chat_tokenizer
     from megappo.trainer import settings
+    from megappo.trainer.agent_loops import loop_kinds
     from megappo.trainer.preflight_tools import check_multi_turn_tools
 
     tok = make_tokenizer(str(tmp_path / "tok"))
@@ -147,7 +148,7 @@ def test_a_template_that_ignores_tools_fails_the_preflight(tmp_path):
     with pytest.raises(ValueError, match="ignores tools="):
         tool_rollout(replace(settings.episodes(cfg), response_length=40), tok, tools)
     with pytest.raises(ConfigError, match="multi_turn.enable: the chat template .* ignores tools="):
-        build_episodes(settings.episodes(cfg), engine=None)  # a run whose tokenizer the preflight could not read: said at setup
+        build_episodes(settings.episodes(cfg), None, loop_kinds())  # a run whose tokenizer the preflight could not read: said at setup
     good = make_chat_tokenizer("qwen2.5")
     good.save_pretrained(tmp_path / "qwen")
     errors = []

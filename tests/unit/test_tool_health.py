@@ -13,8 +13,8 @@ from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.health import ToolWatch, watch_tools
 from megappo.envs.base import EpisodeRow
 from megappo.envs.metrics import multi_turn_metrics
-from megappo.multi_turn.env import ToolAgent
-from megappo.multi_turn.parser import parse_hermes
+from megappo.multi_turn.env import ToolLoop
+from megappo.chat.parser import parse_hermes
 from megappo.multi_turn.tools import BaseTool
 from megappo.platform.exits import RunStopped
 from megappo.tasks import tool_sum
@@ -35,7 +35,7 @@ def calls(tmp_path_factory):
     """The tool results and stats of three trajectories: a call to a tool that raises, an unknown tool, a malformed
     call (each one call, as the loop records it)."""
     tok, _ = tool_sum.make_tokenizer(tool_sum.ToolTask(), str(tmp_path_factory.mktemp("tok")))
-    agent = ToolAgent(mt_settings(400), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)})
+    agent = ToolLoop(mt_settings(400), tok, {"calculator": Broken({}, tool_sum.TOOL_SCHEMA)})
     results = []
     try:
         for text in (CALL, UNKNOWN, BAD):

@@ -10,7 +10,7 @@ import pytest
 
 from megappo.multi_turn.pool import ToolPool
 from megappo.multi_turn.python_tool import PythonTool
-from megappo.multi_turn.sandbox import SandboxUnavailable
+from megappo.sandbox import SandboxUnavailable
 from megappo.multi_turn.tools import BaseTool, ToolResult, load_tools
 
 pytestmark = pytest.mark.timeout(180)

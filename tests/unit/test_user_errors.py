@@ -90,7 +90,7 @@ def test_a_judge_parser_with_the_wrong_signature_stops_the_run_before_any_warm_s
 def test_every_input_error_class_is_reported_in_one_place():
     from megappo.config import ConfigError
     from megappo.data.errors import DataError
-    from megappo.envs.agents import AgentConfigError
+    from megappo.envs.registry import AgentConfigError
     from megappo.multi_turn.tools import ToolConfigError
     from megappo.platform.user_code import MissingUserFile, UserCodeError
     from megappo.rewards.judge.user_parser import JudgeParserError

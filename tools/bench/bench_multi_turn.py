@@ -28,7 +28,7 @@ import torch
 
 from megappo.config.schema import MegappoConfig, MultiTurnConfig
 from megappo.multi_turn.calculator import CalculatorTool
-from megappo.envs.agents import tool_rollout
+from megappo.multi_turn.env import tool_rollout
 from megappo.rollout.base import RolloutEngine
 from megappo.rollout.hf.engine import HFEngine
 from megappo.rollout.sampling import Completion, SamplingParams

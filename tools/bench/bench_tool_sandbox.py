@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megappo.multi_turn.python_tool import PythonTool  # noqa: E402
-from megappo.multi_turn.sandbox import Limits, Sandbox  # noqa: E402
+from megappo.sandbox import Limits, Sandbox  # noqa: E402
 
 SCHEMA = {"type": "function", "function": {"name": "code_interpreter", "parameters": {"type": "object"}}}
 

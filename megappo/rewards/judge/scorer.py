@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megappo.multi_turn.template import ToolText
+from megappo.chat.template import ToolText
 from megappo.rewards.judge import templates
 from megappo.rewards.judge.loop import Ask, LoopSettings, LoopStats, judge
 from megappo.rewards.scorer import ScoreItem, ScoreResult

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 
-from megappo.tasks.guess_number import GuessNumberEnv
+from megappo.envs.guess_number import GuessNumberEnv
 
 
 def play(base_url: str, api_key: str, row) -> float:

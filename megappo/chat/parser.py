@@ -56,5 +56,5 @@ def _hermes_call(raw: str) -> ToolCall:
 
 PARSERS = {"hermes": parse_hermes}
 STOP_STRINGS = {"hermes": TOOL_CALL_END}  # the text that ends a call: generation stops there
-# the format's markup, which a tool's answer may not contain verbatim (megappo/multi_turn/template.py escapes it)
+# the format's markup, which a tool's answer may not contain verbatim (megappo/chat/template.py escapes it)
 MARKUP = {"hermes": (TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START, TOOL_RESPONSE_END)}

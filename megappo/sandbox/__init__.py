@@ -2,19 +2,19 @@
 
 `Sandbox(limits).run(code)` runs `code` in a process of its own and returns a `RunResult` (output, exit, what
 limit it hit). Thread-safe: calls from several threads run at once, each in its own process. The work is done by a
-zygote (`_sandbox/zygote.py`, standard library only, started with `python -I`); "The sandboxed Python tool" in
+zygote (`_zygote/zygote.py`, standard library only, started with `python -I`); "The sandboxed Python tool" in
 docs/agents-and-environments.md says what each call gets. In short, per call:
 
-- file system: an allow-list root (`_sandbox/root.py`): the interpreter's own directories, the system's /usr, /lib*,
+- file system: an allow-list root (`_zygote/root.py`): the interpreter's own directories, the system's /usr, /lib*,
   /bin, /sbin, generated /etc files, /dev's null, zero, full, random, urandom, the call's /proc, its own tmpfs
   /tmp (`disk_mb`; working directory /tmp/work, HOME, TMPDIR, /dev/shm), and the `readable_paths` the config
   names, all read-only but /tmp; nothing else of the machine;
 - namespaces of its own: mount, PID, IPC, network (no interface up), UTS, and a nested user namespace in which the
   code is uid 1000, without capabilities (bounding set empty), under no_new_privs; as root the call also runs as
   an unprivileged uid of its own (from the zygote's slice of `UID_SPACE`), so RLIMIT_NPROC counts its processes;
-- a seccomp filter (`_sandbox/seccomp.py`) refusing new namespaces, mounts, keyrings, bpf, ptrace, io_uring, ...;
+- a seccomp filter (`_zygote/seccomp.py`) refusing new namespaces, mounts, keyrings, bpf, ptrace, io_uring, ...;
 - a fresh session keyring; oom_score_adj 1000;
-- memory: one memory cgroup per call slot (`_sandbox/cgroup.py`), `memory_mb` in all, where the host allows one
+- memory: one memory cgroup per call slot (`_zygote/cgroup.py`), `memory_mb` in all, where the host allows one
   (`state["memory"]` says which bound held); RLIMIT_AS per process as well;
 - CPU time, file size, open files, processes per call (rlimits), wall time and output caps (the supervisor);
 - the zygote never holds a call's code or output: each call's supervisor reads its request after the fork.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
-_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox", "zygote.py")
+_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote", "zygote.py")
 _START_TIMEOUT_S = 30.0
 _ANSWER_GRACE_S = 5.0
 _ZYGOTE_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH")  # what an interpreter may need to start

@@ -1,13 +1,13 @@
-"""The run's agents by name: what runs a row's episode (its `agent_name` column, else
+"""The run's agent loops by name: what runs a row's episode (its `agent_name` column, else
 `rollout.agent.default_agent_loop`).
 
-An agent is an object with `name`, `drives_episodes` (False: an environment, whose rounds the loop runs; True: an
-agent program, `run_episodes(engine, rows, params) -> completions`, `megappo.agents.program`), `make(row) ->
-Environment`, `delta` (its `ChatDelta`: the chat template with its
-tool schemas), `stop_ids` (tokens that end a turn besides EOS), `step_timeout_s` (a step's deadline; None: the
-environment keeps its own) and `own_turn_limits` (its steps end the episode at the turn limits themselves), and
-`close()`. Built in: "tool_agent" (the hermes tool loop over `multi_turn.tool_config_path`,
-`megappo.multi_turn.env`) and the environments of the built-in tasks (`BUILTIN`). Others come from
+An agent loop is an object with `name`, `drives_episodes` (False: an environment, whose rounds the loop runs; True: an
+agent program, `run_episodes(engine, rows, params) -> completions`), `make(row) -> Environment`, `delta` (its
+`ChatDelta`: the chat template with its tool schemas), `stop_ids` (tokens that end a turn besides EOS),
+`step_timeout_s` (a step's deadline; None: the environment keeps its own) and `own_turn_limits` (its steps end the
+episode at the turn limits themselves), and `close()`. An environment class is one through `EnvironmentLoop` (the
+built-in ones: `BUILTIN`); the tool loop ("tool_agent", over `multi_turn.tool_config_path`) and agent programs are
+plug-ins above this package, given as `LoopKinds` by whoever builds the run. Others come from
 `rollout.agent.agent_loop_config_path`, a YAML list (verl's agent loop config's shape):
 
     - name: my_env
@@ -19,24 +19,36 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megappo.chat.template import ChatDelta
 from megappo.envs.base import Environment, EpisodeRow
-from megappo.multi_turn.template import ChatDelta
 from megappo.platform.user_code import UserCodeError
 from megappo.platform.user_code import load_named as load_object
 
+TOOL_LOOP = "tool_agent"  # the tool loop's agent name (verl's)
 # the built-in environments: name -> "module:Class", imported when a run uses them
-BUILTIN = {"guess_number": "megappo.tasks.guess_number:GuessNumberEnv",
+BUILTIN = {"guess_number": "megappo.envs.guess_number:GuessNumberEnv",
            "gsm8k_feedback": "megappo.envs.gsm8k_feedback:Gsm8kFeedback"}
+
+
+@dataclass(frozen=True)
+class LoopKinds:
+    """What a run's agent loops can be besides an environment class: the plug-ins above this package."""
+
+    # the tool loop over the tools of settings.tool_config_path: (settings, tokenizer) -> agent loop
+    tool_loop: Optional[Callable[[Any, Any], Any]] = None
+    # an entry's `agent:` program: (name, fn, tokenizer, settings, spec=, kwargs=, deadline_s=) -> agent loop
+    program_loop: Optional[Callable[..., Any]] = None
 
 
 class AgentConfigError(UserCodeError):
     """An agent config that cannot run (says which entry and the fix)."""
 
 
-class EnvironmentAgent:
-    """An environment class (or factory) as an agent: one instance per episode, made with the entry's kwargs."""
+class EnvironmentLoop:
+    """An environment class (or factory) as an agent loop: one instance per episode, made with the entry's kwargs."""
 
     own_turn_limits = False
     drives_episodes = False  # the loop runs its episodes' rounds
@@ -116,8 +128,8 @@ def _check_entry(entry: Any, where: str) -> None:
                                    "leave it out for rollout.agent's")
 
 
-class AgentTable:
-    """The run's agents by name, made when first used (an agent no row names costs nothing)."""
+class AgentLoops:
+    """The run's agent loops by name, made when first used (an agent no row names costs nothing)."""
 
     def __init__(self, settings: Any, tokenizer, makers: dict[str, Callable[[], Any]], default: Optional[str]):
         self.settings, self.tokenizer, self.makers, self.default = settings, tokenizer, makers, default
@@ -149,53 +161,36 @@ class AgentTable:
         self.agents.clear()
 
 
-def agent_table(settings: Any, tokenizer) -> AgentTable:
-    """The agents of a run (`settings`: `megappo.envs.loop.EpisodeSettings`)."""
+def agent_loops(settings: Any, tokenizer, kinds: LoopKinds) -> AgentLoops:
+    """The agent loops of a run (`settings`: `megappo.envs.loop.EpisodeSettings`)."""
     makers: dict[str, Callable[[], Any]] = {}
-    if settings.tool_config_path:
-        def tools() -> Any:
-            from megappo.multi_turn.env import ToolAgent
-            from megappo.multi_turn.tools import load_tools
-
-            return ToolAgent(settings, tokenizer, load_tools(settings.tool_config_path))
-        makers["tool_agent"] = tools
+    if settings.tool_config_path and kinds.tool_loop is not None:
+        makers[TOOL_LOOP] = lambda: kinds.tool_loop(settings, tokenizer)
     for name, target in BUILTIN.items():
-        makers[name] = (lambda name=name, target=target: EnvironmentAgent(
+        makers[name] = (lambda name=name, target=target: EnvironmentLoop(
             name, load_object(target, None, f"built-in agent {name}"), tokenizer, {}, settings.step_timeout_s))
     if settings.agent_config_path:
         base = os.path.dirname(os.path.abspath(settings.agent_config_path))
         for entry in read_agent_config(settings.agent_config_path):
-            makers[entry["name"]] = _maker(entry, base, settings, tokenizer)
-    default = settings.default_agent or ("tool_agent" if settings.tool_config_path else None)
-    return AgentTable(settings, tokenizer, makers, default)
+            makers[entry["name"]] = _maker(entry, base, settings, tokenizer, kinds)
+    default = settings.default_agent or (TOOL_LOOP if settings.tool_config_path else None)
+    return AgentLoops(settings, tokenizer, makers, default)
 
 
-def _maker(entry: dict, base: str, settings: Any, tokenizer) -> Callable[[], Any]:
+def _maker(entry: dict, base: str, settings: Any, tokenizer, kinds: LoopKinds) -> Callable[[], Any]:
     where = f"agent {entry['name']}"
     timeout = entry.get("step_timeout_s", settings.step_timeout_s)
     if entry.get("environment"):
-        return lambda: EnvironmentAgent(entry["name"], load_object(entry["environment"], base, where), tokenizer,
-                                        entry.get("kwargs"), timeout)
+        return lambda: EnvironmentLoop(entry["name"], load_object(entry["environment"], base, where), tokenizer,
+                                       entry.get("kwargs"), timeout)
 
     def program() -> Any:
-        from megappo.agents.program import ProgramAgent
-
+        if kinds.program_loop is None:
+            raise AgentConfigError(f"{where}: this run cannot run agent programs (agent: {entry['agent']})")
         target = entry["agent"]
         module, _, function = target.rpartition(":")
         spec = f"{os.path.join(base, module)}:{function}" if module.endswith(".py") and not os.path.isabs(module) \
             else target
-        return ProgramAgent(entry["name"], load_object(target, base, where), tokenizer, settings, spec=spec,
-                            kwargs=entry.get("kwargs"), deadline_s=entry.get("deadline_s"))
+        return kinds.program_loop(entry["name"], load_object(target, base, where), tokenizer, settings, spec=spec,
+                                  kwargs=entry.get("kwargs"), deadline_s=entry.get("deadline_s"))
     return program
-
-
-def tool_rollout(settings: Any, tokenizer, tools: dict) -> Any:
-    """An episode loop whose every episode is the tool agent's over `tools` (`settings`: EpisodeSettings): the
-    tool loop alone, as tests and benchmarks drive it."""
-    from megappo.envs.loop import EpisodeRollout
-    from megappo.multi_turn.env import ToolAgent
-
-    table = AgentTable(settings, tokenizer, {ToolAgent.name: lambda: ToolAgent(settings, tokenizer, tools)},
-                       ToolAgent.name)
-    table.get(ToolAgent.name)  # its chat template is checked now
-    return EpisodeRollout(settings, table)

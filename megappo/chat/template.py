@@ -20,7 +20,7 @@ import re
 import uuid
 from typing import Optional, Sequence
 
-from megappo.multi_turn.parser import MARKUP
+from megappo.chat.parser import MARKUP
 
 _STUB_USER = [{"role": "user", "content": "?"}]  # the conversation a delta is rendered after (templates are local)
 
